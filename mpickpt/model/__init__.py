@@ -1,0 +1,1 @@
+"""The hybrid-parallel DLRM: shard plan, sharded embedding bags, sparse optimizers, dense part."""

@@ -1,0 +1,178 @@
+"""Sharded embedding bags: model-parallel tables exchanged with all-to-all.
+
+Per step, on every rank (collective over the topology's process group):
+
+1. `lookup`: the rank's (B, T, L) indices are routed to the rows' owners (all-to-all #1: counts, then
+   (local row, segment) pairs). Owners call the *index hooks* with the local rows they received (row
+   tracking attaches there), pool their rows per requested bag segment with `embedding_bag(sum)`, and
+   send the pooled vectors back (all-to-all #2). A bag whose rows live on several ranks (row-wise
+   split tables, multi-hot) arrives as several partial sums that the requester adds up.
+2. `apply_gradients`: the gradient of each segment goes back to its owner (all-to-all #3); the owner
+   sums per unique row and runs the fused sparse optimizer on its shard.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mpickpt import counter_rng
+from mpickpt.model.optimizers import OptimizerConfig, make_sparse_optimizer
+from mpickpt.model.shard_plan import ShardPlan
+from mpickpt.timing import PhaseTimer
+
+IndexHook = Callable[[torch.Tensor], None]
+INIT_CHUNK_ROWS = 1 << 18
+
+
+@dataclass
+class LookupContext:
+    """What `apply_gradients` needs from the `lookup` of the same step."""
+
+    seg_bag: torch.Tensor  # requester: bag (b * T + t) of each segment, in owner-major order
+    send_segs: list[int]  # requester: segments sent to each owner
+    recv_segs: list[int]  # owner: segments received from each requester
+    recv_rows: torch.Tensor  # owner: local row of each received entry
+    recv_seg: torch.Tensor  # owner: segment (index into received segments) of each entry
+    shape: tuple[int, int]  # (B, T)
+
+
+def init_rows(seed: int, gids: np.ndarray, table_sizes_of_rows: np.ndarray, dim: int) -> np.ndarray:
+    """DLRM's initialisation, U(-1/sqrt(n_t), 1/sqrt(n_t)), as a pure function of (seed, global id).
+
+    Local. Independent of the world size, so every sharding of the same model starts identical."""
+    u = counter_rng.uniform(seed, gids[:, None], np.arange(dim)[None, :])
+    bound = 1.0 / np.sqrt(table_sizes_of_rows.astype(np.float64))[:, None]
+    return ((2.0 * u - 1.0) * bound).astype(np.float32)
+
+
+class ShardedEmbeddingBags:
+    """This rank's shards of all embedding tables plus their sparse optimizer state."""
+
+    def __init__(self, topo, plan: ShardPlan, dim: int, optim: OptimizerConfig, seed: int,
+                 timer: PhaseTimer | None = None):
+        if plan.world_size != topo.world_size:
+            raise ValueError(f"shard plan is for {plan.world_size} ranks, job has {topo.world_size}")
+        self.topo, self.plan, self.dim = topo, plan, dim
+        self.device = topo.device
+        self.timer = timer or PhaseTimer(enabled=False)
+        self.local_gids = plan.rank_global_ids(topo.rank)
+        self.weight = self._init_weight(seed)
+        self.optimizer = make_sparse_optimizer(optim, len(self.local_gids), dim, self.device)
+        self.index_hooks: list[IndexHook] = []
+        self._offsets = torch.as_tensor(plan.table_offsets, device=self.device)
+
+    def _init_weight(self, seed: int) -> torch.Tensor:
+        tables, _ = self.plan.split_global(self.local_gids)
+        sizes = np.asarray(self.plan.table_sizes, dtype=np.int64)[tables]
+        out = torch.empty(len(self.local_gids), self.dim, dtype=torch.float32)
+        for a in range(0, len(self.local_gids), INIT_CHUNK_ROWS):
+            b = a + INIT_CHUNK_ROWS
+            out[a:b] = torch.from_numpy(init_rows(seed, self.local_gids[a:b], sizes[a:b], self.dim))
+        return out.to(self.device)
+
+    def add_index_hook(self, hook: IndexHook) -> Callable[[], None]:
+        """Call `hook(local_rows)` on the owner each step with the rows it received. Local.
+
+        `local_rows` is an int64 tensor on the shard's device (duplicates possible). Returns a
+        function that removes the hook."""
+        self.index_hooks.append(hook)
+        return lambda: self.index_hooks.remove(hook)
+
+    def lookup(self, sparse: torch.Tensor) -> tuple[torch.Tensor, LookupContext]:
+        """Pooled (sum) embeddings (B, T, dim) of this rank's batch. Collective over `topo.pg`."""
+        B, T, L = sparse.shape
+        with self.timer.phase("route"):
+            gid = (sparse.to(self.device) + self._offsets[:T].view(1, T, 1)).reshape(-1)
+            bag = torch.arange(B * T, device=self.device).repeat_interleave(L)
+            owner, lrow = self.plan.owner_of(gid)
+            route = _segments(owner, bag, lrow, self.topo.world_size, B * T)
+        with self.timer.phase("alltoall"):
+            recv_counts = self._exchange_counts(route.counts)
+            recv_entries, recv_segs = recv_counts[0::2], recv_counts[1::2]
+            packed = self._alltoall(route.packed, route.send_entries, recv_entries, 2)
+        recv_rows, recv_seg = _owner_segments(packed, recv_entries, recv_segs, self.device)
+        for hook in self.index_hooks:
+            hook(recv_rows)
+        with self.timer.phase("lookup"):
+            pooled = F.embedding_bag(recv_rows, self.weight, _bag_offsets(recv_seg), mode="sum")
+        with self.timer.phase("alltoall"):
+            back = self._alltoall(pooled, recv_segs, route.send_segs)
+        with self.timer.phase("lookup"):
+            out = torch.zeros(B * T, self.dim, device=self.device).index_add_(0, route.seg_bag, back)
+        ctx = LookupContext(route.seg_bag, route.send_segs, recv_segs, recv_rows, recv_seg, (B, T))
+        return out.view(B, T, self.dim), ctx
+
+    def apply_gradients(self, grad: torch.Tensor, ctx: LookupContext) -> None:
+        """Send pooled gradients to the owners and update their rows. Collective over `topo.pg`."""
+        B, T = ctx.shape
+        with self.timer.phase("alltoall"):
+            seg_grad = grad.reshape(B * T, self.dim)[ctx.seg_bag]
+            owner_grad = self._alltoall(seg_grad.contiguous(), ctx.send_segs, ctx.recv_segs)
+        with self.timer.phase("optimizer"):
+            rows, inverse = torch.unique(ctx.recv_rows, return_inverse=True)
+            row_grad = torch.zeros(len(rows), self.dim, device=self.device)
+            row_grad.index_add_(0, inverse, owner_grad[ctx.recv_seg])
+            self.optimizer.step(self.weight, rows, row_grad)
+
+    def _exchange_counts(self, counts: torch.Tensor) -> list[int]:
+        out = torch.empty_like(counts)
+        dist.all_to_all_single(out, counts, group=self.topo.pg)
+        return out.tolist()
+
+    def _alltoall(self, send: torch.Tensor, send_splits, recv_splits, width: int = 1):
+        """Variable-size all-to-all along dim 0; `width` elements per entry for flat tensors."""
+        shape = (sum(recv_splits) * width,) if send.dim() == 1 else (sum(recv_splits), *send.shape[1:])
+        out = torch.empty(shape, dtype=send.dtype, device=self.device)
+        dist.all_to_all_single(out, send, [n * width for n in recv_splits],
+                               [n * width for n in send_splits], group=self.topo.pg)
+        return out
+
+
+@dataclass
+class _Route:
+    packed: torch.Tensor  # (local row, segment within owner) pairs, owner-major, flattened
+    counts: torch.Tensor  # (entries, segments) per owner, interleaved, int64 (2 * world,)
+    send_entries: list[int]
+    send_segs: list[int]
+    seg_bag: torch.Tensor
+
+
+def _segments(owner, bag, lrow, world: int, num_bags: int) -> _Route:
+    """Group entries by (owner, bag): one segment per bag part that an owner pools. Local."""
+    key = owner * num_bags + bag
+    order = torch.argsort(key, stable=True)
+    key, lrow, owner = key[order], lrow[order], owner[order]
+    first = torch.ones_like(key, dtype=torch.bool)
+    first[1:] = key[1:] != key[:-1]
+    seg = torch.cumsum(first, 0) - 1
+    seg_key = key[first]
+    n_entries = torch.bincount(owner, minlength=world)
+    n_segs = torch.bincount(seg_key // num_bags, minlength=world)
+    seg_base = torch.cumsum(n_segs, 0) - n_segs
+    packed = torch.stack([lrow, seg - seg_base[owner]], dim=1).reshape(-1)
+    counts = torch.stack([n_entries, n_segs], dim=1).reshape(-1)
+    return _Route(packed, counts, n_entries.tolist(), n_segs.tolist(), seg_key % num_bags)
+
+
+def _owner_segments(packed, recv_entries, recv_segs, device):
+    """Owner side: local rows and owner-wide segment ids of the received entries. Local."""
+    pairs = packed.view(-1, 2)
+    world = len(recv_entries)
+    source = torch.repeat_interleave(torch.arange(world, device=device),
+                                     torch.tensor(recv_entries, device=device))
+    segs = torch.tensor(recv_segs, device=device)
+    base = torch.cumsum(segs, 0) - segs
+    return pairs[:, 0].contiguous(), pairs[:, 1] + base[source]
+
+
+def _bag_offsets(seg: torch.Tensor) -> torch.Tensor:
+    """`embedding_bag` offsets for entries whose segment ids are sorted and gap-free. Local."""
+    if seg.numel() == 0:
+        return torch.zeros(0, dtype=torch.long, device=seg.device)
+    starts = torch.nonzero(seg[1:] != seg[:-1]).flatten() + 1
+    return torch.cat([torch.zeros(1, dtype=torch.long, device=seg.device), starts])

@@ -1,0 +1,126 @@
+"""The hybrid-parallel DLRM: sharded embedding bags (model parallel) + replicated dense part (data
+parallel), with one training step that a checkpoint manager can wrap."""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mpickpt.model.dense import DenseArch, DLRMDense
+from mpickpt.model.embedding import ShardedEmbeddingBags
+from mpickpt.model.optimizers import OptimizerConfig, make_dense_optimizer
+from mpickpt.model.shard_plan import ShardPlan, ShardPlanOptions
+from mpickpt.timing import PhaseTimer
+
+DIGEST_VERSION = b"mpickpt-digest-v1"
+
+
+class HybridDLRM:
+    """One rank's part of the model. Construction is local but deterministic (same seed, same model
+    on every rank and for every world size); `train_step`, `predict`, `gather_tables` and `digest`
+    are collective."""
+
+    def __init__(self, topo, arch: DenseArch, table_sizes, optim: OptimizerConfig, seed: int,
+                 plan_options: ShardPlanOptions | None = None, timer: PhaseTimer | None = None):
+        if len(table_sizes) != arch.num_tables:
+            raise ValueError(f"{len(table_sizes)} tables given, dense arch expects {arch.num_tables}")
+        self.topo = topo
+        self.timer = timer or PhaseTimer(topo.device, enabled=False)
+        self.plan = ShardPlan.build(table_sizes, topo.world_size, plan_options)
+        self.embeddings = ShardedEmbeddingBags(topo, self.plan, arch.dim, optim, seed, self.timer)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.dense = DLRMDense(arch).to(topo.device)
+        self.dense_optimizer = make_dense_optimizer(optim, self.dense.parameters())
+        self.steps_done = 0
+
+    def train_step(self, batch) -> float:
+        """One synchronous step on this rank's slice of the global batch; returns the global mean
+        loss. Collective: all-to-alls on the embeddings, one allreduce for dense gradients + loss."""
+        batch = batch.to(self.topo.device)
+        pooled, ctx = self.embeddings.lookup(batch.sparse)
+        leaf = pooled.detach().requires_grad_()
+        global_batch = batch.size * self.topo.world_size
+        with self.timer.phase("dense"):
+            logits = self.dense(batch.dense, leaf)
+            loss_sum = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
+            (loss_sum / global_batch).backward()
+        with self.timer.phase("allreduce"):
+            loss = self._allreduce_dense_grads(loss_sum.detach()) / global_batch
+        with self.timer.phase("dense"):
+            self.dense_optimizer.step()
+            self.dense_optimizer.zero_grad(set_to_none=True)
+        self.embeddings.apply_gradients(leaf.grad, ctx)
+        self.steps_done += 1
+        return loss
+
+    def _allreduce_dense_grads(self, loss_sum: torch.Tensor) -> float:
+        """Sum dense gradients (and the loss) over ranks in one flat buffer. Collective."""
+        grads = [p.grad for p in self.dense.parameters()]
+        flat = torch.cat([g.reshape(-1) for g in grads] + [loss_sum.reshape(1)])
+        dist.all_reduce(flat, group=self.topo.pg)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return float(flat[-1])
+
+    @torch.no_grad()
+    def predict(self, batch) -> torch.Tensor:
+        """Click probabilities for this rank's batch. Collective (the lookup is)."""
+        batch = batch.to(self.topo.device)
+        pooled, _ = self.embeddings.lookup(batch.sparse)
+        return torch.sigmoid(self.dense(batch.dense, pooled))
+
+    def gather_tables(self, root: int = 0) -> dict | None:
+        """Every table's rows and sparse optimizer state in global row order, on `root` only.
+
+        Collective over the control channel. Returns {table: {"weight": array, state: array}}
+        on root, None elsewhere. Memory on root is one table at a time plus the result."""
+        emb = self.embeddings
+        tables, _ = self.plan.split_global(emb.local_gids)
+        arrays = {"weight": emb.weight, **emb.optimizer.state}
+        local = {name: t.detach().cpu().numpy() for name, t in arrays.items()}
+        out = {} if self.topo.rank == root else None
+        for t in range(self.plan.num_tables):
+            mask = tables == t
+            part = (emb.local_gids[mask], {k: v[mask] for k, v in local.items()})
+            parts = self.topo.control.gather(part, root=root)
+            if out is not None:
+                out[t] = _assemble(parts)
+        return out
+
+    def digest(self) -> str:
+        """SHA-256 of the whole training state in a canonical, world-size-independent order:
+        embedding rows by global id, their optimizer state, dense parameters, dense optimizer
+        state. Collective; every rank returns the same hex string."""
+        tables = self.gather_tables(root=0)
+        hexdigest = None
+        if self.topo.rank == 0:
+            h = hashlib.sha256(DIGEST_VERSION)
+            for t, arrays in tables.items():
+                for name in sorted(arrays):
+                    h.update(f"table{t}/{name}".encode())
+                    h.update(np.ascontiguousarray(arrays[name]).tobytes())
+            _hash_dense(h, self.dense, self.dense_optimizer)
+            hexdigest = h.hexdigest()
+        return self.topo.control.bcast(hexdigest, root=0)
+
+
+def _assemble(parts) -> dict[str, np.ndarray]:
+    gids = np.concatenate([p[0] for p in parts])
+    order = np.argsort(gids, kind="stable")
+    return {k: np.concatenate([p[1][k] for p in parts])[order] for k in parts[0][1]}
+
+
+def _hash_dense(h, dense, optimizer) -> None:
+    for name, p in dense.named_parameters():
+        h.update(f"dense/{name}".encode())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    for i, p in enumerate(dense.parameters()):
+        for key, value in sorted(optimizer.state.get(p, {}).items()):
+            h.update(f"dense_opt/{i}/{key}".encode())
+            h.update(torch.as_tensor(value).detach().cpu().contiguous().numpy().tobytes())
