@@ -1,0 +1,57 @@
+"""`python -m mpickpt.train` / `mpickpt-train`: the reference hybrid-parallel DLRM trainer.
+
+Launch with `mpiexec -n N`, `mpirun -np N` or `srun`. Bad flags, files or layouts stop every rank
+before training with one message and exit status 2, never a traceback."""
+from __future__ import annotations
+
+import sys
+
+from mpickpt.data.criteo_tsv import CriteoFormatError
+
+EXIT_BAD_INPUT = 2
+
+
+def _agree_on_error(comm, error: str | None) -> str | None:
+    """The first rank's error, if any rank has one. Collective over `comm`."""
+    errors = comm.allgather(error)
+    return next((e for e in errors if e), None)
+
+
+def _fail(comm, message: str) -> int:
+    if comm.Get_rank() == 0:
+        print(f"mpickpt-train: error: {message}", file=sys.stderr, flush=True)
+    return EXIT_BAD_INPUT
+
+
+def main(argv=None) -> int:
+    """Parse, validate on every rank, then train. Collective over MPI.COMM_WORLD."""
+    from mpi4py import MPI
+
+    from mpickpt.topology import Topology
+    from mpickpt.train_flags import TrainConfig
+    from mpickpt.trainer import Trainer
+
+    comm = MPI.COMM_WORLD
+    error, config = None, None
+    try:
+        config = TrainConfig.from_args(argv)
+        config.check_world(comm.Get_size())
+    except (ValueError, OSError) as e:
+        error = str(e)
+    error = _agree_on_error(comm, error)
+    if error:
+        return _fail(comm, error)
+    topo = Topology.from_mpi(comm, backend=config.backend)
+    trainer = Trainer(topo, config)
+    try:
+        trainer.run()
+    except CriteoFormatError as e:  # found mid-stream; every rank reads the same lines
+        return _fail(comm, str(e))
+    finally:
+        trainer.close()
+    topo.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

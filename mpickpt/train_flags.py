@@ -1,0 +1,181 @@
+"""The trainer's DLRM-style flags and the validated `TrainConfig` built from them.
+
+Only this module parses argv. Every check that does not need MPI runs in `TrainConfig.from_args`;
+`TrainConfig.check_world` adds the checks that need the world size. Both raise `ValueError` /
+`OSError` subclasses whose message names the flag or file and what was expected.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from mpickpt.data.synthetic import criteo_kaggle_sizes
+from mpickpt.model.dense import DenseArch, parse_mlp
+from mpickpt.model.optimizers import OPTIMIZERS, OptimizerConfig
+from mpickpt.model.shard_plan import ShardPlan, ShardPlanOptions
+
+CRITEO_PRESET = "criteo-kaggle"
+
+
+class FlagError(ValueError):
+    """A malformed flag value (raised instead of argparse's print-and-exit)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise FlagError(message)
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The trainer's argument parser (DLRM flag names). Local."""
+    p = _Parser(prog="mpickpt-train", description="Hybrid-parallel DLRM training over MPI.")
+    a = p.add_argument
+    a("--arch-sparse-feature-size", type=_int_at_least(1), default=16, help="embedding dimension")
+    a("--arch-embedding-size", default="4000-3000-2000-1000-500-100-50-10",
+      help=f"dash-separated table sizes, or '{CRITEO_PRESET}' (26 Criteo Kaggle tables "
+           "divided by --embedding-scale-down)")
+    a("--embedding-scale-down", type=_int_at_least(1), default=1000,
+      help=f"divisor of the Criteo Kaggle cardinalities for '{CRITEO_PRESET}'")
+    a("--arch-mlp-bot", default="13-64-16", help="bottom MLP widths, input (13) first, last = dim")
+    a("--arch-mlp-top", default="64-32-1", help="top MLP widths after the interaction, last = 1")
+    a("--mini-batch-size", type=_int_at_least(1), default=256,
+      help="global mini-batch (split evenly over ranks)")
+    a("--num-batches", type=_int_at_least(1), default=1000)
+    a("--learning-rate", type=_positive_float, default=0.05)
+    a("--optimizer", choices=OPTIMIZERS, default="adagrad",
+      help="rowwise Adagrad (embeddings) + Adagrad (MLPs), SGD, or SGD with momentum")
+    a("--data-generation", choices=("synthetic", "criteo-tsv"), default="synthetic")
+    a("--raw-data-file", default=None,
+      help="Criteo TSV day file(s) for training, comma-separated, read in order")
+    a("--raw-test-file", default=None,
+      help="Criteo TSV file for testing (default: the first test batches of --raw-data-file)")
+    a("--skip-bad-lines", action="store_true", help="skip malformed TSV lines and count them")
+    a("--num-indices-per-lookup", type=_int_at_least(1), default=1,
+      help="synthetic data: rows pooled per table and sample")
+    a("--zipf-alpha", type=_positive_float, default=1.05,
+      help="synthetic data: power-law exponent of row popularity")
+    a("--seed", type=_int_at_least(0), default=0)
+    a("--print-freq", type=_int_at_least(0), default=100, help="batches between progress lines")
+    a("--test-freq", type=_int_at_least(0), default=0,
+      help="batches between test evaluations (0: only at the end)")
+    a("--test-num-batches", type=_int_at_least(0), default=8,
+      help="global batches in a test evaluation (0: no test)")
+    a("--digest", action="store_true", help="print the SHA-256 of the whole training state at the end")
+    a("--row-wise-threshold", type=_int_at_least(1), default=None,
+      help="split tables with more rows than this row-wise (default: total rows / world size)")
+    a("--max-rows-per-rank", type=_int_at_least(1), default=None,
+      help="capacity of one rank in embedding rows (default: unlimited)")
+    a("--backend", choices=("auto", "nccl", "gloo"), default="auto")
+    a("--prefetch-depth", type=_int_at_least(1), default=4, help="batches read ahead")
+    a("--phase-times", action="store_true",
+      help="time the step's phases (synchronises CUDA) and print them at the end")
+    return p
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """Everything the trainer needs, validated."""
+
+    arch: DenseArch
+    table_sizes: tuple[int, ...]
+    optim: OptimizerConfig
+    plan_options: ShardPlanOptions
+    global_batch: int
+    num_batches: int
+    data_generation: str
+    raw_data_files: tuple[str, ...]
+    raw_test_files: tuple[str, ...]
+    skip_bad_lines: bool
+    pooling: int
+    zipf_alpha: float
+    seed: int
+    print_freq: int
+    test_freq: int
+    test_num_batches: int
+    digest: bool
+    backend: str
+    prefetch_depth: int
+    phase_times: bool
+
+    @classmethod
+    def from_args(cls, argv=None) -> "TrainConfig":
+        """Parse and validate everything that does not depend on MPI. Local."""
+        args = build_parser().parse_args(argv)
+        sizes = _table_sizes(args.arch_embedding_size, args.embedding_scale_down)
+        dim = args.arch_sparse_feature_size
+        arch = DenseArch(num_dense=13, num_tables=len(sizes), dim=dim,
+                         bottom=parse_mlp(args.arch_mlp_bot, "--arch-mlp-bot"),
+                         top=parse_mlp(args.arch_mlp_top, "--arch-mlp-top"))
+        train_files, test_files = _data_files(args, sizes)
+        return cls(arch=arch, table_sizes=sizes,
+                   optim=OptimizerConfig(kind=args.optimizer, lr=args.learning_rate),
+                   plan_options=ShardPlanOptions(row_wise_threshold=args.row_wise_threshold,
+                                                 max_rows_per_rank=args.max_rows_per_rank),
+                   global_batch=args.mini_batch_size, num_batches=args.num_batches,
+                   data_generation=args.data_generation, raw_data_files=train_files,
+                   raw_test_files=test_files, skip_bad_lines=args.skip_bad_lines,
+                   pooling=args.num_indices_per_lookup, zipf_alpha=args.zipf_alpha,
+                   seed=args.seed, print_freq=args.print_freq, test_freq=args.test_freq,
+                   test_num_batches=args.test_num_batches, digest=args.digest,
+                   backend=args.backend, prefetch_depth=args.prefetch_depth,
+                   phase_times=args.phase_times)
+
+    def check_world(self, world_size: int) -> ShardPlan:
+        """Checks that need the world size; returns the shard plan. Local."""
+        if self.global_batch % world_size:
+            raise ValueError(f"--mini-batch-size {self.global_batch} is not divisible by the world "
+                             f"size {world_size}: each rank needs an equal share of the batch")
+        return ShardPlan.build(self.table_sizes, world_size, self.plan_options)
+
+
+def _table_sizes(text: str, scale_down: int) -> tuple[int, ...]:
+    if text == CRITEO_PRESET:
+        return criteo_kaggle_sizes(scale_down)
+    try:
+        sizes = tuple(int(x) for x in text.split("-"))
+    except ValueError:
+        sizes = ()
+    if not sizes or any(n < 1 for n in sizes):
+        raise FlagError(f"--arch-embedding-size must be dash-separated positive integers like "
+                        f"1000-500-20 or '{CRITEO_PRESET}', got {text!r}")
+    return sizes
+
+
+def _data_files(args, sizes) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    if args.data_generation != "criteo-tsv":
+        return (), ()
+    if not args.raw_data_file:
+        raise FlagError("--data-generation criteo-tsv needs --raw-data-file PATH[,PATH...]")
+    if len(sizes) != 26:
+        raise FlagError(f"Criteo TSV data has 26 categorical features, but --arch-embedding-size "
+                        f"gives {len(sizes)} tables")
+    train = tuple(p for p in args.raw_data_file.split(",") if p)
+    test = tuple(p for p in (args.raw_test_file or "").split(",") if p)
+    from mpickpt.data.criteo_tsv import CriteoTSVConfig
+
+    for files in (train, test):
+        if files:
+            CriteoTSVConfig(paths=files, table_sizes=sizes, skip_bad_lines=args.skip_bad_lines).check()
+    return train, test

@@ -1,0 +1,90 @@
+"""The synchronous training loop: reader -> hybrid step -> progress, tests, digest."""
+from __future__ import annotations
+
+from mpickpt.data.criteo_tsv import CriteoTSVConfig, CriteoTSVSource
+from mpickpt.data.position import SyntheticPosition, TSVPosition
+from mpickpt.data.prefetch import PrefetchReader
+from mpickpt.data.synthetic import SyntheticConfig, SyntheticStream
+from mpickpt.evaluation import evaluate
+from mpickpt.model.hybrid import HybridDLRM
+from mpickpt.progress import ProgressLog
+from mpickpt.timing import PhaseTimer
+
+# The synthetic test set is the same planted stream far beyond any training index.
+SYNTHETIC_TEST_OFFSET = 1 << 48
+
+
+def make_sources(config):
+    """(train source, its start state, test source, its start state). Local."""
+    if config.data_generation == "synthetic":
+        stream = SyntheticStream(SyntheticConfig(
+            table_sizes=config.table_sizes, pooling=config.pooling,
+            zipf_alpha=config.zipf_alpha, seed=config.seed))
+        return (stream, SyntheticPosition(sample_index=0),
+                stream, SyntheticPosition(sample_index=SYNTHETIC_TEST_OFFSET))
+    train = CriteoTSVSource(CriteoTSVConfig(paths=config.raw_data_files,
+                                            table_sizes=config.table_sizes,
+                                            skip_bad_lines=config.skip_bad_lines))
+    test = train
+    if config.raw_test_files:
+        test = CriteoTSVSource(CriteoTSVConfig(paths=config.raw_test_files,
+                                               table_sizes=config.table_sizes,
+                                               skip_bad_lines=config.skip_bad_lines))
+    return train, TSVPosition(), test, TSVPosition()
+
+
+class Trainer:
+    """Owns the model, the reader and the loop for one job. `run` is collective."""
+
+    def __init__(self, topo, config, log: ProgressLog | None = None):
+        self.topo, self.config = topo, config
+        self.timer = PhaseTimer(topo.device, enabled=config.phase_times)
+        self.model = HybridDLRM(topo, config.arch, config.table_sizes, config.optim, config.seed,
+                                config.plan_options, self.timer)
+        self.source, start, self.test_source, self.test_start = make_sources(config)
+        self.reader = PrefetchReader(self.source, global_batch=config.global_batch, rank=topo.rank,
+                                     world=topo.world_size, state=start,
+                                     depth=config.prefetch_depth)
+        self.log = log or ProgressLog(topo.is_root, config.num_batches, config.print_freq)
+        self.step = 0
+
+    def run(self) -> None:
+        """Train `num_batches` steps (or to the end of the data). Collective."""
+        cfg = self.config
+        while self.step < cfg.num_batches:
+            batch = self.reader.next()
+            if batch is None:
+                self.log.say(f"end of training data after {self.step} batches")
+                break
+            loss = self.model.train_step(batch)
+            self.step += 1
+            self.log.step(self.step, loss, cfg.global_batch)
+            if cfg.test_freq and self.step % cfg.test_freq == 0 and self.step < cfg.num_batches:
+                self.test()
+        self.test()
+        if cfg.phase_times:
+            self._print_phases()
+        if cfg.digest:
+            self.log.say(f"digest {self.model.digest()}")
+
+    def test(self) -> None:
+        """Evaluate on the test set and print AUC and log loss. Collective."""
+        if not self.config.test_num_batches:
+            return
+        result = evaluate(self.model, self.test_source, self.test_start,
+                          global_batch=self.config.global_batch,
+                          num_batches=self.config.test_num_batches)
+        if result is None:
+            self.log.say(f"test @ step {self.step}: no test samples with both labels")
+        else:
+            self.log.say(f"test @ step {self.step}: auc {result.auc:.4f}  logloss "
+                         f"{result.logloss:.4f}  ({result.samples} samples)")
+
+    def _print_phases(self) -> None:
+        steps = max(self.step, 1)
+        parts = "  ".join(f"{k} {v / steps * 1e3:.2f}ms" for k, v in sorted(self.timer.totals.items()))
+        self.log.say(f"phase times per step (rank 0): {parts}")
+
+    def close(self) -> None:
+        """Stop the reader. Local."""
+        self.reader.close()

@@ -1,0 +1,92 @@
+"""The trainer as users launch it: real `mpiexec` jobs, checked by their output."""
+import re
+
+import pytest
+
+from tests.launch import SHARED_CRITEO, digest_of, run_ranks
+
+SMALL = ("--arch-embedding-size", "300-200-100-50", "--arch-sparse-feature-size", "8",
+         "--arch-mlp-bot", "13-16-8", "--arch-mlp-top", "16-1", "--mini-batch-size", "32",
+         "--test-num-batches", "2", "--print-freq", "0")
+
+
+def test_digest_is_reproducible_and_changes_with_one_more_step():
+    a = digest_of(run_ranks(2, "mpickpt.train", *SMALL, "--num-batches", "6", "--digest"))
+    b = digest_of(run_ranks(2, "mpickpt.train", *SMALL, "--num-batches", "6", "--digest"))
+    c = digest_of(run_ranks(2, "mpickpt.train", *SMALL, "--num-batches", "7", "--digest"))
+    assert re.fullmatch(r"[0-9a-f]{64}", a)
+    assert a == b
+    assert c != a
+
+
+def test_demo_job_learns_the_planted_model():
+    proc = run_ranks(2, "mpickpt.train", "--num-batches", "200", "--print-freq", "50",
+                     "--mini-batch-size", "256")
+    assert proc.returncode == 0, proc.stderr
+    steps = re.findall(r"^step (\d+)/200  loss ([0-9.]+)  ([0-9,]+) samples/s$", proc.stdout, re.M)
+    assert [int(s[0]) for s in steps] == [50, 100, 150, 200]
+    auc = float(re.search(r"test @ step 200: auc ([0-9.]+)", proc.stdout).group(1))
+    assert auc > 0.68, proc.stdout
+    assert float(steps[-1][1]) < float(steps[0][1])
+
+
+@pytest.mark.skipif(not SHARED_CRITEO.exists(), reason="shared Criteo sample not present")
+def test_trains_on_real_criteo_rows():
+    proc = run_ranks(2, "mpickpt.train", "--data-generation", "criteo-tsv", "--raw-data-file",
+                     str(SHARED_CRITEO), "--arch-embedding-size", "criteo-kaggle",
+                     "--embedding-scale-down", "10000", "--mini-batch-size", "20",
+                     "--num-batches", "100", "--print-freq", "5", "--test-num-batches", "10")
+    assert proc.returncode == 0, proc.stderr
+    assert "step 10/100" in proc.stdout
+    assert "end of training data after 10 batches" in proc.stdout
+    assert re.search(r"test @ step 10: auc [0-9.]+  logloss [0-9.]+  \(200 samples\)", proc.stdout)
+
+
+BAD_INPUTS = [
+    (2, ["--mini-batch-size", "0"], r"--mini-batch-size: expected an integer >= 1, got 0"),
+    (2, ["--learning-rate", "abc"], r"--learning-rate: expected a number > 0, got 'abc'"),
+    (2, ["--learning-rate", "nan"], r"expected a finite number > 0, got 'nan'"),
+    (2, ["--optimizer", "adam"], r"--optimizer: invalid choice: 'adam'"),
+    (2, ["--arch-mlp-bot", "13-64-8"], r"--arch-mlp-bot must end with the embedding dimension "
+                                       r"--arch-sparse-feature-size=16, got 13-64-8"),
+    (2, ["--arch-mlp-bot", "10-16"], r"must start with the 13 dense features"),
+    (2, ["--arch-mlp-top", "64-2"], r"--arch-mlp-top must end with 1 \(the logit\), got 64-2"),
+    (2, ["--arch-mlp-top", "64-x-1"], r"--arch-mlp-top must be dash-separated positive integers"),
+    (2, ["--arch-embedding-size", "10-x"], r"--arch-embedding-size must be dash-separated"),
+    (2, ["--mini-batch-size", "5"], r"--mini-batch-size 5 is not divisible by the world size 2"),
+    (2, ["--arch-embedding-size", "1000-1000", "--max-rows-per-rank", "100"],
+     r"rank 0 of 2 would hold 1000 embedding rows, more than max_rows_per_rank=100"),
+    (3, ["--arch-embedding-size", "2-1", "--row-wise-threshold", "1", "--mini-batch-size", "6"],
+     r"table 0 has 2 rows, .* fewer than the world size 3"),
+    (2, ["--data-generation", "criteo-tsv"], r"needs --raw-data-file"),
+    (2, ["--data-generation", "criteo-tsv", "--arch-embedding-size", "criteo-kaggle",
+         "--raw-data-file", "/nonexistent/day_0"], r"Criteo day file /nonexistent/day_0 does not exist"),
+    (2, ["--data-generation", "criteo-tsv", "--arch-embedding-size", "criteo-kaggle",
+         "--raw-data-file", "/tmp"], r"Criteo day file /tmp is not a regular file"),
+    (2, ["--data-generation", "criteo-tsv", "--raw-data-file", "x"], r"26 categorical features"),
+]
+
+
+@pytest.mark.parametrize("ranks, flags, message", BAD_INPUTS, ids=[" ".join(b[1]) for b in BAD_INPUTS])
+def test_bad_input_stops_before_training(ranks, flags, message):
+    proc = run_ranks(ranks, "mpickpt.train", "--num-batches", "3", *flags, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert re.search(message, proc.stderr), proc.stderr
+    assert proc.stderr.count("mpickpt-train: error:") == 1
+    assert "step " not in proc.stdout
+
+
+def test_malformed_line_mid_file_names_file_and_line(tmp_path):
+    good = "\t".join(["1"] + ["3"] * 13 + ["0a0b0c0d"] * 26)
+    path = tmp_path / "day_0"
+    path.write_text("\n".join([good] * 7 + ["1\t2\t3"] + [good] * 4) + "\n")
+    args = ("--data-generation", "criteo-tsv", "--raw-data-file", str(path), "--arch-embedding-size",
+            "criteo-kaggle", "--embedding-scale-down", "100000", "--mini-batch-size", "2",
+            "--num-batches", "5", "--test-num-batches", "0")
+    proc = run_ranks(2, "mpickpt.train", *args)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert re.search(rf"{path}.*line 8", proc.stderr), proc.stderr
+    skipped = run_ranks(2, "mpickpt.train", *args, "--skip-bad-lines", "--print-freq", "1")
+    assert skipped.returncode == 0, skipped.stderr
+    assert "step 5/5" in skipped.stdout
