@@ -1,0 +1,23 @@
+"""mpickpt: checkpointing and fault tolerance for hybrid-parallel DLRM training over MPI."""
+from setuptools import find_packages, setup
+
+setup(
+    name="mpickpt",
+    version="0.1.0",
+    description="Checkpointing and fault tolerance for hybrid-parallel recommendation-model training over MPI",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["mpickpt", "mpickpt.*"]),
+    package_data={"mpickpt": ["../kernels/*.cu"]},
+    # torch is deliberately unpinned here so clusters keep their own CUDA build; on CPU-only machines
+    # install with `-c constraints-cpu.txt`, which pins the local CPU build torch==2.13.0.
+    install_requires=["numpy>=1.24", "torch>=2.1", "mpi4py>=3.1", "h5py>=3.8"],
+    extras_require={
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2", "hypothesis>=6"],
+        "gpu": ["cupy-cuda12x>=13"],
+        "mpich": ["mpich"],
+        "bench": ["matplotlib>=3.6"],
+    },
+    entry_points={"console_scripts": ["mpickpt-train=mpickpt.train:main"]},
+)
