@@ -15,6 +15,10 @@ class ProgressLog:
         self._loss_sum, self._steps, self._samples = 0.0, 0, 0
         self._since = time.perf_counter()
 
+    def restart_at(self, step: int) -> None:
+        """Start the throughput clock afresh (after a restore to `step`). Local."""
+        self._since = time.perf_counter()
+
     def step(self, step: int, loss: float, samples: int) -> None:
         """Record one step; print when due. Local."""
         self._loss_sum += loss

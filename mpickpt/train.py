@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import sys
 
-from mpickpt.data.criteo_tsv import CriteoFormatError
-
 EXIT_BAD_INPUT = 2
 
 
@@ -27,6 +25,8 @@ def main(argv=None) -> int:
     """Parse, validate on every rank, then train. Collective over MPI.COMM_WORLD."""
     from mpi4py import MPI
 
+    from mpickpt.data.criteo_tsv import CriteoFormatError
+    from mpickpt.store.errors import CheckpointError
     from mpickpt.topology import Topology
     from mpickpt.train_flags import TrainConfig
     from mpickpt.trainer import Trainer
@@ -42,7 +42,10 @@ def main(argv=None) -> int:
     if error:
         return _fail(comm, error)
     topo = Topology.from_mpi(comm, backend=config.backend)
-    trainer = Trainer(topo, config)
+    try:
+        trainer = Trainer(topo, config)
+    except CheckpointError as e:  # every rank agreed on it inside restore()
+        return _fail(comm, str(e))
     try:
         trainer.run()
     except CriteoFormatError as e:  # found mid-stream; every rank reads the same lines

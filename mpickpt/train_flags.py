@@ -10,6 +10,8 @@ import argparse
 from dataclasses import dataclass
 
 from mpickpt.data.synthetic import criteo_kaggle_sizes
+from mpickpt.engine.config import OVERLAP_POLICIES, CheckpointConfig
+from mpickpt.faults import KillAt
 from mpickpt.model.dense import DenseArch, parse_mlp
 from mpickpt.model.optimizers import OPTIMIZERS, OptimizerConfig
 from mpickpt.model.shard_plan import ShardPlan, ShardPlanOptions
@@ -91,6 +93,23 @@ def build_parser() -> argparse.ArgumentParser:
     a("--prefetch-depth", type=_int_at_least(1), default=4, help="batches read ahead")
     a("--phase-times", action="store_true",
       help="time the step's phases (synchronises CUDA) and print them at the end")
+    c = p.add_argument_group("checkpointing (on when --ckpt-dir is given)")
+    c.add_argument("--ckpt-dir", default=None, help="checkpoint root directory")
+    c.add_argument("--ckpt-interval", type=_int_at_least(1), default=100,
+                   help="batches between checkpoints")
+    c.add_argument("--ckpt-keep", type=_int_at_least(1), default=2,
+                   help="committed checkpoints to retain")
+    c.add_argument("--resume", default="latest",
+                   help="'latest' (newest valid, falling back past corrupted ones), 'none', or a step")
+    c.add_argument("--ckpt-writers", type=_int_at_least(1), default=1,
+                   help="background writer processes per rank (one part file each)")
+    c.add_argument("--ckpt-overlap", choices=OVERLAP_POLICIES, default="wait",
+                   help="when the previous checkpoint is still being written: wait, or skip")
+    t = p.add_argument_group("testing")
+    t.add_argument("--inject-kill", default=None, metavar="STEP:RANK[,RANK...]",
+                   help="those ranks SIGKILL themselves after step STEP")
+    t.add_argument("--trace-samples", default=None, metavar="PATH",
+                   help="rank 0 appends 'step position' for every step to PATH")
     return p
 
 
@@ -118,6 +137,9 @@ class TrainConfig:
     backend: str
     prefetch_depth: int
     phase_times: bool
+    checkpoint: CheckpointConfig | None
+    inject_kill: KillAt | None
+    trace_samples: str | None
 
     @classmethod
     def from_args(cls, argv=None) -> "TrainConfig":
@@ -140,14 +162,28 @@ class TrainConfig:
                    seed=args.seed, print_freq=args.print_freq, test_freq=args.test_freq,
                    test_num_batches=args.test_num_batches, digest=args.digest,
                    backend=args.backend, prefetch_depth=args.prefetch_depth,
-                   phase_times=args.phase_times)
+                   phase_times=args.phase_times, checkpoint=_checkpoint(args),
+                   inject_kill=KillAt.parse(args.inject_kill) if args.inject_kill else None,
+                   trace_samples=args.trace_samples)
 
     def check_world(self, world_size: int) -> ShardPlan:
         """Checks that need the world size; returns the shard plan. Local."""
         if self.global_batch % world_size:
             raise ValueError(f"--mini-batch-size {self.global_batch} is not divisible by the world "
                              f"size {world_size}: each rank needs an equal share of the batch")
+        if self.inject_kill is not None:
+            self.inject_kill.check_world(world_size)
         return ShardPlan.build(self.table_sizes, world_size, self.plan_options)
+
+
+def _checkpoint(args) -> CheckpointConfig | None:
+    if args.ckpt_dir is None:
+        return None
+    config = CheckpointConfig(directory=args.ckpt_dir, interval=args.ckpt_interval,
+                              keep=args.ckpt_keep, resume=args.resume, writers=args.ckpt_writers,
+                              overlap=args.ckpt_overlap)
+    config.check_directory()
+    return config
 
 
 def _table_sizes(text: str, scale_down: int) -> tuple[int, ...]:

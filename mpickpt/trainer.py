@@ -1,10 +1,13 @@
 """The synchronous training loop: reader -> hybrid step -> progress, tests, digest."""
 from __future__ import annotations
 
+import json
+
 from mpickpt.data.criteo_tsv import CriteoTSVConfig, CriteoTSVSource
-from mpickpt.data.position import SyntheticPosition, TSVPosition
+from mpickpt.data.position import SyntheticPosition, TSVPosition, position_from_dict
 from mpickpt.data.prefetch import PrefetchReader
 from mpickpt.data.synthetic import SyntheticConfig, SyntheticStream
+from mpickpt.engine.manager import CheckpointManager
 from mpickpt.evaluation import evaluate
 from mpickpt.model.hybrid import HybridDLRM
 from mpickpt.progress import ProgressLog
@@ -34,24 +37,33 @@ def make_sources(config):
 
 
 class Trainer:
-    """Owns the model, the reader and the loop for one job. `run` is collective."""
+    """Owns the model, the reader, the checkpoint manager and the loop. `run` is collective."""
 
     def __init__(self, topo, config, log: ProgressLog | None = None):
         self.topo, self.config = topo, config
         self.timer = PhaseTimer(topo.device, enabled=config.phase_times)
         self.model = HybridDLRM(topo, config.arch, config.table_sizes, config.optim, config.seed,
                                 config.plan_options, self.timer)
+        self.log = log or ProgressLog(topo.is_root, config.num_batches, config.print_freq)
         self.source, start, self.test_source, self.test_start = make_sources(config)
+        self.ckpt = None
+        self.step = 0
+        if config.checkpoint is not None:
+            self.ckpt = CheckpointManager(topo, config.checkpoint, self.model, self.log.say)
+            restored = self.ckpt.restore()  # collective
+            if restored is not None:
+                self.step, start = restored.step, position_from_dict(restored.reader_state)
+        allowance = self.ckpt.allowance(self.step, config.num_batches) if self.ckpt else None
         self.reader = PrefetchReader(self.source, global_batch=config.global_batch, rank=topo.rank,
                                      world=topo.world_size, state=start,
-                                     depth=config.prefetch_depth)
-        self.log = log or ProgressLog(topo.is_root, config.num_batches, config.print_freq)
-        self.step = 0
+                                     depth=config.prefetch_depth, allowance=allowance)
+        self.log.restart_at(self.step)
 
     def run(self) -> None:
-        """Train `num_batches` steps (or to the end of the data). Collective."""
+        """Train up to `num_batches` steps (or to the end of the data). Collective."""
         cfg = self.config
         while self.step < cfg.num_batches:
+            self._trace()
             batch = self.reader.next()
             if batch is None:
                 self.log.say(f"end of training data after {self.step} batches")
@@ -59,13 +71,24 @@ class Trainer:
             loss = self.model.train_step(batch)
             self.step += 1
             self.log.step(self.step, loss, cfg.global_batch)
+            if self.ckpt is not None:
+                self.ckpt.after_step(self.step, self.reader, cfg.num_batches)
+            if cfg.inject_kill is not None:
+                cfg.inject_kill.maybe_kill(self.step, self.topo.rank)
             if cfg.test_freq and self.step % cfg.test_freq == 0 and self.step < cfg.num_batches:
                 self.test()
+        if self.ckpt is not None:
+            self.ckpt.close()
         self.test()
         if cfg.phase_times:
             self._print_phases()
         if cfg.digest:
             self.log.say(f"digest {self.model.digest()}")
+
+    def _trace(self) -> None:
+        if self.config.trace_samples and self.topo.is_root:
+            with open(self.config.trace_samples, "a") as f:
+                f.write(f"{self.step + 1} {json.dumps(self.reader.state().to_dict(), sort_keys=True)}\n")
 
     def test(self) -> None:
         """Evaluate on the test set and print AUC and log loss. Collective."""
@@ -86,5 +109,8 @@ class Trainer:
         self.log.say(f"phase times per step (rank 0): {parts}")
 
     def close(self) -> None:
-        """Stop the reader. Local."""
+        """Stop the reader (and the checkpoint writers if `run` did not finish). Local."""
         self.reader.close()
+        if self.ckpt is not None and self.ckpt.writers is not None:
+            self.ckpt.writers.close()
+            self.ckpt.snapshots.close()

@@ -75,6 +75,50 @@ class HybridDLRM:
         pooled, _ = self.embeddings.lookup(batch.sparse)
         return torch.sigmoid(self.dense(batch.dense, pooled))
 
+    def row_state(self) -> dict[str, torch.Tensor]:
+        """This rank's row-aligned state: 'weight' and 'state/<name>' (n_local, ...). Local."""
+        emb = self.embeddings
+        return {"weight": emb.weight, **{f"state/{k}": v for k, v in emb.optimizer.state.items()}}
+
+    def dense_state(self) -> dict[str, torch.Tensor]:
+        """Replicated state: 'param/<name>' and 'opt/<i>/<key>' tensors. Local."""
+        out = {f"param/{n}": p.detach() for n, p in self.dense.named_parameters()}
+        for i, p in enumerate(self.dense.parameters()):
+            for key, value in self.dense_optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    out[f"opt/{i}/{key}"] = value.detach()
+        return out
+
+    @torch.no_grad()
+    def load_row_state(self, arrays: dict) -> None:
+        """Replace this rank's rows and sparse optimizer state (full local arrays). Local."""
+        mine = self.row_state()
+        if set(arrays) != set(mine):
+            raise ValueError(f"row state has {sorted(arrays)}, this model needs {sorted(mine)}")
+        for name, target in mine.items():
+            target.copy_(torch.as_tensor(arrays[name]).to(target.device))
+
+    @torch.no_grad()
+    def load_dense_state(self, arrays: dict) -> None:
+        """Replace dense parameters and dense optimizer state. Local."""
+        params = dict(self.dense.named_parameters())
+        by_index = list(self.dense.parameters())
+        needed = {f"param/{n}" for n in params}
+        if not needed <= set(arrays):
+            raise ValueError(f"dense state lacks {sorted(needed - set(arrays))}")
+        for name, value in arrays.items():
+            kind, rest = name.split("/", 1)
+            tensor = torch.as_tensor(value)
+            if kind == "param":
+                params[rest].copy_(tensor.to(params[rest].device))
+            else:
+                i, key = rest.split("/", 1)
+                p = by_index[int(i)]
+                state = self.dense_optimizer.state[p]
+                old = state.get(key)  # keep e.g. Adagrad's CPU 'step' where torch put it
+                device = old.device if isinstance(old, torch.Tensor) else p.device
+                state[key] = tensor.to(device).clone()
+
     def gather_tables(self, root: int = 0) -> dict | None:
         """Every table's rows and sparse optimizer state in global row order, on `root` only.
 

@@ -1,0 +1,1 @@
+"""The checkpoint engine: staging buffers, background writer processes, the CheckpointManager."""

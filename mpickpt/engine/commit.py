@@ -1,0 +1,118 @@
+"""Commit protocol: ranks report durability over the control channel; rank 0 writes the manifest.
+
+Reports travel as non-blocking MPI sends on the control communicator (never the training group), so
+a rank never waits for another rank's writer. Rank 0 collects them whenever the manager polls; when
+all ranks reported for a step it either commits (manifest, then retention) or abandons the
+checkpoint (deletes its directory; the previous committed checkpoint stays valid).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from mpickpt.store.manifest import Manifest, apply_retention, list_manifests, write_manifest
+
+REPORT_TAG = 0x4D43  # "MC"
+
+
+@dataclass
+class PendingCheckpoint:
+    """What rank 0 knows about a checkpoint that is being written."""
+
+    step: int
+    ckpt_id: str
+    reader_state: dict
+    fields: dict
+    reports: list = field(default_factory=list)
+
+
+class CommitCoordinator:
+    """Per-rank reporting plus rank 0's bookkeeping. Methods are local unless they say otherwise."""
+
+    def __init__(self, topo, root: str, keep: int, log):
+        self.topo, self.root, self.keep, self.log = topo, root, keep, log
+        self.pending: dict[int, PendingCheckpoint] = {}
+        self._early: dict[int, list] = defaultdict(list)
+        self._sends: list = []
+        self.committed: list[int] = []
+        self.abandoned: list[int] = []
+
+    def expect(self, pending: PendingCheckpoint) -> None:
+        """Rank 0: register a checkpoint whose reports will arrive. Local."""
+        pending.reports.extend(self._early.pop(pending.step, []))
+        self.pending[pending.step] = pending
+        self._maybe_finish(pending.step)
+
+    def report(self, report: dict) -> None:
+        """Send this rank's durability report for one step to rank 0 (non-blocking). Local."""
+        if self.topo.rank == 0:
+            self._receive(report)
+        else:
+            self._sends.append(self.topo.control.isend(report, dest=0, tag=REPORT_TAG))
+
+    def progress(self) -> None:
+        """Move messages along: rank 0 receives waiting reports; others complete sends. Local."""
+        self._sends = [r for r in self._sends if not r.Test()]
+        if self.topo.rank != 0:
+            return
+        while self.topo.control.iprobe(tag=REPORT_TAG):
+            self._receive(self.topo.control.recv(tag=REPORT_TAG))
+
+    def drain(self) -> None:
+        """Finish every checkpoint in flight. Collective: every rank must have reported already."""
+        for req in self._sends:
+            req.wait()
+        self._sends = []
+        if self.topo.rank == 0:
+            while self.pending:
+                self._receive(self.topo.control.recv(tag=REPORT_TAG))
+
+    def _receive(self, report: dict) -> None:
+        step = report["step"]
+        if step not in self.pending:
+            self._early[step].append(report)
+            return
+        self.pending[step].reports.append(report)
+        self._maybe_finish(step)
+
+    def _maybe_finish(self, step: int) -> None:
+        pending = self.pending[step]
+        if len(pending.reports) < self.topo.world_size:
+            return
+        del self.pending[step]
+        failures = [r for r in pending.reports if not r["ok"]]
+        if failures:
+            self._abandon(pending, failures)
+        else:
+            self._commit(pending)
+
+    def _commit(self, p: PendingCheckpoint) -> None:
+        files, total, seconds = {}, 0, 0.0
+        for r in p.reports:
+            files.update(r["files"])
+            total += r["bytes"]
+            seconds = max(seconds, r["seconds"])
+        stats = {"bytes": total, "write_seconds": seconds,
+                 "stall_seconds": max(r["stall_seconds"] for r in p.reports),
+                 "staged_bytes": sum(r["staged_bytes"] for r in p.reports), **p.fields.pop("stats")}
+        manifest = Manifest(step=p.step, ckpt_id=p.ckpt_id, files=files,
+                            reader_state=p.reader_state, stats=stats, **p.fields)
+        write_manifest(self.root, manifest)
+        self.committed.append(p.step)
+        retired = apply_retention(self.root, self.keep)
+        size = manifest.total_bytes()
+        self.log(f"checkpoint step {p.step} committed: {size / 1e6:.1f} MB in "
+                 f"{seconds:.2f} s ({total / 1e6 / max(seconds, 1e-9):.0f} MB/s per slowest rank, "
+                 f"{self.topo.world_size} ranks), max stall {stats['stall_seconds'] * 1e3:.1f} ms"
+                 + (f"; retired steps {retired}" if retired else ""))
+
+    def _abandon(self, p: PendingCheckpoint, failures: list) -> None:
+        shutil.rmtree(os.path.join(self.root, p.ckpt_id), ignore_errors=True)
+        self.abandoned.append(p.step)
+        manifests = list_manifests(self.root)
+        last = manifests[-1].step if manifests else None
+        keeps = f"checkpoint step {last} stays valid" if last is not None else "no earlier checkpoint"
+        self.log(f"checkpoint step {p.step} abandoned: {failures[0]['error']} "
+                 f"({len(failures)} of {self.topo.world_size} ranks failed); {keeps}")

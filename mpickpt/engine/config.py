@@ -1,0 +1,53 @@
+"""Configuration of the checkpoint engine."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+OVERLAP_POLICIES = ("wait", "skip")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointConfig:
+    """Where, how often and how checkpoints are written and restored."""
+
+    directory: str
+    """Checkpoint root (one per job; a parallel filesystem on clusters)."""
+    interval: int
+    """Batches between checkpoints (>= 1)."""
+    keep: int = 2
+    """Committed checkpoints to retain (>= 1); older ones are deleted after a newer commit."""
+    resume: str = "latest"
+    """'latest' (newest valid, falling back past corrupted ones), 'none', or a step number."""
+    writers: int = 1
+    """Background writer processes per rank (>= 1); each writes one part file of the shard."""
+    overlap: str = "wait"
+    """When the previous checkpoint is still being written: 'wait' for it, or 'skip' this one."""
+
+    def __post_init__(self):
+        if not self.directory:
+            raise ValueError("--ckpt-dir must name a directory, got an empty string")
+        for name in ("interval", "keep", "writers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--ckpt-{name} must be an integer >= 1, got {value!r}")
+        if self.overlap not in OVERLAP_POLICIES:
+            raise ValueError(f"--ckpt-overlap must be 'wait' or 'skip', got {self.overlap!r}")
+        if self.resume not in ("latest", "none") and not str(self.resume).isdigit():
+            raise ValueError(f"--resume must be 'latest', 'none' or a step number, got {self.resume!r}")
+
+    @property
+    def resume_step(self) -> int | None:
+        """The chosen step, or None for 'latest'/'none'. Local."""
+        return int(self.resume) if str(self.resume).isdigit() else None
+
+    def check_directory(self) -> None:
+        """Create the directory if needed; raise naming it when it cannot be used. Local."""
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise NotADirectoryError(f"--ckpt-dir {self.directory} exists and is not a directory")
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as e:
+            raise OSError(f"--ckpt-dir {self.directory} cannot be created: {e.strerror}") from None
+        if not os.access(self.directory, os.W_OK | os.X_OK):
+            raise PermissionError(f"--ckpt-dir {self.directory} is not writable")

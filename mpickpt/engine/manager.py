@@ -1,0 +1,238 @@
+"""CheckpointManager: decoupled checkpoints for any synchronous training loop (Check-N-Run §3).
+
+Usage (every call is collective unless it says local)::
+
+    ckpt = CheckpointManager(topo, CheckpointConfig(directory=..., interval=100), model, log=print)
+    restored = ckpt.restore()                      # None, or .step and .reader_state
+    reader = PrefetchReader(..., state=..., allowance=ckpt.allowance(step, total))
+    for step in range(start + 1, total + 1):
+        model.train_step(reader.next())
+        ckpt.after_step(step, reader, total)       # snapshot when due, commit in background
+    ckpt.close()
+
+`model` provides `plan`, `topo`, `embeddings.local_gids`, `row_state()`, `dense_state()`,
+`load_row_state()`, `load_dense_state()` (see `mpickpt.model.hybrid.HybridDLRM`).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mpickpt.engine.commit import CommitCoordinator, PendingCheckpoint
+from mpickpt.engine.config import CheckpointConfig
+from mpickpt.engine.snapshot import (Snapshotter, dense_file_spec, numpy_dtype, rng_blobs,
+                                     shard_file_specs)
+from mpickpt.engine.staging import remove_stale_areas
+from mpickpt.engine.writer_pool import WriterPool
+from mpickpt.store.errors import CheckpointError
+from mpickpt.store.manifest import Manifest
+from mpickpt.store.restore import committed, load_checkpoint
+
+
+@dataclass
+class Restored:
+    """Where training resumes."""
+
+    step: int
+    reader_state: dict
+
+
+class CheckpointManager:
+    """Snapshots, background writers, commit and restore for one rank. Construction is collective."""
+
+    def __init__(self, topo, config: CheckpointConfig, model, log=None):
+        self.topo, self.config, self.model = topo, config, model
+        self.log = log or (lambda line: print(line, flush=True) if topo.is_root else None)
+        self.root = os.path.abspath(config.directory)
+        self.attempt = topo.control.bcast(uuid.uuid4().hex[:8] if topo.is_root else None, root=0)
+        remove_stale_areas()
+        self.snapshots = Snapshotter(model, with_dense=topo.is_root)
+        self.writers = WriterPool(config.writers)
+        self.commits = CommitCoordinator(topo, self.root, config.keep, self._say)
+        self.counters = {"saved": 0, "waits": 0, "skips": 0, "wait_seconds": 0.0}
+        self.stalls: list[float] = []
+        self._in_flight: dict | None = None
+
+    def _say(self, line: str) -> None:
+        if self.topo.is_root:
+            self.log(line)
+
+    # ---- training-loop hooks -------------------------------------------------------------
+    def allowance(self, step: int, total: int) -> int:
+        """Batches the reader may deliver after `step`: up to the next checkpoint or the end. Local."""
+        interval = self.config.interval
+        return max(0, min((step // interval + 1) * interval, total) - step)
+
+    def after_step(self, step: int, reader, total: int) -> None:
+        """Call after every training step. Collective when a checkpoint is due, else local."""
+        self.poll()
+        if step % self.config.interval == 0:
+            self.save(step, reader.state().to_dict())
+            reader.allow(self.allowance(step, total))
+
+    def poll(self) -> None:
+        """Collect finished writes and move commit messages along; never blocks. Local."""
+        results = self.writers.poll()
+        if results is not None:
+            self._report(results)
+        self.commits.progress()
+
+    # ---- saving ----------------------------------------------------------------------------
+    def save(self, step: int, reader_state: dict) -> bool:
+        """Snapshot now and write in the background; False if skipped. Collective."""
+        busy = self.topo.control.allreduce(int(self.writers.busy), op=_max_op())
+        if busy and not self._make_room(step):
+            return False
+        seconds, nbytes = self.snapshots.stage()
+        self.stalls.append(seconds)
+        ckpt_id = f"step-{step:012d}-{self.attempt}"
+        self._submit(step, ckpt_id, seconds, nbytes)
+        if self.topo.is_root:
+            self.commits.expect(self._pending(step, ckpt_id, reader_state))
+        self.counters["saved"] += 1
+        self._say(f"checkpoint step {step}: staged {nbytes / 1e6:.1f} MB in {seconds * 1e3:.1f} ms "
+                  f"({nbytes / 1e9 / max(seconds, 1e-9):.2f} GB/s); writing in background")
+        return True
+
+    def _make_room(self, step: int) -> bool:
+        if self.config.overlap == "skip":
+            self.counters["skips"] += 1
+            self._say(f"checkpoint step {step} skipped: the previous one is still being written "
+                      f"(skips so far: {self.counters['skips']})")
+            return False
+        start = time.perf_counter()
+        results = self.writers.wait()
+        if results is not None:
+            self._report(results)
+        waited = self.topo.control.allreduce(time.perf_counter() - start, op=_max_op())
+        self.counters["waits"] += 1
+        self.counters["wait_seconds"] += waited
+        self._say(f"checkpoint step {step}: waited {waited * 1e3:.0f} ms for the previous "
+                  f"checkpoint to finish writing (waits so far: {self.counters['waits']})")
+        return True
+
+    def _submit(self, step: int, ckpt_id: str, stall: float, staged: int) -> None:
+        parts = self.writers.size
+        files = shard_file_specs(self.model, self.root, ckpt_id, step, parts, rng_blobs())
+        jobs = [{"step": step, "dir": os.path.join(self.root, ckpt_id), "files": [f],
+                 "staging": self.snapshots.area.describe()} for f in files]
+        if self.topo.is_root:
+            jobs[-1]["files"].append(dense_file_spec(self.model, self.root, ckpt_id, step))
+        self._in_flight = {"step": step, "stall_seconds": stall, "staged_bytes": staged}
+        self.writers.submit(jobs)
+
+    def _pending(self, step: int, ckpt_id: str, reader_state: dict) -> PendingCheckpoint:
+        m = self.model
+        fields = {"kind": "full", "world_size": self.topo.world_size, "dim": m.embeddings.dim,
+                  "plan": m.plan.describe(), "optimizer": m.embeddings.optimizer.config.kind,
+                  "codec": "fp32", "stats": {"row_arrays": sorted(m.row_state())}}
+        return PendingCheckpoint(step, ckpt_id, reader_state, fields)
+
+    def _report(self, results: list[dict]) -> None:
+        meta, self._in_flight = self._in_flight, None
+        errors = [r["error"] for r in results if not r["ok"]]
+        report = {**meta, "rank": self.topo.rank, "ok": not errors,
+                  "error": errors[0] if errors else None,
+                  "files": {k: v for r in results if r["ok"] for k, v in r["files"].items()},
+                  "bytes": sum(r.get("bytes", 0) for r in results),
+                  "seconds": max(r.get("seconds", 0.0) for r in results)}
+        if errors:
+            print(f"mpickpt: rank {self.topo.rank}: checkpoint step {meta['step']} write failed: "
+                  f"{errors[0]}", flush=True)
+        self.commits.report(report)
+
+    # ---- restoring -------------------------------------------------------------------------
+    def restore(self) -> Restored | None:
+        """Load the newest valid checkpoint (or the chosen step) into the model. Collective.
+
+        Returns None when resuming is off or nothing is committed yet. Raises CheckpointError when
+        checkpoints exist but none can be used (or the chosen one cannot)."""
+        if self.config.resume == "none":
+            return None
+        listing = committed(self.root) if self.topo.is_root else None
+        manifests, torn = self.topo.control.bcast(listing, root=0)
+        self._drop_torn(torn)
+        candidates = self._candidates(manifests)
+        problems = []
+        for manifest in candidates:
+            error, loaded = self._try_load(manifest)
+            errors = [e for e in self.topo.control.allgather(error) if e]
+            if not errors:
+                return self._apply(loaded)
+            problems.append(errors[0])
+            self._say(f"checkpoint step {manifest.step} unusable: {errors[0]}"
+                      + ("; falling back to the previous one" if manifest is not candidates[-1] else ""))
+        if problems:
+            raise CheckpointError(f"no usable checkpoint in {self.root}: " + "; ".join(problems))
+        return None
+
+    def _drop_torn(self, torn: list[str]) -> None:
+        for d in torn:
+            self._say(f"ignoring {os.path.join(self.root, d)}: no manifest (torn or abandoned "
+                      f"checkpoint); removing it")
+        if self.topo.is_root:
+            for d in torn:
+                shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
+
+    def _candidates(self, manifests: list[Manifest]) -> list[Manifest]:
+        want = self.config.resume_step
+        if want is None:
+            return list(reversed(manifests))
+        chosen = [m for m in manifests if m.step == want]
+        if not chosen:
+            steps = [m.step for m in manifests]
+            raise CheckpointError(f"no committed checkpoint at step {want} in {self.root} "
+                                  f"(committed steps: {steps or 'none'})")
+        return chosen
+
+    def _try_load(self, manifest: Manifest):
+        templates = {k: (tuple(t.shape[1:]), np.dtype(numpy_dtype(t)))
+                     for k, t in self.model.row_state().items()}
+        try:
+            return None, load_checkpoint(self.root, manifest, self.model.plan, self.topo.rank,
+                                         self.model.embeddings.dim, templates)
+        except (CheckpointError, OSError, KeyError, ValueError) as e:
+            return str(e), None
+
+    def _apply(self, loaded) -> Restored:
+        self.model.load_row_state(loaded.rows)
+        self.model.load_dense_state(loaded.dense)
+        if "torch_cpu_rng" in loaded.rng:
+            torch.set_rng_state(torch.frombuffer(bytearray(loaded.rng["torch_cpu_rng"]),
+                                                 dtype=torch.uint8))
+        m = loaded.manifest
+        self._say(f"resumed from checkpoint step {m.step} ({m.kind}, written by {m.world_size} "
+                  f"ranks, {m.total_bytes() / 1e6:.1f} MB) onto {self.topo.world_size} ranks")
+        return Restored(m.step, m.reader_state)
+
+    # ---- shutdown --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish the checkpoint in flight, commit it, stop the writers. Collective. Safe twice."""
+        if self.writers is None:
+            return
+        results = self.writers.wait()
+        if results is not None:
+            self._report(results)
+        self.commits.drain()
+        self.topo.control.Barrier()
+        self.writers.close()
+        self.snapshots.close()
+        self.writers = None
+        s = self.counters
+        if s["saved"]:
+            self._say(f"checkpoints: {s['saved']} saved, {len(self.commits.committed)} committed, "
+                      f"{len(self.commits.abandoned)} abandoned, {s['waits']} waits "
+                      f"({s['wait_seconds']:.2f} s), {s['skips']} skips; mean stall "
+                      f"{np.mean(self.stalls) * 1e3:.1f} ms")
+
+
+def _max_op():
+    from mpi4py import MPI
+
+    return MPI.MAX

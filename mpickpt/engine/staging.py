@@ -1,0 +1,110 @@
+"""Host staging buffers shared with the background writers.
+
+A `StagingArea` is one file in /dev/shm (tmpfs), memory-mapped by the training rank and by its
+writer processes, holding named arrays at fixed offsets. It is allocated and pre-faulted once and
+reused by every checkpoint, so the snapshot stall is a pure memory copy. On GPUs the mapping is
+page-locked (cudaHostRegister) and the device-to-host copies run on a side stream.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+
+import numpy as np
+
+ALIGN = 4096
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+PREFIX = "mpickpt-staging-"
+
+
+def layout_of(specs: dict[str, tuple[tuple[int, ...], str]]) -> tuple[dict, int]:
+    """Offsets for named (shape, dtype) arrays, page-aligned; returns (layout, total bytes). Local."""
+    layout, offset = {}, 0
+    for name, (shape, dtype) in specs.items():
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        layout[name] = {"offset": offset, "shape": list(shape), "dtype": np.dtype(dtype).str}
+        offset += -(-max(nbytes, 1) // ALIGN) * ALIGN
+    return layout, offset
+
+
+def map_arrays(path: str, layout: dict, writable: bool) -> tuple[np.memmap, dict[str, np.ndarray]]:
+    """Map the staging file and return (mapping, {name: array view}). Local."""
+    size = os.path.getsize(path)
+    mm = np.memmap(path, dtype=np.uint8, mode="r+" if writable else "r", shape=(size,))
+    views = {}
+    for name, spec in layout.items():
+        dtype = np.dtype(spec["dtype"])
+        count = int(np.prod(spec["shape"], dtype=np.int64))
+        raw = mm[spec["offset"]:spec["offset"] + count * dtype.itemsize]
+        views[name] = raw.view(dtype).reshape(spec["shape"])
+    return mm, views
+
+
+class StagingArea:
+    """Named host arrays in shared memory. Created by a training rank; attached by writers."""
+
+    def __init__(self, specs: dict[str, tuple[tuple[int, ...], str]], pin_for_cuda: bool = False):
+        self.layout, self.nbytes = layout_of(specs)
+        directory = SHM_DIR or os.environ.get("TMPDIR", "/tmp")
+        self.path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        with open(self.path, "wb") as f:
+            f.truncate(self.nbytes)
+        self._mm, self.arrays = map_arrays(self.path, self.layout, writable=True)
+        self._mm[:] = 0  # pre-fault every page now, not during the first snapshot
+        self._pinned = self._pin() if pin_for_cuda else None
+
+    def _pin(self):
+        import torch
+
+        ptr = self._mm.ctypes.data
+        err = torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, 0)
+        return ptr if int(err) == 0 else None
+
+    def matches(self, specs) -> bool:
+        """True when this area was laid out for exactly `specs`. Local."""
+        return self.layout == layout_of(specs)[0]
+
+    def tensors(self):
+        """torch views of the arrays (sharing the memory). Local."""
+        import torch
+
+        return {name: torch.from_numpy(a) for name, a in self.arrays.items()}
+
+    def describe(self) -> dict:
+        """What a writer needs to attach: path and layout. Local."""
+        return {"path": self.path, "layout": self.layout}
+
+    def close(self) -> None:
+        """Unmap and delete the backing file; safe twice. Local."""
+        if getattr(self, "_mm", None) is None:
+            return
+        if self._pinned is not None:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self._pinned)
+        self.arrays, self._mm = {}, None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def __del__(self):
+        self.close()
+
+
+def remove_stale_areas() -> list[str]:
+    """Delete staging files left by processes that no longer exist on this host. Local."""
+    if SHM_DIR is None:
+        return []
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        if not name.startswith(PREFIX):
+            continue
+        pid = name[len(PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed

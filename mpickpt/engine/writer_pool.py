@@ -1,0 +1,90 @@
+"""A rank's pool of background writer processes (spawned, no MPI inside)."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+from mpickpt.engine.writer_process import writer_main
+
+
+class WriterPool:
+    """`count` writer processes; one job (a list of per-writer jobs) in flight at a time. Local."""
+
+    def __init__(self, count: int):
+        self._ctx = mp.get_context("spawn")
+        self._procs: list = [None] * count
+        self._conns: list = [None] * count
+        for i in range(count):
+            self._start(i)
+        self._outstanding: set[int] = set()
+        self._results: list[dict] = []
+
+    def _start(self, i: int) -> None:
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=writer_main, args=(child, os.getpid()), daemon=True,
+                                 name=f"mpickpt-writer-{i}")
+        proc.start()
+        child.close()
+        self._procs[i], self._conns[i] = proc, parent
+
+    @property
+    def size(self) -> int:
+        return len(self._procs)
+
+    @property
+    def busy(self) -> bool:
+        """True while a submitted job has parts not yet finished. Local."""
+        return bool(self._outstanding)
+
+    def submit(self, jobs: list[dict]) -> None:
+        """Hand one job per writer (at most `size`). Local; never blocks on I/O."""
+        assert not self._outstanding, "a checkpoint is already being written"
+        self._results = []
+        for i, job in enumerate(jobs):
+            self._conns[i].send(job)
+            self._outstanding.add(i)
+
+    def poll(self, timeout: float = 0.0) -> list[dict] | None:
+        """The per-writer results once every part is done, else None. Local."""
+        for i in sorted(self._outstanding):
+            if self._conns[i].poll(timeout):
+                self._results.append(self._receive(i))
+                self._outstanding.discard(i)
+        if self._outstanding or not self._results:
+            return None
+        results, self._results = self._results, []
+        return results
+
+    def _receive(self, i: int) -> dict:
+        try:
+            return self._conns[i].recv()
+        except (EOFError, OSError):
+            code = self._procs[i].exitcode
+            self._start(i)
+            return {"ok": False, "error": f"writer process {i} died (exit code {code})", "step": None}
+
+    def wait(self) -> list[dict] | None:
+        """Block until the job in flight is done; its results (None if nothing was in flight). Local."""
+        while self._outstanding:
+            results = self.poll(0.05)
+            if results is not None:
+                return results
+        return None
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop every writer (after the job in flight). Safe twice. Local."""
+        self.wait()
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + timeout
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.terminate()
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []

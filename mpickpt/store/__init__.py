@@ -1,0 +1,1 @@
+"""On-disk checkpoints: HDF5 shard files, manifests, restore, retention, verification, export."""

@@ -1,0 +1,127 @@
+"""Manifests: the commit record of a checkpoint. A checkpoint exists only once its manifest does.
+
+``<dir>/manifest-<step>.json`` is written by rank 0 after every rank reported its files durable:
+temp file, fsync, rename, fsync of the directory. It lists every file of the checkpoint with its
+size, so a truncated or deleted file is noticed before any HDF5 is opened.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+
+from mpickpt.store.shard_file import fsync_path
+
+MANIFEST_RE = re.compile(r"^manifest-(\d{12})\.json$")
+MANIFEST_VERSION = 1
+
+
+@dataclass
+class Manifest:
+    """What rank 0 commits for one checkpoint (JSON)."""
+
+    step: int
+    kind: str
+    ckpt_id: str
+    """Directory (relative to the checkpoint root) holding this checkpoint's own files."""
+    world_size: int
+    dim: int
+    plan: dict
+    optimizer: str
+    files: dict[str, dict]
+    """Relative path -> {"size": bytes, "role": "shard"|"dense", "rank": r, "part": j}."""
+    reader_state: dict
+    codec: str = "fp32"
+    parents: list[int] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+    version: int = MANIFEST_VERSION
+
+    def shard_files(self) -> list[str]:
+        """Relative paths of the embedding shard files, ordered by (rank, part). Local."""
+        shards = [(v["rank"], v["part"], k) for k, v in self.files.items() if v["role"] == "shard"]
+        return [k for _, _, k in sorted(shards)]
+
+    def dense_file(self) -> str:
+        """Relative path of the replicated dense-state file. Local."""
+        return next(k for k, v in self.files.items() if v["role"] == "dense")
+
+    def total_bytes(self) -> int:
+        return sum(v["size"] for v in self.files.values())
+
+
+def manifest_path(root: str, step: int) -> str:
+    return os.path.join(root, f"manifest-{step:012d}.json")
+
+
+def write_manifest(root: str, manifest: Manifest) -> str:
+    """Atomically publish `manifest` (temp + fsync + rename + directory fsync). Local (rank 0)."""
+    final = manifest_path(root, manifest.step)
+    tmp = os.path.join(root, f".{os.path.basename(final)}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(asdict(manifest), f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    fsync_path(root)
+    return final
+
+
+def load_manifest(path: str) -> Manifest:
+    """Read one manifest; ValueError naming the file when it is not a valid manifest. Local."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return Manifest(**data)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{path}: not a valid mpickpt manifest: {e}") from None
+
+
+def list_manifests(root: str) -> list[Manifest]:
+    """Committed checkpoints under `root`, oldest first; unreadable manifests are skipped with a
+    warning. Local."""
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for name in sorted(os.listdir(root)):
+        if MANIFEST_RE.match(name):
+            try:
+                out.append(load_manifest(os.path.join(root, name)))
+            except ValueError as e:
+                warnings.warn(str(e), stacklevel=2)
+    return sorted(out, key=lambda m: m.step)
+
+
+def referenced_dirs(manifests) -> set[str]:
+    """Top-level checkpoint directories that some manifest needs. Local."""
+    return {path.split("/", 1)[0] for m in manifests for path in m.files}
+
+
+def torn_dirs(root: str, manifests) -> list[str]:
+    """Checkpoint directories no manifest refers to (interrupted or abandoned writes). Local."""
+    if not os.path.isdir(root):
+        return []
+    needed = referenced_dirs(manifests)
+    return sorted(d for d in os.listdir(root)
+                  if d.startswith("step-") and d not in needed
+                  and os.path.isdir(os.path.join(root, d)))
+
+
+def apply_retention(root: str, keep: int) -> list[int]:
+    """Keep the newest `keep` committed checkpoints; delete older manifests first, then every file
+    no retained manifest needs. Returns the deleted steps. Local (rank 0)."""
+    manifests = list_manifests(root)
+    if keep <= 0 or len(manifests) <= keep:
+        return []
+    retired, retained = manifests[:-keep], manifests[-keep:]
+    for m in retired:
+        os.remove(manifest_path(root, m.step))
+    fsync_path(root)
+    needed = referenced_dirs(retained)
+    for d in referenced_dirs(retired) - needed:
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+    return [m.step for m in retired]

@@ -1,0 +1,130 @@
+"""Restore: find the newest valid checkpoint (or a chosen step) and load this rank's rows.
+
+Shards are keyed by global row id, so a checkpoint written by N ranks loads onto M ranks: every rank
+computes the global-id ranges it owns under the *current* plan and reads, from each shard file, only
+the rows in those ranges (plus the checksum blocks around them).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpickpt.store.errors import CheckpointError
+from mpickpt.store.manifest import Manifest, list_manifests, torn_dirs
+from mpickpt.store.shard_file import open_shard, read_all, read_rows
+
+
+@dataclass
+class LoadedState:
+    """One rank's part of a checkpoint, ready to apply to the model."""
+
+    step: int
+    rows: dict[str, np.ndarray]
+    dense: dict[str, np.ndarray]
+    rng: dict[str, bytes]
+    manifest: Manifest
+
+
+def check_files(root: str, manifest: Manifest, paths=None) -> None:
+    """Every listed file exists with the size the manifest records. Local."""
+    for rel in paths if paths is not None else manifest.files:
+        path = os.path.join(root, rel)
+        if not os.path.exists(path):
+            raise CheckpointError(f"{path}: file of checkpoint step {manifest.step} is missing")
+        size, want = os.path.getsize(path), manifest.files[rel]["size"]
+        if size != want:
+            raise CheckpointError(f"{path}: {size} bytes, the manifest of step {manifest.step} "
+                                  f"records {want} (truncated or overwritten)")
+
+
+def check_compatible(manifest: Manifest, plan, dim: int, row_names) -> None:
+    """The checkpoint fits the model being restored. Local."""
+    if list(manifest.plan["table_sizes"]) != list(plan.table_sizes):
+        raise CheckpointError(f"checkpoint step {manifest.step} has tables "
+                              f"{manifest.plan['table_sizes']}, the model has {list(plan.table_sizes)}")
+    if manifest.dim != dim:
+        raise CheckpointError(f"checkpoint step {manifest.step} has embedding dimension "
+                              f"{manifest.dim}, the model has {dim}")
+    saved = sorted(manifest.stats.get("row_arrays", []))
+    if saved and saved != sorted(row_names):
+        raise CheckpointError(f"checkpoint step {manifest.step} saved {saved} per row "
+                              f"(optimizer {manifest.optimizer}); the model needs {sorted(row_names)}")
+
+
+def owned_ranges(plan, rank: int) -> list[tuple[int, int, int, int]]:
+    """(table, first global id, end global id, first local row) of each shard of `rank`. Local."""
+    off = plan.table_offsets
+    return [(s.table, int(off[s.table] + s.row_start), int(off[s.table] + s.row_end), s.local_start)
+            for s in plan.shards_of(rank)]
+
+
+def load_rows(root: str, manifest: Manifest, plan, rank: int, templates: dict) -> dict:
+    """This rank's rows under `plan`, read from every shard file of `manifest`. Local.
+
+    `templates` maps row-array names to (shape tail, dtype)."""
+    n = plan.local_rows(rank)
+    out = {k: np.empty((n, *tail), dtype=dt) for k, (tail, dt) in templates.items()}
+    filled = np.zeros(n, dtype=bool)
+    ranges = owned_ranges(plan, rank)
+    for rel in manifest.shard_files():
+        path = os.path.join(root, rel)
+        with open_shard(path) as f:
+            for table, g0, g1, local0 in ranges:
+                group = f.get(f"tables/{table}")
+                if group is None or group.attrs["gid_max"] < g0 or group.attrs["gid_min"] >= g1:
+                    continue
+                gids = read_all(group["gids"], path)
+                i0, i1 = np.searchsorted(gids, [g0, g1])
+                if i1 > i0:
+                    local = local0 + gids[i0:i1] - g0
+                    for name in out:
+                        out[name][local] = read_rows(group[name], int(i0), int(i1), path)
+                    filled[local] = True
+    if not filled.all():
+        missing = plan.local_to_global(rank, np.nonzero(~filled)[0][:5])
+        raise CheckpointError(f"checkpoint step {manifest.step} lacks {int((~filled).sum())} rows "
+                              f"of rank {rank}, e.g. global ids {missing.tolist()}")
+    return out
+
+
+def load_dense(root: str, manifest: Manifest) -> dict[str, np.ndarray]:
+    """Every dataset under /dense of the dense file, verified. Local."""
+    path = os.path.join(root, manifest.dense_file())
+    out = {}
+    with open_shard(path) as f:
+        names: list[str] = []
+        f["dense"].visititems(lambda n, o: names.append(n) if hasattr(o, "shape")
+                              and not n.endswith(".crc") else None)
+        for name in names:
+            out[name] = read_all(f["dense"][name], path)
+    return out
+
+
+def load_rng(root: str, manifest: Manifest, rank: int) -> dict[str, bytes]:
+    """RNG states saved by the same rank number, if that rank existed. Local."""
+    for rel, meta in manifest.files.items():
+        if meta["role"] == "shard" and meta["rank"] == rank and meta["part"] == 0:
+            path = os.path.join(root, rel)
+            with open_shard(path) as f:
+                extra = f.get("extra")
+                return {} if extra is None else {k: read_all(extra[k], path).tobytes()
+                                                 for k in extra if not k.endswith(".crc")}
+    return {}
+
+
+def load_checkpoint(root: str, manifest: Manifest, plan, rank: int, dim: int,
+                    templates: dict) -> LoadedState:
+    """Everything this rank needs from one checkpoint; CheckpointError on any problem. Local."""
+    check_compatible(manifest, plan, dim, templates)
+    check_files(root, manifest)
+    rows = load_rows(root, manifest, plan, rank, templates)
+    return LoadedState(manifest.step, rows, load_dense(root, manifest),
+                       load_rng(root, manifest, rank), manifest)
+
+
+def committed(root: str) -> tuple[list[Manifest], list[str]]:
+    """(committed manifests oldest first, torn checkpoint directories). Local."""
+    manifests = list_manifests(root)
+    return manifests, torn_dirs(root, manifests)

@@ -1,0 +1,132 @@
+"""HDF5 shard files: one per rank (and writer part) per checkpoint.
+
+Layout of a shard file::
+
+    /                      attrs: format_version, step, kind, codec, rank, part, world_size, ...
+    /tables/<t>/gids       int64 (n,)   global row ids, ascending
+    /tables/<t>/values     float32 (n, D)
+    /tables/<t>/state/<s>  optimizer state per row, e.g. adagrad_sum (n,), momentum (n, D)
+    /extra/<name>          small per-rank arrays (RNG states)
+    /dense/<name>          replicated dense state (only in the dense file)
+
+Every dataset is written in blocks of `BLOCK_ROWS` rows and carries the CRC32 of each block in a
+sibling dataset ``<name>.crc`` (uint32), so a reader that needs only some rows verifies only the
+blocks it reads. Only background writer processes and restore open these files.
+"""
+from __future__ import annotations
+
+import os
+import zlib
+
+import h5py
+import numpy as np
+
+from mpickpt.store.errors import CheckpointCorruptError, CheckpointError
+
+FORMAT_VERSION = 1
+BLOCK_ROWS = 1 << 16
+CRC_SUFFIX = ".crc"
+
+
+def block_crcs(array: np.ndarray, block_rows: int = BLOCK_ROWS) -> np.ndarray:
+    """CRC32 of each block of `block_rows` rows of a C-contiguous array. Local."""
+    n = array.shape[0]
+    out = np.empty(max(1, -(-n // block_rows)), dtype=np.uint32)
+    for i, a in enumerate(range(0, max(n, 1), block_rows)):
+        out[i] = zlib.crc32(memoryview(np.ascontiguousarray(array[a:a + block_rows])).cast("B"))
+    return out
+
+
+def write_dataset(group: h5py.Group, name: str, array: np.ndarray, progress=None) -> int:
+    """Write `array` block by block with per-block CRCs; returns bytes written. Local."""
+    scalar = array.ndim == 0
+    array = array.reshape(1) if scalar else array
+    n = array.shape[0]
+    chunks = (min(max(n, 1), BLOCK_ROWS), *array.shape[1:]) if n else None
+    ds = group.create_dataset(name, shape=array.shape, dtype=array.dtype, chunks=chunks)
+    crcs = np.empty(max(1, -(-n // BLOCK_ROWS)), dtype=np.uint32)
+    for i, a in enumerate(range(0, max(n, 1), BLOCK_ROWS)):
+        block = np.ascontiguousarray(array[a:a + BLOCK_ROWS])
+        if block.shape[0]:
+            ds[a:a + block.shape[0]] = block
+        crcs[i] = zlib.crc32(memoryview(block).cast("B"))
+        if progress is not None:
+            progress(block.nbytes)
+    group.create_dataset(name + CRC_SUFFIX, data=crcs)
+    if scalar:
+        ds.attrs["scalar"] = True
+    return array.nbytes
+
+
+def read_rows(ds: h5py.Dataset, start: int, stop: int, path: str) -> np.ndarray:
+    """Rows [start, stop) of `ds`, verifying the CRC of every block they touch. Local."""
+    first, last = start // BLOCK_ROWS, max(start, stop - 1) // BLOCK_ROWS
+    a, b = first * BLOCK_ROWS, min(ds.shape[0], (last + 1) * BLOCK_ROWS)
+    try:
+        data = ds[a:b]
+        crcs = ds.parent[_leaf(ds) + CRC_SUFFIX][first:last + 1]
+    except (OSError, KeyError) as e:
+        raise CheckpointCorruptError(f"{path}: dataset {ds.name} cannot be read: {e}") from None
+    got = block_crcs(data)
+    if len(got) != len(crcs) or not np.array_equal(got, crcs):
+        bad = first + (int(np.argmax(got != crcs)) if len(got) == len(crcs) else 0)
+        raise CheckpointCorruptError(
+            f"{path}: dataset {ds.name} fails its checksum in rows "
+            f"{bad * BLOCK_ROWS}..{min(ds.shape[0], (bad + 1) * BLOCK_ROWS) - 1}")
+    return data[start - a:stop - a]
+
+
+def read_all(ds: h5py.Dataset, path: str) -> np.ndarray:
+    """The whole dataset, checksum-verified (0-d arrays come back 0-d). Local."""
+    data = read_rows(ds, 0, ds.shape[0], path)
+    return data.reshape(()) if ds.attrs.get("scalar", False) else data
+
+
+def _leaf(ds: h5py.Dataset) -> str:
+    return ds.name.rsplit("/", 1)[-1]
+
+
+def open_shard(path: str) -> h5py.File:
+    """Open a shard for reading; a missing, truncated or non-HDF5 file raises CheckpointError. Local."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: shard file is missing")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as e:
+        raise CheckpointCorruptError(f"{path}: not a readable HDF5 file (truncated or corrupted): "
+                                     f"{e}") from None
+    if f.attrs.get("format_version") != FORMAT_VERSION:
+        f.close()
+        raise CheckpointError(f"{path}: format_version {f.attrs.get('format_version')!r}, "
+                              f"expected {FORMAT_VERSION}")
+    return f
+
+
+def verify_file(path: str) -> list[str]:
+    """Check every dataset's block checksums; returns the problems found (empty when sound). Local."""
+    try:
+        f = open_shard(path)
+    except CheckpointError as e:
+        return [str(e)]
+    problems: list[str] = []
+    with f:
+        names: list[str] = []
+        f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset)
+                     and not n.endswith(CRC_SUFFIX) else None)
+        for name in names:
+            try:
+                read_all(f[name], path)
+            except CheckpointError as e:
+                problems.append(str(e))
+            except KeyError:
+                problems.append(f"{path}: dataset /{name} has no checksum dataset")
+    return problems
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file or directory by path. Local."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
