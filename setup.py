@@ -19,5 +19,6 @@ setup(
         "mpich": ["mpich"],
         "bench": ["matplotlib>=3.6"],
     },
-    entry_points={"console_scripts": ["mpickpt-train=mpickpt.train:main"]},
+    entry_points={"console_scripts": ["mpickpt-train=mpickpt.train:main",
+                                      "mpickpt=mpickpt.cli:main"]},
 )

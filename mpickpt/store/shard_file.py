@@ -4,7 +4,7 @@ Layout of a shard file::
 
     /                      attrs: format_version, step, kind, codec, rank, part, world_size, ...
     /tables/<t>/gids       int64 (n,)   global row ids, ascending
-    /tables/<t>/values     float32 (n, D)
+    /tables/<t>/weight     float32 (n, D)
     /tables/<t>/state/<s>  optimizer state per row, e.g. adagrad_sum (n,), momentum (n, D)
     /extra/<name>          small per-rank arrays (RNG states)
     /dense/<name>          replicated dense state (only in the dense file)
@@ -95,10 +95,10 @@ def open_shard(path: str) -> h5py.File:
     except OSError as e:
         raise CheckpointCorruptError(f"{path}: not a readable HDF5 file (truncated or corrupted): "
                                      f"{e}") from None
-    if f.attrs.get("format_version") != FORMAT_VERSION:
+    version = f.attrs.get("format_version")
+    if version != FORMAT_VERSION:
         f.close()
-        raise CheckpointError(f"{path}: format_version {f.attrs.get('format_version')!r}, "
-                              f"expected {FORMAT_VERSION}")
+        raise CheckpointError(f"{path}: format_version {version!r}, expected {FORMAT_VERSION}")
     return f
 
 
@@ -118,8 +118,6 @@ def verify_file(path: str) -> list[str]:
                 read_all(f[name], path)
             except CheckpointError as e:
                 problems.append(str(e))
-            except KeyError:
-                problems.append(f"{path}: dataset /{name} has no checksum dataset")
     return problems
 
 

@@ -1,0 +1,143 @@
+"""`mpickpt`: list, inspect, verify and export checkpoints written by mpickpt training.
+
+    mpickpt ls DIR
+    mpickpt inspect DIR [--step N] [--json]
+    mpickpt verify DIR [--step N]
+    mpickpt export DIR [--step N] -o FILE [--with-optimizer]
+
+Local: runs without mpiexec and never imports mpi4py (or torch). Exit status: 0 success, 1 when
+verify finds problems or export meets a damaged checkpoint, 2 for usage errors (bad arguments, a
+missing directory, an unknown step).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from mpickpt.store.catalog import NoSuchCheckpoint, listing, scan, select
+from mpickpt.store.describe import describe, format_text
+from mpickpt.store.errors import CheckpointError
+from mpickpt.store.export import export_checkpoint
+from mpickpt.store.verify import verify_checkpoint
+
+PROG = "mpickpt"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with one subparser per command. Local."""
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("ls", help="list checkpoints with their status (sizes only, fast)")
+    p.add_argument("dir", metavar="DIR", help="checkpoint root (--ckpt-dir of training)")
+    p = sub.add_parser("inspect", help="describe one checkpoint")
+    add_dir_step(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p = sub.add_parser("verify", help="check files, checksums and structure; exit 1 on problems")
+    add_dir_step(p, default_help="every committed checkpoint")
+    p = sub.add_parser("export", help="write one checkpoint's model as a single HDF5 file")
+    add_dir_step(p)
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="HDF5 file to write")
+    p.add_argument("--with-optimizer", action="store_true",
+                   help="also export sparse and dense optimizer state")
+    return parser
+
+
+def add_dir_step(p: argparse.ArgumentParser, default_help: str = "the newest intact one") -> None:
+    p.add_argument("dir", metavar="DIR", help="checkpoint root (--ckpt-dir of training)")
+    p.add_argument("--step", type=int, default=None,
+                   help=f"checkpoint step (default: {default_help})")
+
+
+def cmd_ls(args) -> int:
+    rows = listing(scan(args.dir))
+    print(f"{'STEP':>12}  {'KIND':<6} {'RANKS':>5} {'FILES':>5} {'SIZE_MB':>9}  STATUS")
+    for r in rows:
+        step = "?" if r["step"] is None else r["step"]
+        ranks = "-" if r["world_size"] is None else r["world_size"]
+        print(f"{step:>12}  {r['kind'] or '-':<6} {ranks:>5} {r['files']:>5} "
+              f"{r['bytes'] / 1e6:>9.2f}  {r['status']}")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    cat = scan(args.dir)
+    manifest, note = select(cat, args.step)
+    if note:
+        print(f"{PROG}: note: {note}", file=sys.stderr)
+    info = describe(args.dir, manifest)
+    if args.json:
+        print(json.dumps(info, indent=1, sort_keys=True))
+    else:
+        print("\n".join(format_text(info)))
+    return 0
+
+
+def cmd_verify(args) -> int:
+    cat = scan(args.dir)
+    manifests = [select(cat, args.step)[0]] if args.step is not None else cat.manifests
+    if not manifests and not cat.bad_manifests:
+        select(cat, None)  # raises NoSuchCheckpoint: nothing committed to verify
+    bad = 0 if args.step is not None else len(cat.bad_manifests)
+    for _, message in cat.bad_manifests if args.step is None else []:
+        print(f"error: {message}")
+    for d in cat.torn:
+        print(f"warning: {os.path.join(args.dir, d)}: torn checkpoint directory "
+              f"(no manifest refers to it)")
+    for m in manifests:
+        problems = verify_checkpoint(args.dir, m)
+        bad += bool(problems)
+        print("\n".join(f"step {m.step}: {p}" for p in problems) or f"step {m.step}: OK")
+    print(summary(len(manifests) + (len(cat.bad_manifests) if args.step is None else 0), bad,
+                  len(cat.torn)))
+    return 1 if bad else 0
+
+
+def summary(checked: int, bad: int, torn: int) -> str:
+    warn = f", {torn} torn director{'y' if torn == 1 else 'ies'} (warning)" if torn else ""
+    return f"{checked} checkpoint(s) checked, {bad} with problems{warn}"
+
+
+def cmd_export(args) -> int:
+    out = args.output
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent) or os.path.isdir(out):
+        raise NoSuchCheckpoint(f"{out}: cannot write the export there "
+                               f"({'is a directory' if os.path.isdir(out) else 'no such directory'})")
+    cat = scan(args.dir)
+    manifest, note = select(cat, args.step)
+    if note:
+        print(f"{PROG}: note: {note}", file=sys.stderr)
+    result = export_checkpoint(args.dir, manifest, out, with_optimizer=args.with_optimizer)
+    print(f"exported step {manifest.step}: {result['tables']} tables, {result['rows']} rows "
+          f"-> {out} ({result['bytes'] / 1e6:.2f} MB)")
+    return 0
+
+
+COMMANDS = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "export": cmd_export}
+
+
+def main(argv=None) -> int:
+    """Entry point of the `mpickpt` console script and `python -m mpickpt.cli`. Local."""
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except NoSuchCheckpoint as e:
+        return fail(str(e), 2)
+    except CheckpointError as e:
+        return fail(str(e), 1)
+    except BrokenPipeError:  # output piped into e.g. `head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as e:
+        return fail(f"{e.filename or args.dir}: {e.strerror or e}", 1)
+
+
+def fail(message: str, code: int) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

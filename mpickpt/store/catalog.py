@@ -1,0 +1,142 @@
+"""Catalog: what a checkpoint root holds, and how sound each checkpoint looks from the outside.
+
+Only directory listings, manifests and file sizes are read here (no HDF5, no checksums), so listing a
+root is fast however large its checkpoints are. Local: nothing here uses MPI.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from mpickpt.store.manifest import MANIFEST_RE, Manifest, load_manifest, torn_dirs
+
+STEP_DIR_RE = re.compile(r"^step-(\d+)")
+
+
+class NoSuchCheckpoint(LookupError):
+    """The root or the requested step does not exist (a usage error, not a damaged checkpoint)."""
+
+
+@dataclass
+class Catalog:
+    """Everything found under one checkpoint root."""
+
+    root: str
+    manifests: list[Manifest] = field(default_factory=list)
+    """Readable manifests, oldest step first."""
+    bad_manifests: list[tuple[int, str]] = field(default_factory=list)
+    """(step from the file name, message naming the file) of every unreadable manifest."""
+    torn: list[str] = field(default_factory=list)
+    """`step-*` directories no readable manifest refers to."""
+
+    def steps(self) -> list[int]:
+        return [m.step for m in self.manifests]
+
+
+def scan(root: str) -> Catalog:
+    """Read every manifest under `root`; NoSuchCheckpoint when `root` is not a directory. Local."""
+    if not os.path.isdir(root):
+        what = "is not a directory" if os.path.exists(root) else "does not exist"
+        raise NoSuchCheckpoint(f"{root}: checkpoint directory {what}")
+    cat = Catalog(root)
+    for name in sorted(os.listdir(root)):
+        if MANIFEST_RE.match(name):
+            try:
+                cat.manifests.append(load_manifest(os.path.join(root, name)))
+            except ValueError as e:
+                cat.bad_manifests.append((int(MANIFEST_RE.match(name).group(1)), str(e)))
+    cat.manifests.sort(key=lambda m: m.step)
+    cat.torn = torn_dirs(root, cat.manifests)
+    return cat
+
+
+def file_problems(root: str, manifest: Manifest) -> list[tuple[str, str]]:
+    """(relative path, 'missing' | 'size mismatch') of every listed file that is not as recorded.
+
+    Local; sizes only, no file is opened."""
+    out = []
+    for rel, meta in sorted(manifest.files.items()):
+        path = os.path.join(root, rel)
+        if not os.path.isfile(path):
+            out.append((rel, "missing"))
+        elif os.path.getsize(path) != meta["size"]:
+            out.append((rel, "size mismatch"))
+    return out
+
+
+def file_problem_messages(root: str, manifest: Manifest) -> list[str]:
+    """`file_problems` as messages naming the full path, the sizes and the step. Local."""
+    out = []
+    for rel, kind in file_problems(root, manifest):
+        path, want = os.path.join(root, rel), manifest.files[rel]["size"]
+        if kind == "missing":
+            out.append(f"{path}: file of checkpoint step {manifest.step} is missing")
+        else:
+            out.append(f"{path}: {os.path.getsize(path)} bytes, the manifest of step "
+                       f"{manifest.step} records {want} (truncated or overwritten)")
+    return out
+
+
+def status(root: str, manifest: Manifest) -> str:
+    """'committed', or 'damaged (<problem>: <file>; ...)' from existence and sizes only. Local."""
+    problems = file_problems(root, manifest)
+    if not problems:
+        return "committed"
+    return "damaged (" + "; ".join(f"{kind}: {rel}" for rel, kind in problems) + ")"
+
+
+def is_sound(root: str, manifest: Manifest) -> bool:
+    """Every listed file exists with its recorded size. Local."""
+    return not file_problems(root, manifest)
+
+
+def dir_step(name: str) -> int | None:
+    """The step encoded in a `step-<12 digits>-<id>` directory name, or None. Local."""
+    match = STEP_DIR_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def dir_usage(path: str) -> tuple[int, int]:
+    """(number of files, total bytes) directly inside `path`. Local."""
+    files = [os.path.join(path, n) for n in os.listdir(path)]
+    sizes = [os.path.getsize(p) for p in files if os.path.isfile(p)]
+    return len(sizes), sum(sizes)
+
+
+def listing(cat: Catalog) -> list[dict]:
+    """One row per committed checkpoint and per torn directory, sorted by step. Local."""
+    rows = [{"step": m.step, "kind": m.kind, "world_size": m.world_size, "files": len(m.files),
+             "bytes": m.total_bytes(), "status": status(cat.root, m), "ckpt_id": m.ckpt_id}
+            for m in cat.manifests]
+    rows += [{"step": step, "kind": None, "world_size": None, "files": 0, "bytes": 0,
+              "status": "unreadable manifest", "ckpt_id": None} for step, _ in cat.bad_manifests]
+    for d in cat.torn:
+        nfiles, nbytes = dir_usage(os.path.join(cat.root, d))
+        rows.append({"step": dir_step(d), "kind": None, "world_size": None, "files": nfiles,
+                     "bytes": nbytes, "status": "torn (no manifest)", "ckpt_id": d})
+    return sorted(rows, key=lambda r: (r["step"] is None, r["step"] or 0, r["kind"] is None))
+
+
+def select(cat: Catalog, step: int | None) -> tuple[Manifest, str | None]:
+    """The manifest of `step`, or by default the newest whose files are all present and complete.
+
+    Returns (manifest, note); the note says when the newest checkpoint was passed over (or when no
+    sound one exists and the newest is returned anyway). NoSuchCheckpoint when there is nothing to
+    choose. Local."""
+    if not cat.manifests:
+        raise NoSuchCheckpoint(f"{cat.root}: no committed checkpoint (no readable manifest-*.json)")
+    if step is not None:
+        for m in cat.manifests:
+            if m.step == step:
+                return m, None
+        steps = ", ".join(str(s) for s in cat.steps())
+        raise NoSuchCheckpoint(f"{cat.root}: no committed checkpoint at step {step}; "
+                               f"committed steps: {steps}")
+    newest = cat.manifests[-1]
+    for m in reversed(cat.manifests):
+        if is_sound(cat.root, m):
+            note = None if m is newest else (f"newest checkpoint step {newest.step} is "
+                                             f"{status(cat.root, newest)}; using step {m.step}")
+            return m, note
+    return newest, f"no checkpoint has all its files intact; using the newest, step {newest.step}"

@@ -1,0 +1,147 @@
+"""Describe: a JSON-friendly summary of one checkpoint, for `mpickpt inspect`.
+
+Reads the manifest, file sizes and HDF5 metadata (group names, shapes, dtypes); no dataset is read
+and no checksum is computed. Local: nothing here uses MPI.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import re
+
+from mpickpt.store.catalog import status
+from mpickpt.store.manifest import Manifest
+from mpickpt.store.shard_file import open_shard
+from mpickpt.store.tables import (READ_ERRORS, dataset_shape, error_text, group_datasets,
+                                  rows_per_rank, table_groups, table_sizes)
+
+
+def describe(root: str, manifest: Manifest) -> dict:
+    """Everything `inspect` shows about `manifest`'s checkpoint under `root`. Local."""
+    sizes = table_sizes(manifest)
+    found, file_errors = table_rows_found(root, manifest)
+    dense, dense_error = dense_datasets(root, manifest)
+    return {
+        "root": os.path.abspath(root),
+        "step": manifest.step,
+        "ckpt_id": manifest.ckpt_id,
+        "kind": manifest.kind,
+        "codec": manifest.codec,
+        "created": iso_time(manifest.created),
+        "status": status(root, manifest),
+        "world_size": manifest.world_size,
+        "dim": manifest.dim,
+        "optimizer": manifest.optimizer,
+        "num_tables": len(sizes),
+        "total_rows": sum(sizes),
+        "table_sizes": sizes,
+        "parents": list(manifest.parents),
+        "layout": {str(r): v for r, v in sorted(rows_per_rank(manifest).items())},
+        "reader_state": manifest.reader_state,
+        "stats": manifest.stats,
+        "files": file_entries(root, manifest),
+        "tables": [{"table": t, "size": n, "rows_found": found.get(t, 0)}
+                   for t, n in enumerate(sizes)] + extra_tables(found, len(sizes)),
+        "dense": dense,
+        "errors": file_errors + ([dense_error] if dense_error else []),
+    }
+
+
+def iso_time(timestamp: float) -> str:
+    """Local time with its UTC offset, to the second. Local."""
+    return datetime.datetime.fromtimestamp(timestamp).astimezone().isoformat(timespec="seconds")
+
+
+def file_entries(root: str, manifest: Manifest) -> list[dict]:
+    """Every listed file with its recorded size, role, rank, part and what is on disk. Local."""
+    out = []
+    for rel, meta in sorted(manifest.files.items()):
+        path = os.path.join(root, rel)
+        actual = os.path.getsize(path) if os.path.isfile(path) else None
+        state = ("missing" if actual is None else "ok" if actual == meta["size"]
+                 else f"size mismatch ({actual} bytes on disk)")
+        out.append({"path": rel, "size": meta["size"], "role": meta["role"],
+                    "rank": meta.get("rank"), "part": meta.get("part"), "state": state})
+    return out
+
+
+def table_rows_found(root: str, manifest: Manifest) -> tuple[dict[int, int], list[str]]:
+    """(table -> rows present over all readable shard files, errors of unreadable files). Local."""
+    found: dict[int, int] = {}
+    errors: list[str] = []
+    for rel in manifest.shard_files():
+        path = os.path.join(root, rel)
+        if not os.path.isfile(path):
+            errors.append(f"{path}: shard file is missing")
+            continue
+        try:
+            with open_shard(path) as f:
+                for table, group in table_groups(f).items():
+                    found[table] = found.get(table, 0) + int(group["gids"].shape[0])
+        except READ_ERRORS as e:
+            errors.append(error_text(path, e))
+    return found, errors
+
+
+def extra_tables(found: dict[int, int], num_tables: int) -> list[dict]:
+    """Tables present in shard files but not in the manifest's plan. Local."""
+    return [{"table": t, "size": None, "rows_found": n}
+            for t, n in sorted(found.items()) if t >= num_tables]
+
+
+def dense_datasets(root: str, manifest: Manifest) -> tuple[list[dict], str | None]:
+    """([{"name", "shape", "dtype"}] of the dense file's /dense datasets, error or None). Local."""
+    rels = [k for k, v in manifest.files.items() if v["role"] == "dense"]
+    if not rels:
+        return [], f"{root}: the manifest of step {manifest.step} lists no dense file"
+    path = os.path.join(root, rels[0])
+    try:
+        with open_shard(path) as f:
+            group = f.get("dense")
+            if group is None:
+                return [], f"{path}: has no /dense group"
+            return [{"name": name, "shape": list(dataset_shape(ds)), "dtype": str(ds.dtype)}
+                    for name, ds in sorted(group_datasets(group).items(),
+                                           key=lambda item: natural_key(item[0]))], None
+    except READ_ERRORS as e:
+        return [], error_text(path, e)
+
+
+def natural_key(name: str) -> list:
+    """Sort key that orders 'opt/2' before 'opt/10'. Local."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", name)]
+
+
+def format_text(info: dict) -> list[str]:
+    """`describe`'s result as the lines `inspect` prints. Local."""
+    mb = sum(f["size"] for f in info["files"]) / 1e6
+    lines = [f"checkpoint   {info['root']}/{info['ckpt_id']}",
+             f"step         {info['step']}",
+             f"kind         {info['kind']}",
+             f"codec        {info['codec']}",
+             f"created      {info['created']}",
+             f"status       {info['status']}",
+             f"world size   {info['world_size']}",
+             f"dim          {info['dim']}",
+             f"optimizer    {info['optimizer']}",
+             f"tables       {info['num_tables']} ({info['total_rows']} rows): "
+             f"{', '.join(str(n) for n in info['table_sizes'])}",
+             f"size         {mb:.2f} MB in {len(info['files'])} files"]
+    if info["parents"]:
+        lines.append(f"parents      {', '.join(str(p) for p in info['parents'])}")
+    lines.append("layout (rows per rank):")
+    lines += [f"  rank {r}: {v['rows']} rows, tables {' '.join(v['pieces']) or '-'}"
+              for r, v in info["layout"].items()]
+    lines.append("reader state:")
+    lines += [f"  {k}: {v}" for k, v in sorted(info["reader_state"].items())]
+    lines.append("stats:")
+    lines += [f"  {k}: {v}" for k, v in sorted(info["stats"].items())]
+    lines.append("files:")
+    lines += [f"  {f['path']}  {f['size']} bytes  {f['role']} rank {f['rank']} part {f['part']}"
+              f"  {f['state']}" for f in info["files"]]
+    lines.append("rows per table in the shard files:")
+    lines += [f"  table {t['table']}: {t['rows_found']} of {t['size']} rows" for t in info["tables"]]
+    lines.append("dense datasets:")
+    lines += [f"  {d['name']}  {tuple(d['shape'])}  {d['dtype']}" for d in info["dense"]]
+    lines += [f"error: {e}" for e in info["errors"]]
+    return lines

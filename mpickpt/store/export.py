@@ -1,0 +1,163 @@
+"""Export: one checkpoint as a single plain HDF5 file keyed by (table, row), for use outside mpickpt.
+
+Layout of the export::
+
+    /                          attrs: step, kind, codec, dim, table_sizes, optimizer, world_size,
+                                      ckpt_id, source_dir, format
+    /embeddings/table_<t>      float32 (rows of t, D); row i is row i of table t
+    /optimizer/table_<t>/<s>   sparse optimizer state of table t (with_optimizer)
+    /optimizer/dense/<i>/<k>   dense optimizer state of the i-th dense parameter (with_optimizer)
+    /dense/<param name>        dense parameters
+
+Tables are assembled one at a time from all shard files by global id, reading block by block with
+checksum verification; any missing, truncated or corrupted input raises CheckpointError naming the
+file, and no output is left behind. Local: nothing here uses MPI.
+"""
+from __future__ import annotations
+
+import os
+
+import h5py
+import numpy as np
+
+from mpickpt.store.errors import CheckpointError
+from mpickpt.store.manifest import Manifest
+from mpickpt.store.restore import check_files
+from mpickpt.store.shard_file import BLOCK_ROWS, open_shard, read_all, read_rows
+from mpickpt.store.tables import (READ_ERRORS, error_text, group_datasets, row_array_names,
+                                  shard_index, table_offsets)
+from mpickpt.store.verify import id_ranges
+
+EXPORT_FORMAT = "mpickpt-export-1"
+
+
+def export_checkpoint(root: str, manifest: Manifest, out: str, with_optimizer: bool = False) -> dict:
+    """Write the checkpoint's model as one HDF5 file at `out` (temp name, then rename).
+
+    Returns {"tables": n, "rows": total rows, "bytes": size of `out`}. Local."""
+    check_files(root, manifest)
+    index, errors = shard_index(root, manifest)
+    if errors:
+        raise CheckpointError(next(iter(errors.values())))
+    tmp = os.path.join(os.path.dirname(out) or ".", f".{os.path.basename(out)}.tmp-{os.getpid()}")
+    try:
+        with h5py.File(tmp, "w") as f:
+            write_attrs(f, root, manifest)
+            write_tables(f, manifest, index, with_optimizer)
+            write_dense(f, root, manifest, with_optimizer)
+        os.replace(tmp, out)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
+    offsets = table_offsets(manifest)
+    return {"tables": len(offsets) - 1, "rows": int(offsets[-1]), "bytes": os.path.getsize(out)}
+
+
+def write_attrs(f: h5py.File, root: str, manifest: Manifest) -> None:
+    """Root attributes describing where the export came from. Local."""
+    f.attrs.update({"format": EXPORT_FORMAT, "step": manifest.step, "kind": manifest.kind,
+                    "codec": manifest.codec, "dim": manifest.dim, "optimizer": manifest.optimizer,
+                    "table_sizes": np.asarray(manifest.plan["table_sizes"], dtype=np.int64),
+                    "world_size": manifest.world_size, "ckpt_id": manifest.ckpt_id,
+                    "source_dir": os.path.abspath(root)})
+
+
+def write_tables(f: h5py.File, manifest: Manifest, index: dict[int, list[str]],
+                 with_optimizer: bool) -> None:
+    """Assemble and write every table, one in memory at a time. Local."""
+    names = ["weight"] + ([n for n in row_array_names(manifest) if n != "weight"]
+                          if with_optimizer else [])
+    offsets = table_offsets(manifest)
+    for t in range(len(offsets) - 1):
+        arrays = assemble_table(manifest, t, index.get(t, []), names)
+        f.create_dataset(f"embeddings/table_{t}", data=arrays.pop("weight"))
+        for name, array in arrays.items():
+            f.create_dataset(f"optimizer/table_{t}/{name.removeprefix('state/')}", data=array)
+
+
+def assemble_table(manifest: Manifest, table: int, paths: list[str],
+                   names: list[str]) -> dict[str, np.ndarray]:
+    """Rows 0..size-1 of `table` for each row array in `names`, from the shard files `paths`.
+
+    CheckpointError when a row is missing, duplicated, or fails its checksum. Local."""
+    offsets = table_offsets(manifest)
+    g0, size = int(offsets[table]), int(offsets[table + 1] - offsets[table])
+    out: dict[str, np.ndarray] = {}
+    filled = np.zeros(size, dtype=bool)
+    for path in paths:
+        try:
+            with open_shard(path) as f:
+                rows = place_group(f[f"tables/{table}"], path, g0, size, filled, names, out)
+        except CheckpointError:
+            raise
+        except READ_ERRORS as e:
+            raise CheckpointError(error_text(path, e)) from None
+        filled[rows] = True
+    if not filled.all():
+        missing = np.nonzero(~filled)[0]
+        raise CheckpointError(f"checkpoint step {manifest.step}: table {table} rows "
+                              f"{id_ranges(missing)} ({missing.size} rows) are in no shard file")
+    return out
+
+
+def place_group(group: h5py.Group, path: str, g0: int, size: int, filled: np.ndarray,
+                names: list[str], out: dict[str, np.ndarray]) -> np.ndarray:
+    """Copy one file's rows of a table into `out` by global id; returns the table rows. Local."""
+    rows = read_all(group["gids"], path) - g0
+    where = f"{path}: group {group.name}"
+    if rows.size and (rows.min() < 0 or rows.max() >= size):
+        raise CheckpointError(f"{where}: global ids outside the table (rows {rows.min()}.."
+                              f"{rows.max()} of {size})")
+    if np.any(np.diff(rows) <= 0):
+        raise CheckpointError(f"{where}: gids are not strictly ascending")
+    if filled[rows].any():
+        raise CheckpointError(f"{where}: table rows {id_ranges(rows[filled[rows]])} are also in "
+                              f"another shard file")
+    datasets = group_datasets(group)
+    for name in names:
+        ds = datasets.get(name)
+        if ds is None or ds.shape[0] != rows.size:
+            what = "is missing" if ds is None else f"has {ds.shape[0]} rows, gids {rows.size}"
+            raise CheckpointError(f"{where}: dataset {name} {what}")
+        target = out.setdefault(name, np.zeros((size, *ds.shape[1:]), dtype=ds.dtype))
+        for a in range(0, rows.size, BLOCK_ROWS):
+            b = min(rows.size, a + BLOCK_ROWS)
+            target[rows[a:b]] = read_rows(ds, a, b, path)
+    return rows
+
+
+def write_dense(f: h5py.File, root: str, manifest: Manifest, with_optimizer: bool) -> None:
+    """Dense parameters (and optimizer state) from the dense file, checksum-verified. Local."""
+    for name, array in read_dense(root, manifest, with_optimizer).items():
+        f.create_dataset(name, data=array)
+
+
+def read_dense(root: str, manifest: Manifest, with_optimizer: bool) -> dict[str, np.ndarray]:
+    """Export name -> array of the dense file's parameters (and optimizer state). Local."""
+    rels = [k for k, v in manifest.files.items() if v["role"] == "dense"]
+    if not rels:
+        raise CheckpointError(f"{root}: the manifest of step {manifest.step} lists no dense file")
+    path = os.path.join(root, rels[0])
+    out = {}
+    try:
+        with open_shard(path) as src:
+            params = src.get("dense/param")
+            if params is None or not group_datasets(params):
+                raise CheckpointError(f"{path}: no dense parameters (group /dense/param)")
+            for name, ds in sorted(group_datasets(params).items()):
+                out[f"dense/{name}"] = read_all(ds, path)
+            opt = src.get("dense/opt")
+            for name, ds in sorted(group_datasets(opt).items()) if with_optimizer and opt else []:
+                out[f"optimizer/dense/{name}"] = read_all(ds, path)
+    except CheckpointError:
+        raise
+    except READ_ERRORS as e:
+        raise CheckpointError(error_text(path, e)) from None
+    return out
+
+
+def remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass

@@ -1,0 +1,190 @@
+"""Verify: everything that can be checked about a committed checkpoint without a model.
+
+- files: every file the manifest lists exists with the recorded size;
+- checksums: every dataset of every file matches its per-block CRCs (`verify_file`);
+- structure: file attributes match the manifest, every table group holds gids and the row arrays
+  with equal row counts and the manifest's embedding dimension, the dense file has parameters;
+- coverage: over all shard files, the gids of table t are exactly its global ids, each once.
+
+Every function returns a list of problems (strings naming the file, dataset or table); empty means
+sound. Local: nothing here uses MPI. Memory: one table's gids at a time.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from mpickpt.store.catalog import file_problems, file_problem_messages
+from mpickpt.store.manifest import Manifest
+from mpickpt.store.shard_file import open_shard, read_all, verify_file
+from mpickpt.store.tables import (READ_ERRORS, error_text, group_datasets, row_array_names,
+                                  table_groups, table_offsets)
+
+
+def verify_checkpoint(root: str, manifest: Manifest) -> list[str]:
+    """All problems of one checkpoint (files, checksums, structure, coverage). Local."""
+    problems = manifest_problems(root, manifest) + file_problem_messages(root, manifest)
+    bad = {rel for rel, _ in file_problems(root, manifest)}
+    present = [rel for rel in sorted(manifest.files) if rel not in bad]
+    for rel in present:
+        problems += verify_file(os.path.join(root, rel))
+    index: dict[int, list[str]] = {}
+    for rel in (r for r in manifest.shard_files() if r not in bad):
+        problems += shard_structure(root, rel, manifest, index)
+    unreadable = [rel for rel in manifest.shard_files() if rel in bad]
+    problems += coverage(manifest, index, unreadable)
+    for rel in (r for r in present if manifest.files[r]["role"] == "dense"):
+        problems += dense_structure(os.path.join(root, rel))
+    return dedupe(problems)
+
+
+def manifest_problems(root: str, manifest: Manifest) -> list[str]:
+    """The manifest's own consistency: plan, ranks, and exactly one dense file. Local."""
+    where = os.path.join(root, f"manifest-{manifest.step:012d}.json")
+    out = []
+    if manifest.plan.get("world_size", manifest.world_size) != manifest.world_size:
+        out.append(f"{where}: world_size {manifest.world_size} but the plan is for "
+                   f"{manifest.plan['world_size']} ranks")
+    dense = [k for k, v in manifest.files.items() if v["role"] == "dense"]
+    if len(dense) != 1:
+        out.append(f"{where}: lists {len(dense)} dense files, expected 1")
+    ranks = {v.get("rank") for v in manifest.files.values() if v["role"] == "shard"}
+    if ranks - set(range(manifest.world_size)):
+        out.append(f"{where}: shard files of ranks {sorted(ranks - set(range(manifest.world_size)))}"
+                   f" outside world size {manifest.world_size}")
+    return out
+
+
+def shard_structure(root: str, rel: str, manifest: Manifest,
+                    index: dict[int, list[str]]) -> list[str]:
+    """Attributes, groups, row counts and dims of one shard file; adds its tables to `index`. Local."""
+    path = os.path.join(root, rel)
+    try:
+        with open_shard(path) as f:
+            out = file_attr_problems(path, dict(f.attrs), manifest.files[rel], manifest)
+            for table, group in table_groups(f).items():
+                out += group_problems(path, table, group, manifest)
+                index.setdefault(table, []).append(path)
+            return out
+    except READ_ERRORS as e:
+        return [error_text(path, e)]
+
+
+def file_attr_problems(path: str, attrs: dict, meta: dict, manifest: Manifest) -> list[str]:
+    """The file's step, rank, part and world size agree with the manifest. Local."""
+    want = {"step": manifest.step, "world_size": manifest.world_size,
+            "rank": meta.get("rank"), "part": meta.get("part")}
+    return [f"{path}: attribute {key}={attrs.get(key)!r}, the manifest says {value!r}"
+            for key, value in want.items() if value is not None and attrs.get(key) != value]
+
+
+def group_problems(path: str, table: int, group, manifest: Manifest) -> list[str]:
+    """One table group: known table, expected datasets, equal row counts, the manifest's dim. Local."""
+    where = f"{path}: group /tables/{table}"
+    if table >= len(manifest.plan["table_sizes"]):
+        return [f"{where}: the manifest has only {len(manifest.plan['table_sizes'])} tables"]
+    datasets = group_datasets(group)
+    expected = ["gids", *row_array_names(manifest)]
+    out = [f"{where}: dataset {n} is missing" for n in expected if n not in datasets]
+    out += [f"{where}: unexpected dataset {n}" for n in sorted(set(datasets) - set(expected))]
+    out += [f"{where}: attribute {a} is missing" for a in ("gid_min", "gid_max")
+            if a not in group.attrs]
+    if "gids" not in datasets:
+        return out
+    n = datasets["gids"].shape[0]
+    for name, ds in sorted(datasets.items()):
+        if ds.shape[0] != n:
+            out.append(f"{where}: dataset {name} has {ds.shape[0]} rows, gids has {n}")
+        if name != "gids" and len(ds.shape) > 1 and tuple(ds.shape[1:]) != (manifest.dim,):
+            out.append(f"{where}: dataset {name} has row shape {tuple(ds.shape[1:])}, the "
+                       f"manifest's dim is {manifest.dim}")
+    if "weight" in datasets and len(datasets["weight"].shape) != 2:
+        out.append(f"{where}: dataset weight has shape {datasets['weight'].shape}, expected "
+                   f"(rows, {manifest.dim})")
+    return out
+
+
+def coverage(manifest: Manifest, index: dict[int, list[str]], unreadable: list[str]) -> list[str]:
+    """Per table: the union of gids over all shard files is every global id once. Local."""
+    offsets = table_offsets(manifest)
+    hint = f" (missing or damaged shard files: {', '.join(unreadable)})" if unreadable else ""
+    out = []
+    for t in range(len(offsets) - 1):
+        out += table_coverage(t, int(offsets[t]), int(offsets[t + 1]), index.get(t, []), hint)
+    return out
+
+
+def table_coverage(table: int, g0: int, g1: int, paths: list[str], hint: str) -> list[str]:
+    """Coverage of global ids [g0, g1) of one table by the gids of `paths`. Local."""
+    counts = np.zeros(g1 - g0, dtype=np.int64)
+    out: list[str] = []
+    per_file = {}
+    for path in paths:
+        gids, problems = table_gids(path, table, g0, g1)
+        if gids is None:
+            return problems  # unreadable gids: their checksum problem is reported already
+        out += problems
+        inside = gids[(gids >= g0) & (gids < g1)] - g0
+        np.add.at(counts, inside, 1)
+        per_file[path] = gids
+    gaps = np.nonzero(counts == 0)[0] + g0
+    if gaps.size:
+        out.append(f"table {table}: {gaps.size} of {g1 - g0} global ids are in no shard file: "
+                   f"{id_ranges(gaps)}{hint}")
+    dups = np.nonzero(counts > 1)[0] + g0
+    if dups.size:
+        holders = [os.path.basename(p) for p, g in per_file.items() if np.isin(dups[0], g)]
+        out.append(f"table {table}: {dups.size} global ids are in more than one shard file: "
+                   f"{id_ranges(dups)} (global id {dups[0]} in {', '.join(holders)})")
+    return out
+
+
+def table_gids(path: str, table: int, g0: int, g1: int) -> tuple[np.ndarray | None, list[str]]:
+    """(checksum-verified gids of one table group or None, problems with them). Local."""
+    where = f"{path}: dataset /tables/{table}/gids"
+    try:
+        with open_shard(path) as f:
+            group = f[f"tables/{table}"]
+            gids = read_all(group["gids"], path)
+            attrs = (group.attrs.get("gid_min"), group.attrs.get("gid_max"))
+    except READ_ERRORS:
+        return None, []
+    out = []
+    if gids.size and np.any(np.diff(gids) <= 0):
+        out.append(f"{where}: global ids are not strictly ascending")
+    outside = gids[(gids < g0) | (gids >= g1)]
+    if outside.size:
+        out.append(f"{where}: {outside.size} global ids outside table {table}'s range "
+                   f"{g0}..{g1 - 1}, e.g. {int(outside[0])}")
+    if gids.size and attrs != (gids[0], gids[-1]):
+        out.append(f"{path}: group /tables/{table}: attributes gid_min/gid_max {attrs[0]}/"
+                   f"{attrs[1]}, the gids run from {gids[0]} to {gids[-1]}")
+    return gids, out
+
+
+def dense_structure(path: str) -> list[str]:
+    """The dense file holds at least one parameter under /dense/param. Local."""
+    try:
+        with open_shard(path) as f:
+            params = f.get("dense/param")
+            if params is None or not group_datasets(params):
+                return [f"{path}: no dense parameters (group /dense/param is missing or empty)"]
+    except READ_ERRORS as e:
+        return [error_text(path, e)]
+    return []
+
+
+def id_ranges(ids: np.ndarray, limit: int = 3) -> str:
+    """Sorted ids as 'a..b, c, d..e, +N more ranges'. Local."""
+    breaks = np.nonzero(np.diff(ids) != 1)[0]
+    starts = np.concatenate([[0], breaks + 1])
+    ends = np.concatenate([breaks, [ids.size - 1]])
+    parts = [f"{ids[a]}..{ids[b]}" if b > a else f"{ids[a]}" for a, b in zip(starts, ends)]
+    more = f", +{len(parts) - limit} more ranges" if len(parts) > limit else ""
+    return ", ".join(parts[:limit]) + more
+
+
+def dedupe(problems: list[str]) -> list[str]:
+    """Problems in order, each once. Local."""
+    return list(dict.fromkeys(problems))

@@ -1,0 +1,283 @@
+"""The `mpickpt` command-line tool on a real checkpoint directory (serial tests; the CLI uses no MPI).
+
+One 2-rank training run per module writes checkpoints at steps 10 and 20; tests that damage files
+work on copies of it.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from tests.launch import REPO, run_ranks
+
+SIZES = [300, 200, 100, 50]
+DIM = 8
+TRAIN_FLAGS = ("--arch-embedding-size", "-".join(map(str, SIZES)),
+               "--arch-sparse-feature-size", str(DIM), "--arch-mlp-bot", "13-16-8",
+               "--arch-mlp-top", "16-1", "--mini-batch-size", "32", "--test-num-batches", "0",
+               "--print-freq", "0", "--num-batches", "20", "--ckpt-interval", "10",
+               "--ckpt-keep", "3")
+OFFSETS = np.concatenate([[0], np.cumsum(SIZES)])
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    root = str(tmp_path_factory.mktemp("cli") / "ckpt")
+    proc = run_ranks(2, "mpickpt.train", *TRAIN_FLAGS, "--ckpt-dir", root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return root
+
+
+@pytest.fixture
+def copy(ckpt, tmp_path) -> str:
+    """A private copy of the checkpoint directory, free to damage."""
+    return shutil.copytree(ckpt, str(tmp_path / "copy"))
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "mpickpt.cli", *args], capture_output=True,
+                          text=True, timeout=60, env=env)
+
+
+def step_dir(root: str, step: int) -> str:
+    (path,) = glob.glob(os.path.join(root, f"step-{step:012d}-*"))
+    return path
+
+
+def shard_files(root: str, step: int) -> list[str]:
+    return sorted(glob.glob(os.path.join(step_dir(root, step), "rank-*.h5")))
+
+
+def flip_weight_byte(path: str) -> str:
+    """Flip one byte inside the data of the first `weight` dataset of `path`; returns its name."""
+    with h5py.File(path, "r") as f:
+        name = next(f"tables/{t}/weight" for t in f["tables"])
+        ds = f[name]
+        offset = ds.id.get_chunk_info(0).byte_offset if ds.chunks else ds.id.get_offset()
+    with open(path, "r+b") as f:
+        f.seek(offset + 13)
+        byte = f.read(1)
+        f.seek(offset + 13)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return name
+
+
+def ls_rows(stdout: str) -> list[list[str]]:
+    lines = stdout.splitlines()
+    assert lines[0].split()[:3] == ["STEP", "KIND", "RANKS"]
+    return [line.split(None, 5) for line in lines[1:]]
+
+
+# ---------------------------------------------------------------------------------------- ls
+
+def test_ls_lists_committed_steps_and_torn_directory(copy):
+    os.mkdir(os.path.join(copy, "step-000000000030-deadbeef"))
+    proc = cli("ls", copy)
+    assert proc.returncode == 0, proc.stderr
+    rows = {int(r[0]): r for r in ls_rows(proc.stdout)}
+    assert sorted(rows) == [10, 20, 30]
+    for step in (10, 20):
+        _, kind, ranks, files, size_mb, status = rows[step]
+        assert (kind, ranks, files, status) == ("full", "2", "3", "committed")
+        assert float(size_mb) > 0
+    assert rows[30][5] == "torn (no manifest)"
+
+
+def test_unreadable_manifest_is_listed_and_fails_verify(copy):
+    with open(os.path.join(copy, "manifest-000000000005.json"), "w") as f:
+        f.write('{"step": 5')
+    assert ls_rows(cli("ls", copy).stdout)[0] == ["5", "-", "-", "0", "0.00", "unreadable manifest"]
+    proc = cli("verify", copy)
+    assert proc.returncode == 1 and "manifest-000000000005.json: not a valid" in proc.stdout
+    assert cli("verify", copy, "--step", "20").returncode == 0
+
+
+def test_ls_reports_missing_file_as_damaged(copy):
+    victim = shard_files(copy, 10)[1]
+    os.remove(victim)
+    rows = {int(r[0]): r for r in ls_rows(cli("ls", copy).stdout)}
+    assert rows[10][5].startswith("damaged (missing: ")
+    assert os.path.basename(victim) in rows[10][5]
+    assert rows[20][5] == "committed"
+
+
+# ----------------------------------------------------------------------------------- inspect
+
+def test_inspect_text_shows_the_newest_checkpoint(ckpt):
+    proc = cli("inspect", ckpt)
+    assert proc.returncode == 0, proc.stderr
+    fields = {line.split(None, 1)[0]: line.split(None, 1)[1] for line in proc.stdout.splitlines()
+              if line and not line.startswith(" ") and len(line.split(None, 1)) == 2}
+    assert fields["step"] == "20"
+    assert "world size   2" in proc.stdout
+    assert fields["dim"] == str(DIM)
+    assert "300, 200, 100, 50" in fields["tables"]
+    assert "param/bottom.0.weight  (16, 13)  float32" in proc.stdout
+
+
+def test_inspect_json_parses_and_counts_rows(ckpt):
+    proc = cli("inspect", ckpt, "--step", "10", "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert (info["step"], info["world_size"], info["dim"]) == (10, 2, DIM)
+    assert info["table_sizes"] == SIZES and info["total_rows"] == sum(SIZES)
+    assert [t["rows_found"] for t in info["tables"]] == SIZES
+    assert sum(v["rows"] for v in info["layout"].values()) == sum(SIZES)
+    assert len(info["files"]) == 3 and all(f["state"] == "ok" for f in info["files"])
+    dense = {d["name"]: d["shape"] for d in info["dense"]}
+    assert dense["param/bottom.0.weight"] == [16, 13] and dense["param/bottom.2.weight"] == [8, 16]
+    assert info["errors"] == [] and info["status"] == "committed"
+
+
+# ------------------------------------------------------------------------------------ verify
+
+def test_verify_pristine_directory(ckpt):
+    proc = cli("verify", ckpt)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "step 10: OK" in proc.stdout and "step 20: OK" in proc.stdout
+
+
+def test_verify_finds_flipped_byte_in_weight(copy):
+    victim = shard_files(copy, 20)[0]
+    dataset = flip_weight_byte(victim)
+    proc = cli("verify", copy)
+    assert proc.returncode == 1, proc.stdout
+    bad = [line for line in proc.stdout.splitlines() if line.startswith("step 20: ")]
+    assert any(victim in line and dataset in line and "checksum" in line for line in bad), bad
+    assert "step 10: OK" in proc.stdout
+    assert cli("verify", copy, "--step", "10").returncode == 0
+
+
+def test_verify_finds_truncated_shard_file(copy):
+    victim = shard_files(copy, 20)[1]
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 2)
+    proc = cli("verify", copy)
+    assert proc.returncode == 1
+    assert any(line.startswith("step 20: ") and victim in line and "truncated" in line
+               for line in proc.stdout.splitlines()), proc.stdout
+    ok = cli("verify", copy, "--step", "10")
+    assert ok.returncode == 0 and "step 10: OK" in ok.stdout
+
+
+def test_verify_finds_deleted_shard_file_and_warns_on_torn(copy):
+    victim = shard_files(copy, 10)[0]
+    os.remove(victim)
+    os.mkdir(os.path.join(copy, "step-000000000030-deadbeef"))
+    proc = cli("verify", copy)
+    assert proc.returncode == 1
+    assert f"step 10: {victim}: file of checkpoint step 10 is missing" in proc.stdout
+    assert "step 20: OK" in proc.stdout
+    assert "warning:" in proc.stdout and "step-000000000030-deadbeef" in proc.stdout
+    shutil.rmtree(step_dir(copy, 10))
+    os.remove(os.path.join(copy, "manifest-000000000010.json"))
+    # a torn directory alone is only a warning
+    assert cli("verify", copy).returncode == 0
+
+
+# ------------------------------------------------------------------------------------ export
+
+def assemble_from_shards(root: str, step: int, name: str = "weight") -> list[np.ndarray]:
+    """Each table's rows of `name`, read straight from the shard files by global id."""
+    tables = [None] * len(SIZES)
+    for path in shard_files(root, step):
+        with h5py.File(path, "r") as f:
+            for t, group in f["tables"].items():
+                t = int(t)
+                data = group[name][:]
+                if tables[t] is None:
+                    tables[t] = np.full((SIZES[t], *data.shape[1:]), np.nan, dtype=data.dtype)
+                tables[t][group["gids"][:] - OFFSETS[t]] = data
+    return tables
+
+
+def test_export_assembles_the_model(ckpt, tmp_path):
+    from mpickpt.model.embedding import init_rows
+
+    out = str(tmp_path / "model.h5")
+    proc = cli("export", ckpt, "-o", out, "--with-optimizer")
+    assert proc.returncode == 0, proc.stderr
+    expected = assemble_from_shards(ckpt, 20)
+    sums = assemble_from_shards(ckpt, 20, "state/adagrad_sum")
+    with h5py.File(out, "r") as f:
+        assert (f.attrs["step"], f.attrs["dim"], f.attrs["optimizer"]) == (20, DIM, "adagrad")
+        assert list(f.attrs["table_sizes"]) == SIZES
+        for t, size in enumerate(SIZES):
+            weight = f[f"embeddings/table_{t}"][:]
+            assert weight.shape == (size, DIM) and weight.dtype == np.float32
+            np.testing.assert_array_equal(weight, expected[t])
+            np.testing.assert_array_equal(f[f"optimizer/table_{t}/adagrad_sum"][:], sums[t])
+        gids = np.arange(SIZES[0])
+        init = init_rows(0, gids, np.full(SIZES[0], SIZES[0]), DIM)
+        weight, untouched = f["embeddings/table_0"][:], sums[0] == 0
+        # rows training never touched (zero Adagrad sum) still hold their initial values
+        np.testing.assert_array_equal((weight == init).all(axis=1), untouched)
+        assert untouched.mean() > 0.3
+        assert f["dense/bottom.0.weight"].shape == (16, 13)
+        assert f["dense/bottom.0.bias"].shape == (16,)
+        assert f["dense/bottom.2.weight"].shape == (8, 16)
+        assert f["dense/top.0.weight"].shape == (16, 4 * 5 // 2 + DIM)  # pairs of 5 vectors + dense
+        with h5py.File(os.path.join(step_dir(ckpt, 20), "dense.h5"), "r") as d:
+            for name, ds in d["dense/param"].items():
+                if not name.endswith(".crc"):
+                    np.testing.assert_array_equal(f[f"dense/{name}"][:], ds[:])
+
+
+def test_export_older_step_without_optimizer(ckpt, tmp_path):
+    out = str(tmp_path / "m10.h5")
+    assert cli("export", ckpt, "--step", "10", "-o", out).returncode == 0
+    expected = assemble_from_shards(ckpt, 10)
+    with h5py.File(out, "r") as f:
+        assert f.attrs["step"] == 10 and "optimizer" not in f
+        for t in range(len(SIZES)):
+            np.testing.assert_array_equal(f[f"embeddings/table_{t}"][:], expected[t])
+
+
+def test_export_of_corrupted_checkpoint_fails_without_output(copy, tmp_path):
+    victim = shard_files(copy, 20)[1]
+    flip_weight_byte(victim)
+    out = tmp_path / "out" / "model.h5"
+    out.parent.mkdir()
+    proc = cli("export", copy, "--step", "20", "-o", str(out))
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"mpickpt: error: {victim}: ") and "weight" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert os.listdir(out.parent) == []
+
+
+# --------------------------------------------------------------------------------- bad args
+
+def test_missing_directory_is_a_usage_error(tmp_path):
+    missing = str(tmp_path / "nowhere")
+    for args in (["ls", missing], ["inspect", missing], ["verify", missing],
+                 ["export", missing, "-o", str(tmp_path / "x.h5")]):
+        proc = cli(*args)
+        assert proc.returncode == 2, args
+        assert proc.stderr.startswith("mpickpt: error: ") and missing in proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_unknown_step_lists_committed_steps(ckpt, tmp_path):
+    for args in (["inspect", ckpt], ["verify", ckpt], ["export", ckpt, "-o", str(tmp_path / "x")]):
+        proc = cli(*args, "--step", "999")
+        assert proc.returncode == 2
+        assert "step 999" in proc.stderr and "committed steps: 10, 20" in proc.stderr
+    assert not os.path.exists(tmp_path / "x")
+
+
+def test_cli_imports_neither_mpi4py_nor_torch(ckpt):
+    code = ("import sys; from mpickpt.cli import main; rc = main(['verify', sys.argv[1]]); "
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('mpi4py', 'torch')]; "
+            "sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, ckpt], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
