@@ -107,7 +107,9 @@ def dense_file_spec(model, root: str, ckpt_id: str, step: int) -> dict:
     return {"path": os.path.join(root, rel), "relpath": rel, "group_attrs": {},
             "datasets": [(name, name, None) for name in names], "blobs": {},
             "meta": {"role": "dense", "rank": 0, "part": 0},
-            "attrs": {"step": step, "kind": "full", "codec": "fp32"}}
+            "attrs": {"step": step, "kind": "full", "codec": "fp32",
+                      # dense/opt/<i> is numbered in this parameter order
+                      "param_order": [n for n, _ in model.dense.named_parameters()]}}
 
 
 def rng_blobs() -> dict[str, bytes]:

@@ -34,6 +34,7 @@ def writer_main(conn, parent_pid: int) -> None:
     """Serve write jobs until a None job or a closed pipe. Runs in the writer process."""
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import h5py  # noqa: F401  (import now, not during the first checkpoint)
     attached: dict[str, tuple] = {}
     while True:
         try:
