@@ -3,13 +3,16 @@
 Reports travel as non-blocking MPI sends on the control communicator (never the training group), so
 a rank never waits for another rank's writer. Rank 0 collects them whenever the manager polls; when
 all ranks reported for a step it either commits (manifest, then retention) or abandons the
-checkpoint (deletes its directory; the previous committed checkpoint stays valid).
+checkpoint (deletes its directory; the previous committed checkpoint stays valid). The filesystem
+work of a commit (manifest fsyncs, deleting retired checkpoints) runs on one background thread, in
+order, so polling never blocks training; MPI calls stay on the training thread.
 """
 from __future__ import annotations
 
 import os
 import shutil
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from mpickpt.store.manifest import Manifest, apply_retention, list_manifests, write_manifest
@@ -38,6 +41,8 @@ class CommitCoordinator:
         self._sends: list = []
         self.committed: list[int] = []
         self.abandoned: list[int] = []
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-commit") if topo.rank == 0 else None
+        self._io_futures: list = []
 
     def expect(self, pending: PendingCheckpoint) -> None:
         """Rank 0: register a checkpoint whose reports will arrive. Local."""
@@ -68,6 +73,15 @@ class CommitCoordinator:
         if self.topo.rank == 0:
             while self.pending:
                 self._receive(self.topo.control.recv(tag=REPORT_TAG))
+            for future in self._io_futures:
+                future.result()
+            self._io_futures = []
+
+    def close(self) -> None:
+        """Stop the commit thread after its queued work. Local."""
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
 
     def _receive(self, report: dict) -> None:
         step = report["step"]
@@ -83,10 +97,16 @@ class CommitCoordinator:
             return
         del self.pending[step]
         failures = [r for r in pending.reports if not r["ok"]]
-        if failures:
-            self._abandon(pending, failures)
-        else:
-            self._commit(pending)
+        work = (self._abandon, pending, failures) if failures else (self._commit, pending)
+        self._io_futures = [f for f in self._io_futures if not f.done()]
+        self._io_futures.append(self._io.submit(self._guarded, *work))
+
+    def _guarded(self, fn, pending: PendingCheckpoint, *args) -> None:
+        """Run commit work; a failure abandons that checkpoint and never reaches training."""
+        try:
+            fn(pending, *args)
+        except Exception as e:  # e.g. ENOSPC while writing the manifest
+            self._abandon(pending, [{"ok": False, "error": f"commit failed: {e}"}])
 
     def _commit(self, p: PendingCheckpoint) -> None:
         files, total, seconds = {}, 0, 0.0

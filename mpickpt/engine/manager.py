@@ -58,6 +58,7 @@ class CheckpointManager:
         self.counters = {"saved": 0, "waits": 0, "skips": 0, "wait_seconds": 0.0}
         self.stalls: list[float] = []
         self._in_flight: dict | None = None
+        self.snapshots.prepare()  # allocate and pre-fault staging now, not in the first stall
 
     def _say(self, line: str) -> None:
         if self.topo.is_root:
@@ -220,6 +221,7 @@ class CheckpointManager:
         if results is not None:
             self._report(results)
         self.commits.drain()
+        self.commits.close()
         self.topo.control.Barrier()
         self.writers.close()
         self.snapshots.close()

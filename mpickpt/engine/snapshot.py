@@ -34,11 +34,15 @@ class Snapshotter:
         cuda = model.topo.device.type == "cuda"
         self._stream = torch.cuda.Stream() if cuda else None
 
-    def stage(self) -> tuple[float, int]:
-        """Copy all state into staging; returns (seconds, bytes). Local."""
+    def prepare(self) -> None:
+        """Allocate the staging area for the current state shapes (if they changed). Local."""
         specs = state_specs(self.model, self.with_dense)
         if self.area is None or not self.area.matches(specs):
             self._reallocate(specs)
+
+    def stage(self) -> tuple[float, int]:
+        """Copy all state into staging; returns (seconds, bytes). Local."""
+        self.prepare()
         sources = dict(self.model.row_state())
         if self.with_dense:
             sources.update({f"dense/{k}": t for k, t in self.model.dense_state().items()})

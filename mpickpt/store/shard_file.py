@@ -9,7 +9,7 @@ Layout of a shard file::
     /extra/<name>          small per-rank arrays (RNG states)
     /dense/<name>          replicated dense state (only in the dense file)
 
-Every dataset is written in blocks of `BLOCK_ROWS` rows and carries the CRC32 of each block in a
+Every dataset is contiguous, written in blocks of `BLOCK_ROWS` rows, and carries the CRC32 of each block in a
 sibling dataset ``<name>.crc`` (uint32), so a reader that needs only some rows verifies only the
 blocks it reads. Only background writer processes and restore open these files.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import h5py
 import numpy as np
@@ -38,21 +39,26 @@ def block_crcs(array: np.ndarray, block_rows: int = BLOCK_ROWS) -> np.ndarray:
 
 
 def write_dataset(group: h5py.Group, name: str, array: np.ndarray, progress=None) -> int:
-    """Write `array` block by block with per-block CRCs; returns bytes written. Local."""
+    """Write `array` block by block with per-block CRCs; returns bytes written. Local.
+
+    The dataset is contiguous (no chunk padding, no chunk index); the CRC of each block runs on a
+    helper thread (zlib releases the GIL) while HDF5 writes the block."""
     scalar = array.ndim == 0
     array = array.reshape(1) if scalar else array
     n = array.shape[0]
-    chunks = (min(max(n, 1), BLOCK_ROWS), *array.shape[1:]) if n else None
-    ds = group.create_dataset(name, shape=array.shape, dtype=array.dtype, chunks=chunks)
-    crcs = np.empty(max(1, -(-n // BLOCK_ROWS)), dtype=np.uint32)
-    for i, a in enumerate(range(0, max(n, 1), BLOCK_ROWS)):
-        block = np.ascontiguousarray(array[a:a + BLOCK_ROWS])
-        if block.shape[0]:
-            ds[a:a + block.shape[0]] = block
-        crcs[i] = zlib.crc32(memoryview(block).cast("B"))
-        if progress is not None:
-            progress(block.nbytes)
-    group.create_dataset(name + CRC_SUFFIX, data=crcs)
+    ds = group.create_dataset(name, shape=array.shape, dtype=array.dtype)
+    starts = list(range(0, max(n, 1), BLOCK_ROWS))
+    with ThreadPoolExecutor(1) as pool:
+        crcs = []
+        for a in starts:
+            block = np.ascontiguousarray(array[a:a + BLOCK_ROWS])
+            crcs.append(pool.submit(zlib.crc32, memoryview(block).cast("B")))
+            if block.shape[0]:
+                ds.write_direct(block, dest_sel=np.s_[a:a + block.shape[0]])
+            if progress is not None:
+                progress(block.nbytes)
+        group.create_dataset(name + CRC_SUFFIX, data=np.array([c.result() for c in crcs],
+                                                              dtype=np.uint32))
     if scalar:
         ds.attrs["scalar"] = True
     return array.nbytes
