@@ -19,6 +19,7 @@ class WriterPool:
             self._start(i)
         self._outstanding: set[int] = set()
         self._results: list[dict] = []
+        self._dirs: dict[int, str | None] = {}
 
     def _start(self, i: int) -> None:
         parent, child = self._ctx.Pipe()
@@ -44,6 +45,7 @@ class WriterPool:
         for i, job in enumerate(jobs):
             self._conns[i].send(job)
             self._outstanding.add(i)
+            self._dirs[i] = job.get("dir")
 
     def poll(self, timeout: float = 0.0) -> list[dict] | None:
         """The per-writer results once every part is done, else None. Local."""
@@ -62,7 +64,8 @@ class WriterPool:
         except (EOFError, OSError):
             code = self._procs[i].exitcode
             self._start(i)
-            return {"ok": False, "error": f"writer process {i} died (exit code {code})", "step": None}
+            return {"ok": False, "step": None,
+                    "error": f"{self._dirs.get(i)}: writer process {i} died (exit code {code})"}
 
     def wait(self) -> list[dict] | None:
         """Block until the job in flight is done; its results (None if nothing was in flight). Local."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import sys
 import time
 import traceback
 
@@ -35,6 +36,8 @@ def writer_main(conn, parent_pid: int) -> None:
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import h5py  # noqa: F401  (import now, not during the first checkpoint)
+
+    sys.unraisablehook = lambda _: None  # h5py's dealloc noise after a failed write; reported below
     attached: dict[str, tuple] = {}
     while True:
         try:
@@ -78,12 +81,26 @@ def _attach(staging: dict, attached: dict) -> dict:
 
 def write_file(spec: dict, arrays: dict) -> tuple[int, int]:
     """Write one shard or dense file atomically and durably; returns (file size, payload). Local."""
-    import h5py
-
-    from mpickpt.store.shard_file import FORMAT_VERSION, fsync_path
+    from mpickpt.store.shard_file import fsync_path
 
     os.makedirs(os.path.dirname(spec["path"]), exist_ok=True)
     tmp = spec["path"] + ".tmp"
+    reservation = Reservation(spec["path"], _payload_bytes(spec, arrays))
+    try:
+        payload = _write_hdf5(tmp, spec, arrays, reservation)
+    finally:
+        reservation.close()
+    fsync_path(tmp)
+    os.replace(tmp, spec["path"])
+    fsync_path(os.path.dirname(spec["path"]))
+    return os.path.getsize(spec["path"]), payload
+
+
+def _write_hdf5(tmp: str, spec: dict, arrays: dict, reservation: Reservation) -> int:
+    import h5py
+
+    from mpickpt.store.shard_file import FORMAT_VERSION
+
     payload = 0
     with h5py.File(tmp, "w") as f:
         f.attrs["format_version"] = FORMAT_VERSION
@@ -92,20 +109,63 @@ def write_file(spec: dict, arrays: dict) -> tuple[int, int]:
         for group, attrs in spec.get("group_attrs", {}).items():
             f.require_group(group).attrs.update(attrs)
         for name, source, ranges in spec["datasets"]:
-            payload += _write(f, name, _gather(arrays[source], ranges))
+            payload += _write(f, name, _gather(arrays[source], ranges), reservation.release)
         for name, raw in spec.get("blobs", {}).items():
-            _write(f, name, np.frombuffer(raw, dtype=np.uint8))
-    fsync_path(tmp)
-    os.replace(tmp, spec["path"])
-    fsync_path(os.path.dirname(spec["path"]))
-    return os.path.getsize(spec["path"]), payload
+            _write(f, name, np.frombuffer(raw, dtype=np.uint8), reservation.release)
+        reservation.close()  # the rest covers HDF5's metadata, written at close
+    return payload
 
 
-def _write(f, name: str, data: np.ndarray) -> int:
+RESERVE_SLACK = 1.05  # HDF5 metadata and checksum datasets
+RESERVE_EXTRA = 64 << 10
+
+
+def _payload_bytes(spec: dict, arrays: dict) -> int:
+    total = sum(len(raw) for raw in spec.get("blobs", {}).values())
+    for _, source, ranges in spec["datasets"]:
+        a = arrays[source]
+        if ranges is None:
+            total += a.nbytes
+        else:
+            total += sum(b - lo for lo, b in ranges) * (a.nbytes // max(a.shape[0], 1))
+    return total
+
+
+class Reservation:
+    """Disk space held in a sibling file and handed to the HDF5 file block by block.
+
+    Fails fast and cleanly (ENOSPC naming the path) when the filesystem cannot hold the file, before
+    HDF5 is half way through it, and keeps the space held against other writers meanwhile. Local."""
+
+    def __init__(self, path: str, payload: int):
+        self.path = path + ".reserve"
+        self.left = int(payload * RESERVE_SLACK) + RESERVE_EXTRA
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.posix_fallocate(self.fd, 0, self.left)
+        except OSError as e:
+            self.close()
+            raise OSError(e.errno, f"no room for {self.left / 1e6:.1f} MB: "
+                                   f"{os.strerror(e.errno)}") from None
+
+    def release(self, nbytes: int) -> None:
+        """Give `nbytes` back to the filesystem just before HDF5 writes them. Local."""
+        self.left = max(0, self.left - nbytes)
+        os.ftruncate(self.fd, self.left)
+
+    def close(self) -> None:
+        """Release everything and remove the reservation file. Safe twice. Local."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+            _remove_quietly(self.path)
+
+
+def _write(f, name: str, data: np.ndarray, before_block) -> int:
     from mpickpt.store.shard_file import write_dataset
 
     folder, leaf = os.path.split(name)
-    return write_dataset(f.require_group(folder) if folder else f, leaf, data)
+    return write_dataset(f.require_group(folder) if folder else f, leaf, data, before_block)
 
 
 def _gather(array: np.ndarray, ranges) -> np.ndarray:

@@ -38,11 +38,12 @@ def block_crcs(array: np.ndarray, block_rows: int = BLOCK_ROWS) -> np.ndarray:
     return out
 
 
-def write_dataset(group: h5py.Group, name: str, array: np.ndarray, progress=None) -> int:
+def write_dataset(group: h5py.Group, name: str, array: np.ndarray, before_block=None) -> int:
     """Write `array` block by block with per-block CRCs; returns bytes written. Local.
 
     The dataset is contiguous (no chunk padding, no chunk index); the CRC of each block runs on a
-    helper thread (zlib releases the GIL) while HDF5 writes the block."""
+    helper thread (zlib releases the GIL) while HDF5 writes the block. `before_block(nbytes)` is
+    called before each block is written (the writer hands reserved disk space over there)."""
     scalar = array.ndim == 0
     array = array.reshape(1) if scalar else array
     n = array.shape[0]
@@ -53,10 +54,10 @@ def write_dataset(group: h5py.Group, name: str, array: np.ndarray, progress=None
         for a in starts:
             block = np.ascontiguousarray(array[a:a + BLOCK_ROWS])
             crcs.append(pool.submit(zlib.crc32, memoryview(block).cast("B")))
+            if before_block is not None:
+                before_block(block.nbytes)
             if block.shape[0]:
                 ds.write_direct(block, dest_sel=np.s_[a:a + block.shape[0]])
-            if progress is not None:
-                progress(block.nbytes)
         group.create_dataset(name + CRC_SUFFIX, data=np.array([c.result() for c in crcs],
                                                               dtype=np.uint32))
     if scalar:
