@@ -111,6 +111,5 @@ class Trainer:
     def close(self) -> None:
         """Stop the reader (and the checkpoint writers if `run` did not finish). Local."""
         self.reader.close()
-        if self.ckpt is not None and self.ckpt.writers is not None:
-            self.ckpt.writers.close()
-            self.ckpt.snapshots.close()
+        if self.ckpt is not None:
+            self.ckpt.abort()

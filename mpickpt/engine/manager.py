@@ -234,6 +234,16 @@ class CheckpointManager:
                       f"{np.mean(self.stalls) * 1e3:.1f} ms")
 
 
+    def abort(self) -> None:
+        """Stop writers and free staging without committing (error paths). Local. Safe twice."""
+        if self.writers is None:
+            return
+        self.writers.close()
+        self.snapshots.close()
+        self.commits.close()
+        self.writers = None
+
+
 def _max_op():
     from mpi4py import MPI
 
