@@ -36,7 +36,8 @@ class LookupContext:
     seg_bag: torch.Tensor  # requester: bag (b * T + t) of each segment, in owner-major order
     send_segs: list[int]  # requester: segments sent to each owner
     recv_segs: list[int]  # owner: segments received from each requester
-    recv_rows: torch.Tensor  # owner: local row of each received entry
+    rows: torch.Tensor  # owner: sorted unique local rows received this step
+    inverse: torch.Tensor  # owner: index into `rows` of each received entry
     recv_seg: torch.Tensor  # owner: segment (index into received segments) of each entry
     shape: tuple[int, int]  # (B, T)
 
@@ -78,8 +79,8 @@ class ShardedEmbeddingBags:
     def add_index_hook(self, hook: IndexHook) -> Callable[[], None]:
         """Call `hook(local_rows)` on the owner each step with the rows it received. Local.
 
-        `local_rows` is an int64 tensor on the shard's device (duplicates possible). Returns a
-        function that removes the hook."""
+        `local_rows` is a sorted int64 tensor of unique rows on the shard's device: exactly the
+        rows this step's update will touch. Returns a function that removes the hook."""
         self.index_hooks.append(hook)
         return lambda: self.index_hooks.remove(hook)
 
@@ -96,15 +97,18 @@ class ShardedEmbeddingBags:
             recv_entries, recv_segs = recv_counts[0::2], recv_counts[1::2]
             packed = self._alltoall(route.packed, route.send_entries, recv_entries, 2)
         recv_rows, recv_seg = _owner_segments(packed, recv_entries, recv_segs, self.device)
+        with self.timer.phase("optimizer"):  # the unique rows serve the hooks and the update
+            rows, inverse = torch.unique(recv_rows, return_inverse=True)
         for hook in self.index_hooks:
-            hook(recv_rows)
+            hook(rows)
         with self.timer.phase("lookup"):
             pooled = F.embedding_bag(recv_rows, self.weight, _bag_offsets(recv_seg), mode="sum")
         with self.timer.phase("alltoall"):
             back = self._alltoall(pooled, recv_segs, route.send_segs)
         with self.timer.phase("lookup"):
             out = torch.zeros(B * T, self.dim, device=self.device).index_add_(0, route.seg_bag, back)
-        ctx = LookupContext(route.seg_bag, route.send_segs, recv_segs, recv_rows, recv_seg, (B, T))
+        ctx = LookupContext(route.seg_bag, route.send_segs, recv_segs, rows, inverse, recv_seg,
+                            (B, T))
         return out.view(B, T, self.dim), ctx
 
     def apply_gradients(self, grad: torch.Tensor, ctx: LookupContext) -> None:
@@ -114,10 +118,9 @@ class ShardedEmbeddingBags:
             seg_grad = grad.reshape(B * T, self.dim)[ctx.seg_bag]
             owner_grad = self._alltoall(seg_grad.contiguous(), ctx.send_segs, ctx.recv_segs)
         with self.timer.phase("optimizer"):
-            rows, inverse = torch.unique(ctx.recv_rows, return_inverse=True)
-            row_grad = torch.zeros(len(rows), self.dim, device=self.device)
-            row_grad.index_add_(0, inverse, owner_grad[ctx.recv_seg])
-            self.optimizer.step(self.weight, rows, row_grad)
+            row_grad = torch.zeros(len(ctx.rows), self.dim, device=self.device)
+            row_grad.index_add_(0, ctx.inverse, owner_grad[ctx.recv_seg])
+            self.optimizer.step(self.weight, ctx.rows, row_grad)
 
     def _exchange_counts(self, counts: torch.Tensor) -> list[int]:
         out = torch.empty_like(counts)
