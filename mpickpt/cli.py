@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, metavar="FILE", help="HDF5 file to write")
     p.add_argument("--with-optimizer", action="store_true",
                    help="also export sparse and dense optimizer state")
+    p.add_argument("--provenance", action="store_true",
+                   help="also record kind, ckpt_id, source directory and world size (the export "
+                        "then differs between checkpoint kinds)")
     return parser
 
 
@@ -109,7 +112,8 @@ def cmd_export(args) -> int:
     manifest, note = select(cat, args.step)
     if note:
         print(f"{PROG}: note: {note}", file=sys.stderr)
-    result = export_checkpoint(args.dir, manifest, out, with_optimizer=args.with_optimizer)
+    result = export_checkpoint(args.dir, manifest, out, with_optimizer=args.with_optimizer,
+                               provenance=args.provenance)
     print(f"exported step {manifest.step}: {result['tables']} tables, {result['rows']} rows "
           f"-> {out} ({result['bytes'] / 1e6:.2f} MB)")
     return 0

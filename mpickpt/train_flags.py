@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from mpickpt.data.synthetic import criteo_kaggle_sizes
 from mpickpt.engine.config import OVERLAP_POLICIES, CheckpointConfig
+from mpickpt.engine.kinds import KINDS
 from mpickpt.faults import KillAt
 from mpickpt.model.dense import DenseArch, parse_mlp
 from mpickpt.model.optimizers import OPTIMIZERS, OptimizerConfig
@@ -105,9 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="background writer processes per rank (one part file each)")
     c.add_argument("--ckpt-overlap", choices=OVERLAP_POLICIES, default="wait",
                    help="when the previous checkpoint is still being written: wait, or skip")
+    c.add_argument("--ckpt-kind", choices=KINDS, default="full",
+                   help="full; differential (one-shot baseline); consecutive; intermittent "
+                        "(differential with Check-N-Run's baseline predictor); incrcp (consecutive "
+                        "increments in IncrCP's 2-D chunk store)")
+    c.add_argument("--incrcp-ratio", type=_ratio, default=0.02,
+                   help="IncrCP's selective-extraction threshold R (0..1)")
     t = p.add_argument_group("testing")
     t.add_argument("--inject-kill", default=None, metavar="STEP:RANK[,RANK...]",
                    help="those ranks SIGKILL themselves after step STEP")
+    t.add_argument("--inject-extract-crash", type=_int_at_least(1), default=None, metavar="N",
+                   help="rank 0's extractor SIGKILLs itself in its N-th ingestion, after writing "
+                        "the bundles and before committing the chunk index")
     t.add_argument("--trace-samples", default=None, metavar="PATH",
                    help="rank 0 appends 'step position' for every step to PATH")
     return p
@@ -181,9 +191,21 @@ def _checkpoint(args) -> CheckpointConfig | None:
         return None
     config = CheckpointConfig(directory=args.ckpt_dir, interval=args.ckpt_interval,
                               keep=args.ckpt_keep, resume=args.resume, writers=args.ckpt_writers,
-                              overlap=args.ckpt_overlap)
+                              overlap=args.ckpt_overlap, kind=args.ckpt_kind,
+                              incrcp_ratio=args.incrcp_ratio,
+                              inject_extract_crash=args.inject_extract_crash)
     config.check_directory()
     return config
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}")
+    return value
 
 
 def _table_sizes(text: str, scale_down: int) -> tuple[int, ...]:

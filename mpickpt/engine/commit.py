@@ -116,14 +116,14 @@ class CommitCoordinator:
             seconds = max(seconds, r["seconds"])
         stats = {"bytes": total, "write_seconds": seconds,
                  "stall_seconds": max(r["stall_seconds"] for r in p.reports),
-                 "staged_bytes": sum(r["staged_bytes"] for r in p.reports), **p.fields.pop("stats")}
+                 "staged_bytes": sum(r["staged_bytes"] for r in p.reports),
+                 "rows_written": sum(r.get("rows", 0) for r in p.reports), **p.fields.pop("stats")}
         manifest = Manifest(step=p.step, ckpt_id=p.ckpt_id, files=files,
                             reader_state=p.reader_state, stats=stats, **p.fields)
         write_manifest(self.root, manifest)
         self.committed.append(p.step)
         retired = apply_retention(self.root, self.keep)
-        size = manifest.total_bytes()
-        self.log(f"checkpoint step {p.step} committed: {size / 1e6:.1f} MB in "
+        self.log(f"checkpoint step {p.step} committed ({manifest.kind}): {total / 1e6:.1f} MB in "
                  f"{seconds:.2f} s ({total / 1e6 / max(seconds, 1e-9):.0f} MB/s per slowest rank, "
                  f"{self.topo.world_size} ranks), max stall {stats['stall_seconds'] * 1e3:.1f} ms"
                  + (f"; retired steps {retired}" if retired else ""))

@@ -23,6 +23,12 @@ class CheckpointConfig:
     """Background writer processes per rank (>= 1); each writes one part file of the shard."""
     overlap: str = "wait"
     """When the previous checkpoint is still being written: 'wait' for it, or 'skip' this one."""
+    kind: str = "full"
+    """'full', 'differential', 'consecutive', 'intermittent' or 'incrcp' (see engine.kinds)."""
+    incrcp_ratio: float = 0.02
+    """IncrCP's selective-extraction threshold R."""
+    inject_extract_crash: int | None = None
+    """Testing: rank 0's extractor dies in its N-th ingestion, before the index commit."""
 
     def __post_init__(self):
         if not self.directory:
@@ -33,6 +39,12 @@ class CheckpointConfig:
                 raise ValueError(f"--ckpt-{name} must be an integer >= 1, got {value!r}")
         if self.overlap not in OVERLAP_POLICIES:
             raise ValueError(f"--ckpt-overlap must be 'wait' or 'skip', got {self.overlap!r}")
+        from mpickpt.engine.kinds import KINDS
+
+        if self.kind not in KINDS:
+            raise ValueError(f"--ckpt-kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if not 0.0 <= self.incrcp_ratio <= 1.0:
+            raise ValueError(f"--incrcp-ratio must lie in [0, 1], got {self.incrcp_ratio!r}")
         if self.resume not in ("latest", "none") and not str(self.resume).isdigit():
             raise ValueError(f"--resume must be 'latest', 'none' or a step number, got {self.resume!r}")
 

@@ -26,6 +26,9 @@ import torch
 
 from mpickpt.engine.commit import CommitCoordinator, PendingCheckpoint
 from mpickpt.engine.config import CheckpointConfig
+from mpickpt.engine.kinds import KindPlanner
+from mpickpt.incrcp.client import ExtractorClient
+from mpickpt.track.bitvector import RowBitVector
 from mpickpt.engine.snapshot import (Snapshotter, dense_file_spec, numpy_dtype, rng_blobs,
                                      shard_file_specs)
 from mpickpt.engine.staging import remove_stale_areas
@@ -59,6 +62,29 @@ class CheckpointManager:
         self.stalls: list[float] = []
         self._in_flight: dict | None = None
         self.snapshots.prepare()  # allocate and pre-fault staging now, not in the first stall
+        self.planner = self._make_planner()
+        self.tracker = None
+        if self.planner.tracks_rows:
+            self.tracker = RowBitVector(model.plan.local_rows(topo.rank), device=topo.device)
+            self._untrack = self.tracker.attach(model.embeddings)
+        self.extractor = (ExtractorClient(self.root, config.incrcp_ratio, self._say)
+                          if config.kind == "incrcp" else None)
+        self.ingestions = 0
+        self._last_submitted: int | None = None
+
+    def _make_planner(self) -> KindPlanner:
+        from mpi4py import MPI
+
+        comm = self.topo.control
+
+        def reduce(values, op):
+            out = np.empty_like(values)
+            comm.Allreduce(values, out, op=op)
+            return out
+
+        return KindPlanner(self.config.kind, self.model.plan.local_rows(self.topo.rank),
+                           int(sum(self.model.plan.table_sizes)),
+                           lambda v: reduce(v, MPI.SUM), lambda v: reduce(v, MPI.MAX))
 
     def _say(self, line: str) -> None:
         if self.topo.is_root:
@@ -83,23 +109,63 @@ class CheckpointManager:
         if results is not None:
             self._report(results)
         self.commits.progress()
+        if self.extractor is not None:
+            self._ingested(self.extractor.poll())
+
+    def _ingested(self, results: list[dict]) -> None:
+        for r in results:
+            if not r["ok"]:
+                print(f"mpickpt: rank {self.topo.rank}: incrcp {r['error']} (the checkpoint "
+                      f"stays restorable from its chunk file)", flush=True)
+                continue
+            self.planner.record_restore(r["chain"], r["step"], r["restore_seconds"])
+            st = r["stats"]
+            if st["compared"] or st["dropped_refs"]:
+                self._say(f"incrcp step {r['step']}: compared {st['compared']} row-0 chunks "
+                          f"(skipped by range {st['skipped_range']}, Bloom {st['skipped_bloom']}, "
+                          f"ratio {st['skipped_ratio']}), extracted {st['extracted_rows']} rows "
+                          f"from {st['extracted_chunks']} chunks into "
+                          f"{st['bundle_bytes'] / 1e6:.2f} MB of bundles, dropped "
+                          f"{st['dropped_refs']} chunks, deleted {st['deleted_files']} files in "
+                          f"{st['seconds']:.2f} s; restore of its increments "
+                          f"{r['restore_seconds'] * 1e3:.1f} ms")
 
     # ---- saving ----------------------------------------------------------------------------
     def save(self, step: int, reader_state: dict) -> bool:
         """Snapshot now and write in the background; False if skipped. Collective."""
         busy = self.topo.control.allreduce(int(self.writers.busy), op=_max_op())
         if busy and not self._make_room(step):
-            return False
+            return False  # tracked rows stay marked for the next checkpoint
+        if self.tracker is not None:
+            self._settle()
+            changed = self.tracker.extract().cpu().numpy()
+        save = self.planner.plan(step, changed if self.tracker is not None else None, self.attempt)
         seconds, nbytes = self.snapshots.stage()
         self.stalls.append(seconds)
         ckpt_id = f"step-{step:012d}-{self.attempt}"
-        self._submit(step, ckpt_id, seconds, nbytes)
+        self._submit(step, ckpt_id, seconds, nbytes, save)
         if self.topo.is_root:
-            self.commits.expect(self._pending(step, ckpt_id, reader_state))
+            self.commits.expect(self._pending(step, ckpt_id, reader_state, save))
         self.counters["saved"] += 1
-        self._say(f"checkpoint step {step}: staged {nbytes / 1e6:.1f} MB in {seconds * 1e3:.1f} ms "
+        what = "all rows" if save.rows is None else f"{len(save.rows)} changed rows on rank 0"
+        self._say(f"checkpoint step {step} ({save.kind}; {what}; {save.reason or 'every row'}): "
+                  f"staged {nbytes / 1e6:.1f} MB in {seconds * 1e3:.1f} ms "
                   f"({nbytes / 1e9 / max(seconds, 1e-9):.2f} GB/s); writing in background")
         return True
+
+    def _settle(self) -> None:
+        """Make sure the previous checkpoint is committed or abandoned, and start a new baseline
+        after an abandoned one (its rows are no longer in the tracker). Collective."""
+        results = self.writers.wait()
+        if results is not None:
+            self._report(results)
+        self.commits.drain()
+        last = self._last_submitted
+        ok = last is None or (self.topo.is_root and last in self.commits.committed)
+        if last is not None and not self.topo.control.bcast(ok, root=0):
+            self._say(f"checkpoint step {last} was abandoned: the next checkpoint is a new full "
+                      f"baseline")
+            self.planner.reset()
 
     def _make_room(self, step: int) -> bool:
         if self.config.overlap == "skip":
@@ -118,35 +184,60 @@ class CheckpointManager:
                   f"checkpoint to finish writing (waits so far: {self.counters['waits']})")
         return True
 
-    def _submit(self, step: int, ckpt_id: str, stall: float, staged: int) -> None:
+    def _submit(self, step: int, ckpt_id: str, stall: float, staged: int, save) -> None:
         parts = self.writers.size
-        files = shard_file_specs(self.model, self.root, ckpt_id, step, parts, rng_blobs())
-        jobs = [{"step": step, "dir": os.path.join(self.root, ckpt_id), "files": [f],
+        files = shard_file_specs(self.model, self.root, ckpt_id, step, parts, rng_blobs(), save)
+        if save.kind == "incrcp":  # the extra file rides with the first part
+            files = [[files[0], files[1]], *[[f] for f in files[2:]]]
+        else:
+            files = [[f] for f in files]
+        jobs = [{"step": step, "dir": os.path.join(self.root, ckpt_id), "files": f,
                  "staging": self.snapshots.area.describe()} for f in files]
         if self.topo.is_root:
             jobs[-1]["files"].append(dense_file_spec(self.model, self.root, ckpt_id, step))
-        self._in_flight = {"step": step, "stall_seconds": stall, "staged_bytes": staged}
+        rows = self.model.plan.local_rows(self.topo.rank) if save.rows is None else len(save.rows)
+        self._in_flight = {"step": step, "stall_seconds": stall, "staged_bytes": staged,
+                           "rows": int(rows), "kind": save.kind, "chain": save.chain}
+        self._last_submitted = step
         self.writers.submit(jobs)
 
-    def _pending(self, step: int, ckpt_id: str, reader_state: dict) -> PendingCheckpoint:
+    def _pending(self, step: int, ckpt_id: str, reader_state: dict, save) -> PendingCheckpoint:
         m = self.model
-        fields = {"kind": "full", "world_size": self.topo.world_size, "dim": m.embeddings.dim,
+        fields = {"kind": save.kind, "world_size": self.topo.world_size, "dim": m.embeddings.dim,
                   "plan": m.plan.describe(), "optimizer": m.embeddings.optimizer.config.kind,
-                  "codec": "fp32", "stats": {"row_arrays": sorted(m.row_state())}}
+                  "codec": "fp32", "parents": list(save.parents), "chain": save.chain,
+                  "stats": {"row_arrays": sorted(m.row_state()), "parts": self.writers.size,
+                            "policy": self.config.kind, "decision": save.reason,
+                            **({"columns": save.columns} if save.columns else {})}}
         return PendingCheckpoint(step, ckpt_id, reader_state, fields)
 
     def _report(self, results: list[dict]) -> None:
         meta, self._in_flight = self._in_flight, None
+        kind, chain = meta.pop("kind"), meta.pop("chain")
         errors = [r["error"] for r in results if not r["ok"]]
+        files = {k: v for r in results if r["ok"] for k, v in r["files"].items()}
         report = {**meta, "rank": self.topo.rank, "ok": not errors,
                   "error": errors[0] if errors else None,
-                  "files": {k: v for r in results if r["ok"] for k, v in r["files"].items()},
+                  # incrcp chunk files belong to the chunk store, not to one checkpoint
+                  "files": {k: v for k, v in files.items() if v["role"] != "chunk"},
                   "bytes": sum(r.get("bytes", 0) for r in results),
                   "seconds": max(r.get("seconds", 0.0) for r in results)}
+        if not errors:
+            self.planner.record_write(kind, report["seconds"])
+            if kind == "incrcp":
+                self._ingest(meta["step"], chain)
         if errors:
             print(f"mpickpt: rank {self.topo.rank}: checkpoint step {meta['step']} write failed: "
                   f"{errors[0]}", flush=True)
         self.commits.report(report)
+
+    def _ingest(self, step: int, chain: str) -> None:
+        self.ingestions += 1
+        crash = (self.config.inject_extract_crash == self.ingestions and self.topo.is_root)
+        self.extractor.submit({"root": self.root, "chain": chain, "rank": self.topo.rank,
+                               "step": step, "parts": self.writers.size,
+                               "row_names": sorted(self.model.row_state()),
+                               "crash_before_commit": crash})
 
     # ---- restoring -------------------------------------------------------------------------
     def restore(self) -> Restored | None:
@@ -160,9 +251,10 @@ class CheckpointManager:
         manifests, torn = self.topo.control.bcast(listing, root=0)
         self._drop_torn(torn)
         candidates = self._candidates(manifests)
+        by_step = {m.step: m for m in manifests}
         problems = []
         for manifest in candidates:
-            error, loaded = self._try_load(manifest)
+            error, loaded = self._try_load(manifest, by_step)
             errors = [e for e in self.topo.control.allgather(error) if e]
             if not errors:
                 return self._apply(loaded)
@@ -192,12 +284,12 @@ class CheckpointManager:
                                   f"(committed steps: {steps or 'none'})")
         return chosen
 
-    def _try_load(self, manifest: Manifest):
+    def _try_load(self, manifest: Manifest, by_step: dict):
         templates = {k: (tuple(t.shape[1:]), np.dtype(numpy_dtype(t)))
                      for k, t in self.model.row_state().items()}
         try:
             return None, load_checkpoint(self.root, manifest, self.model.plan, self.topo.rank,
-                                         self.model.embeddings.dim, templates)
+                                         self.model.embeddings.dim, templates, by_step)
         except (CheckpointError, OSError, KeyError, ValueError) as e:
             return str(e), None
 
@@ -222,6 +314,9 @@ class CheckpointManager:
             self._report(results)
         self.commits.drain()
         self.commits.close()
+        if self.extractor is not None:
+            self._ingested(self.extractor.drain())
+            self.extractor.close()
         self.topo.control.Barrier()
         self.writers.close()
         self.snapshots.close()
@@ -241,6 +336,8 @@ class CheckpointManager:
         self.writers.close()
         self.snapshots.close()
         self.commits.close()
+        if self.extractor is not None:
+            self.extractor.close()
         self.writers = None
 
 

@@ -80,28 +80,55 @@ def part_bounds(n: int, parts: int) -> list[tuple[int, int]]:
     return [(n * j // parts, n * (j + 1) // parts) for j in range(parts)]
 
 
-def shard_file_specs(model, root: str, ckpt_id: str, step: int, parts: int, rng: dict) -> list[dict]:
-    """One file spec per writer part: per table, the part's rows of every row array. Local."""
+def shard_file_specs(model, root: str, ckpt_id: str, step: int, parts: int, rng: dict,
+                     save=None) -> list[dict]:
+    """One file spec per writer part: per table, the part's rows of every row array. Local.
+
+    `save` (a SavePlan) selects rows for incremental kinds; incrcp chunks go to the chain's
+    directory, and the RNG states then travel in a small per-rank ``extra`` file of the step."""
     plan, rank = model.plan, model.topo.rank
     names = ["gids", *model.row_state()]
+    kind = save.kind if save is not None else "full"
+    selected = save.rows if save is not None and not save.is_full else None
     specs = []
     for j, (a, b) in enumerate(part_bounds(plan.local_rows(rank), parts)):
         datasets, groups = [], {}
+        gids = model.embeddings.local_gids
         for s in plan.shards_of(rank):
             lo, hi = max(a, s.local_start), min(b, s.local_start + s.rows)
             if lo >= hi:
                 continue
-            g0 = int(plan.table_offsets[s.table] + s.row_start + lo - s.local_start)
+            sel = [(lo, hi)] if selected is None else _rows_within(selected, lo, hi)
+            if selected is not None and len(sel) == 0:
+                continue
+            first, last = (lo, hi - 1) if selected is None else (int(sel[0]), int(sel[-1]))
             group = f"tables/{s.table}"
-            groups[group] = {"gid_min": g0, "gid_max": g0 + hi - lo - 1}
-            datasets += [(f"{group}/{name}", name, [(lo, hi)]) for name in names]
-        rel = f"{ckpt_id}/rank-{rank:05d}-part-{j}.h5"
+            groups[group] = {"gid_min": int(gids[first]), "gid_max": int(gids[last])}
+            datasets += [(f"{group}/{name}", name, sel) for name in names]
+        if kind == "incrcp":
+            from mpickpt.incrcp.index import column_relpath
+            rel = column_relpath(save.chain, rank, step, j)
+        else:
+            rel = f"{ckpt_id}/rank-{rank:05d}-part-{j}.h5"
         specs.append({"path": os.path.join(root, rel), "relpath": rel, "datasets": datasets,
-                      "group_attrs": groups, "blobs": rng if j == 0 else {},
-                      "meta": {"role": "shard", "rank": rank, "part": j},
-                      "attrs": {"step": step, "kind": "full", "codec": "fp32", "rank": rank,
+                      "group_attrs": groups, "blobs": rng if j == 0 and kind != "incrcp" else {},
+                      "meta": {"role": "chunk" if kind == "incrcp" else "shard", "rank": rank,
+                               "part": j},
+                      "attrs": {"step": step, "kind": kind, "codec": "fp32", "rank": rank,
                                 "part": j, "parts": parts, "world_size": plan.world_size}})
+    if kind == "incrcp":
+        rel = f"{ckpt_id}/rank-{rank:05d}-extra.h5"
+        specs[0:0] = [{"path": os.path.join(root, rel), "relpath": rel, "datasets": [],
+                       "group_attrs": {}, "blobs": rng,
+                       "meta": {"role": "extra", "rank": rank, "part": 0},
+                       "attrs": {"step": step, "kind": kind, "rank": rank}}]
     return specs
+
+
+def _rows_within(rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """The sorted `rows` in [lo, hi). Local."""
+    i0, i1 = np.searchsorted(rows, [lo, hi])
+    return rows[i0:i1]
 
 
 def dense_file_spec(model, root: str, ckpt_id: str, step: int) -> dict:

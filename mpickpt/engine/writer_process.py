@@ -39,6 +39,11 @@ def writer_main(conn, parent_pid: int) -> None:
 
     sys.unraisablehook = lambda _: None  # h5py's dealloc noise after a failed write; reported below
     attached: dict[str, tuple] = {}
+    serve(conn, lambda job: run_job(job, attached))
+
+
+def serve(conn, handle) -> None:
+    """Answer each job received on `conn` with `handle(job)` until None or a closed pipe. Local."""
     while True:
         try:
             job = conn.recv()
@@ -46,7 +51,7 @@ def writer_main(conn, parent_pid: int) -> None:
             return
         if job is None:
             return
-        conn.send(run_job(job, attached))
+        conn.send(handle(job))
 
 
 def run_job(job: dict, attached: dict) -> dict:
@@ -126,6 +131,8 @@ def _payload_bytes(spec: dict, arrays: dict) -> int:
         a = arrays[source]
         if ranges is None:
             total += a.nbytes
+        elif isinstance(ranges, np.ndarray):
+            total += len(ranges) * (a.nbytes // max(a.shape[0], 1))
         else:
             total += sum(b - lo for lo, b in ranges) * (a.nbytes // max(a.shape[0], 1))
     return total
@@ -172,6 +179,8 @@ def _gather(array: np.ndarray, ranges) -> np.ndarray:
     """Rows of `array` in the given [a, b) ranges (no copy for a single range). Local."""
     if ranges is None:
         return array
+    if isinstance(ranges, np.ndarray):  # selected rows of an incremental checkpoint
+        return array[ranges]
     if len(ranges) == 1:
         a, b = ranges[0]
         return array[a:b]

@@ -107,7 +107,8 @@ def dir_usage(path: str) -> tuple[int, int]:
 def listing(cat: Catalog) -> list[dict]:
     """One row per committed checkpoint and per torn directory, sorted by step. Local."""
     rows = [{"step": m.step, "kind": m.kind, "world_size": m.world_size, "files": len(m.files),
-             "bytes": m.total_bytes(), "status": status(cat.root, m), "ckpt_id": m.ckpt_id}
+             "bytes": int(m.stats.get("bytes", m.total_bytes())), "status": status(cat.root, m),
+             "ckpt_id": m.ckpt_id, "parents": list(m.parents)}
             for m in cat.manifests]
     rows += [{"step": step, "kind": None, "world_size": None, "files": 0, "bytes": 0,
               "status": "unreadable manifest", "ckpt_id": None} for step, _ in cat.bad_manifests]

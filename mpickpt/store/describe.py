@@ -36,6 +36,8 @@ def describe(root: str, manifest: Manifest) -> dict:
         "total_rows": sum(sizes),
         "table_sizes": sizes,
         "parents": list(manifest.parents),
+        "chain": manifest.chain,
+        "chunk_store": chunk_store(root, manifest) if manifest.kind == "incrcp" else None,
         "layout": {str(r): v for r, v in sorted(rows_per_rank(manifest).items())},
         "reader_state": manifest.reader_state,
         "stats": manifest.stats,
@@ -45,6 +47,25 @@ def describe(root: str, manifest: Manifest) -> dict:
         "dense": dense,
         "errors": file_errors + ([dense_error] if dense_error else []),
     }
+
+
+def chunk_store(root: str, manifest: Manifest) -> dict:
+    """incrcp: per writer rank, the 2-D lists and this checkpoint's rectangle in them. Local."""
+    from mpickpt.incrcp.index import load_index
+
+    ranks = {}
+    for rank in range(manifest.world_size):
+        index = load_index(root, manifest.chain, rank)
+        rect = index.rectangle(manifest.step)
+        ranks[str(rank)] = {
+            "generation": index.generation, "columns": len(index.columns),
+            "depth": {str(t): index.depth(t) for t in sorted(index.cells)},
+            "files": len(index.refcounts()),
+            "rectangle": {"chunks": len(rect), "rows": sum(r.rows for r in rect),
+                          "files": len({r.file for r in rect})},
+            "pending_columns": [c for c in manifest.stats.get("columns", [])
+                                if c not in index.columns]}
+    return {"chain": manifest.chain, "ranks": ranks}
 
 
 def iso_time(timestamp: float) -> str:
@@ -129,6 +150,17 @@ def format_text(info: dict) -> list[str]:
              f"size         {mb:.2f} MB in {len(info['files'])} files"]
     if info["parents"]:
         lines.append(f"parents      {', '.join(str(p) for p in info['parents'])}")
+    if info.get("chain"):
+        lines.append(f"chain        {info['chain']}")
+    if info.get("chunk_store"):
+        lines.append("chunk store (2-D lists per writer rank):")
+        for r, v in info["chunk_store"]["ranks"].items():
+            rect = v["rectangle"]
+            lines.append(f"  rank {r}: index generation {v['generation']}, {v['columns']} columns, "
+                         f"depth per table {v['depth']}, {v['files']} files; this step reads "
+                         f"{rect['chunks']} chunks ({rect['rows']} rows) from {rect['files']} "
+                         f"files" + (f"; not yet ingested: {v['pending_columns']}"
+                                     if v["pending_columns"] else ""))
     lines.append("layout (rows per rank):")
     lines += [f"  rank {r}: {v['rows']} rows, tables {' '.join(v['pieces']) or '-'}"
               for r, v in info["layout"].items()]

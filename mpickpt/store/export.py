@@ -21,7 +21,8 @@ import h5py
 import numpy as np
 
 from mpickpt.store.errors import CheckpointError
-from mpickpt.store.manifest import Manifest
+from mpickpt.store.layers import SegmentReader, checkpoint_segments, parent_manifests
+from mpickpt.store.manifest import Manifest, list_manifests
 from mpickpt.store.restore import check_files
 from mpickpt.store.shard_file import BLOCK_ROWS, open_shard, read_all, read_rows
 from mpickpt.store.tables import (READ_ERRORS, error_text, group_datasets, row_array_names,
@@ -31,19 +32,29 @@ from mpickpt.store.verify import id_ranges
 EXPORT_FORMAT = "mpickpt-export-1"
 
 
-def export_checkpoint(root: str, manifest: Manifest, out: str, with_optimizer: bool = False) -> dict:
+def export_checkpoint(root: str, manifest: Manifest, out: str, with_optimizer: bool = False,
+                      provenance: bool = False) -> dict:
     """Write the checkpoint's model as one HDF5 file at `out` (temp name, then rename).
 
-    Returns {"tables": n, "rows": total rows, "bytes": size of `out`}. Local."""
-    check_files(root, manifest)
-    index, errors = shard_index(root, manifest)
-    if errors:
-        raise CheckpointError(next(iter(errors.values())))
+    The file depends only on the model at that step, so exports of one step written under any
+    checkpoint kind are byte-identical; `provenance` adds where it came from (kind, ckpt_id,
+    source_dir, world_size). Returns {"tables": n, "rows": total rows, "bytes": size of `out`}.
+    Local."""
+    by_step = {m.step: m for m in list_manifests(root)}
+    by_step[manifest.step] = manifest
+    for m in [*parent_manifests(manifest, by_step), manifest]:
+        check_files(root, m)
+    if manifest.kind == "full":
+        index, errors = shard_index(root, manifest)
+        if errors:
+            raise CheckpointError(next(iter(errors.values())))
+    else:
+        index = checkpoint_segments(root, manifest, by_step)
     tmp = os.path.join(os.path.dirname(out) or ".", f".{os.path.basename(out)}.tmp-{os.getpid()}")
     try:
         with h5py.File(tmp, "w") as f:
-            write_attrs(f, root, manifest)
-            write_tables(f, manifest, index, with_optimizer)
+            write_attrs(f, root, manifest, provenance)
+            write_tables(f, root, manifest, index, with_optimizer)
             write_dense(f, root, manifest, with_optimizer)
         os.replace(tmp, out)
     except BaseException:
@@ -53,23 +64,25 @@ def export_checkpoint(root: str, manifest: Manifest, out: str, with_optimizer: b
     return {"tables": len(offsets) - 1, "rows": int(offsets[-1]), "bytes": os.path.getsize(out)}
 
 
-def write_attrs(f: h5py.File, root: str, manifest: Manifest) -> None:
-    """Root attributes describing where the export came from. Local."""
-    f.attrs.update({"format": EXPORT_FORMAT, "step": manifest.step, "kind": manifest.kind,
+def write_attrs(f: h5py.File, root: str, manifest: Manifest, provenance: bool) -> None:
+    """Root attributes describing the model (and, optionally, where it came from). Local."""
+    f.attrs.update({"format": EXPORT_FORMAT, "step": manifest.step,
                     "codec": manifest.codec, "dim": manifest.dim, "optimizer": manifest.optimizer,
-                    "table_sizes": np.asarray(manifest.plan["table_sizes"], dtype=np.int64),
-                    "world_size": manifest.world_size, "ckpt_id": manifest.ckpt_id,
-                    "source_dir": os.path.abspath(root)})
+                    "table_sizes": np.asarray(manifest.plan["table_sizes"], dtype=np.int64)})
+    if provenance:
+        f.attrs.update({"kind": manifest.kind, "world_size": manifest.world_size,
+                        "ckpt_id": manifest.ckpt_id, "source_dir": os.path.abspath(root)})
 
 
-def write_tables(f: h5py.File, manifest: Manifest, index: dict[int, list[str]],
-                 with_optimizer: bool) -> None:
-    """Assemble and write every table, one in memory at a time. Local."""
+def write_tables(f: h5py.File, root: str, manifest: Manifest, index, with_optimizer: bool) -> None:
+    """Assemble and write every table, one in memory at a time. `index` is table -> shard paths
+    (full checkpoints) or the checkpoint's ordered segments (incremental kinds). Local."""
     names = ["weight"] + ([n for n in row_array_names(manifest) if n != "weight"]
                           if with_optimizer else [])
     offsets = table_offsets(manifest)
     for t in range(len(offsets) - 1):
-        arrays = assemble_table(manifest, t, index.get(t, []), names)
+        arrays = (assemble_table(manifest, t, index.get(t, []), names) if isinstance(index, dict)
+                  else assemble_layers(root, manifest, index, t, names))
         f.create_dataset(f"embeddings/table_{t}", data=arrays.pop("weight"))
         for name, array in arrays.items():
             f.create_dataset(f"optimizer/table_{t}/{name.removeprefix('state/')}", data=array)
@@ -97,6 +110,37 @@ def assemble_table(manifest: Manifest, table: int, paths: list[str],
         missing = np.nonzero(~filled)[0]
         raise CheckpointError(f"checkpoint step {manifest.step}: table {table} rows "
                               f"{id_ranges(missing)} ({missing.size} rows) are in no shard file")
+    return out
+
+
+def assemble_layers(root: str, manifest: Manifest, segments: list, table: int,
+                    names: list[str]) -> dict[str, np.ndarray]:
+    """Rows of `table` from an incremental checkpoint's segments, newer overwriting older. Local."""
+    offsets = table_offsets(manifest)
+    g0, size = int(offsets[table]), int(offsets[table + 1] - offsets[table])
+    out: dict[str, np.ndarray] = {}
+    filled = np.zeros(size, dtype=bool)
+    with SegmentReader(root) as reader:
+        for seg in segments:
+            try:
+                for t, group, start, stop, _, _ in reader.groups(seg):
+                    if t != table or stop <= start:
+                        continue
+                    rows = reader.gids(seg, group, start, stop) - g0
+                    for name in names:
+                        data = reader.rows(seg, group, name, start, stop)
+                        out.setdefault(name, np.zeros((size, *data.shape[1:]), dtype=data.dtype))
+                        out[name][rows] = data
+                    filled[rows] = True
+            except CheckpointError:
+                raise
+            except READ_ERRORS as e:
+                raise CheckpointError(error_text(reader.path(seg), e)) from None
+    if not filled.all():
+        missing = np.nonzero(~filled)[0]
+        raise CheckpointError(f"checkpoint step {manifest.step}: table {table} rows "
+                              f"{id_ranges(missing)} ({missing.size} rows) are in none of its "
+                              f"layers")
     return out
 
 

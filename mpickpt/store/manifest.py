@@ -37,6 +37,12 @@ class Manifest:
     reader_state: dict
     codec: str = "fp32"
     parents: list[int] = field(default_factory=list)
+    """Steps this checkpoint builds on, oldest first: [] for full; [baseline] for differential;
+    [baseline, every earlier increment of the chain] for consecutive; [baseline] for incrcp (its
+    chunk index locates the increments; ``stats["columns"]`` lists the chain's steps)."""
+    chain: str = ""
+    """incrcp: the chain (2-D chunk lists under ``chains/<chain>/``) this checkpoint belongs to or,
+    for a full baseline, starts."""
     stats: dict = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     version: int = MANIFEST_VERSION
@@ -97,8 +103,21 @@ def list_manifests(root: str) -> list[Manifest]:
 
 
 def referenced_dirs(manifests) -> set[str]:
-    """Top-level checkpoint directories that some manifest needs. Local."""
-    return {path.split("/", 1)[0] for m in manifests for path in m.files}
+    """Top-level checkpoint directories (and chains/<id>) that some manifest needs. Local."""
+    dirs = {path.split("/", 1)[0] for m in manifests for path in m.files}
+    return dirs | {f"chains/{m.chain}" for m in manifests if m.chain}
+
+
+def with_parents(chosen, manifests) -> list:
+    """`chosen` plus every manifest they build on (transitively), by step. Local."""
+    by_step = {m.step: m for m in manifests}
+    out, todo = {}, list(chosen)
+    while todo:
+        m = todo.pop()
+        if m.step not in out:
+            out[m.step] = m
+            todo += [by_step[p] for p in m.parents if p in by_step]
+    return sorted(out.values(), key=lambda m: m.step)
 
 
 def torn_dirs(root: str, manifests) -> list[str]:
@@ -112,12 +131,14 @@ def torn_dirs(root: str, manifests) -> list[str]:
 
 
 def apply_retention(root: str, keep: int) -> list[int]:
-    """Keep the newest `keep` committed checkpoints; delete older manifests first, then every file
-    no retained manifest needs. Returns the deleted steps. Local (rank 0)."""
+    """Keep the newest `keep` committed checkpoints and every checkpoint they build on; delete the
+    other manifests first, then every directory no retained manifest needs. Returns the deleted steps. Local (rank 0)."""
     manifests = list_manifests(root)
     if keep <= 0 or len(manifests) <= keep:
         return []
-    retired, retained = manifests[:-keep], manifests[-keep:]
+    retained = with_parents(manifests[-keep:], manifests)
+    kept = {m.step for m in retained}
+    retired = [m for m in manifests if m.step not in kept]
     for m in retired:
         os.remove(manifest_path(root, m.step))
     fsync_path(root)

@@ -1,5 +1,6 @@
 """Restore: find the newest valid checkpoint (or a chosen step) and load this rank's rows.
 
+Incremental kinds are restored by applying their layers (`mpickpt.store.layers`) in order.
 Shards are keyed by global row id, so a checkpoint written by N ranks loads onto M ranks: every rank
 computes the global-id ranges it owns under the *current* plan and reads, from each shard file, only
 the rows in those ranges (plus the checksum blocks around them).
@@ -12,8 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpickpt.store.errors import CheckpointError
+from mpickpt.store.layers import Segment, SegmentReader, checkpoint_segments, parent_manifests
 from mpickpt.store.manifest import Manifest, list_manifests, torn_dirs
-from mpickpt.store.shard_file import open_shard, read_all, read_rows
+from mpickpt.store.shard_file import open_shard, read_all
 
 
 @dataclass
@@ -60,31 +62,34 @@ def owned_ranges(plan, rank: int) -> list[tuple[int, int, int, int]]:
             for s in plan.shards_of(rank)]
 
 
-def load_rows(root: str, manifest: Manifest, plan, rank: int, templates: dict) -> dict:
-    """This rank's rows under `plan`, read from every shard file of `manifest`. Local.
+def load_rows(root: str, segments: list[Segment], plan, rank: int, templates: dict,
+              step: int, complete: bool = True) -> dict:
+    """This rank's rows under `plan`, applying `segments` in order (newer overwrite older). Local.
 
-    `templates` maps row-array names to (shape tail, dtype)."""
+    `templates` maps row-array names to (shape tail, dtype). With `complete`, every row must come
+    from some segment (benchmarks read an incremental checkpoint's increments alone)."""
     n = plan.local_rows(rank)
     out = {k: np.empty((n, *tail), dtype=dt) for k, (tail, dt) in templates.items()}
     filled = np.zeros(n, dtype=bool)
     ranges = owned_ranges(plan, rank)
-    for rel in manifest.shard_files():
-        path = os.path.join(root, rel)
-        with open_shard(path) as f:
-            for table, g0, g1, local0 in ranges:
-                group = f.get(f"tables/{table}")
-                if group is None or group.attrs["gid_max"] < g0 or group.attrs["gid_min"] >= g1:
+    with SegmentReader(root) as reader:
+        for seg in segments:
+            for table, group, start, stop, gmin, gmax in reader.groups(seg):
+                mine = [r for r in ranges if r[0] == table and gmax >= r[1] and gmin < r[2]]
+                if not mine or stop <= start:
                     continue
-                gids = read_all(group["gids"], path)
-                i0, i1 = np.searchsorted(gids, [g0, g1])
-                if i1 > i0:
-                    local = local0 + gids[i0:i1] - g0
-                    for name in out:
-                        out[name][local] = read_rows(group[name], int(i0), int(i1), path)
-                    filled[local] = True
-    if not filled.all():
+                gids = reader.gids(seg, group, start, stop)
+                for _, g0, g1, local0 in mine:
+                    i0, i1 = np.searchsorted(gids, [g0, g1])
+                    if i1 > i0:
+                        local = local0 + gids[i0:i1] - g0
+                        for name in out:
+                            out[name][local] = reader.rows(seg, group, name, start + int(i0),
+                                                           start + int(i1))
+                        filled[local] = True
+    if complete and not filled.all():
         missing = plan.local_to_global(rank, np.nonzero(~filled)[0][:5])
-        raise CheckpointError(f"checkpoint step {manifest.step} lacks {int((~filled).sum())} rows "
+        raise CheckpointError(f"checkpoint step {step} lacks {int((~filled).sum())} rows "
                               f"of rank {rank}, e.g. global ids {missing.tolist()}")
     return out
 
@@ -105,7 +110,7 @@ def load_dense(root: str, manifest: Manifest) -> dict[str, np.ndarray]:
 def load_rng(root: str, manifest: Manifest, rank: int) -> dict[str, bytes]:
     """RNG states saved by the same rank number, if that rank existed. Local."""
     for rel, meta in manifest.files.items():
-        if meta["role"] == "shard" and meta["rank"] == rank and meta["part"] == 0:
+        if meta["role"] in ("shard", "extra") and meta["rank"] == rank and meta["part"] == 0:
             path = os.path.join(root, rel)
             with open_shard(path) as f:
                 extra = f.get("extra")
@@ -115,11 +120,16 @@ def load_rng(root: str, manifest: Manifest, rank: int) -> dict[str, bytes]:
 
 
 def load_checkpoint(root: str, manifest: Manifest, plan, rank: int, dim: int,
-                    templates: dict) -> LoadedState:
-    """Everything this rank needs from one checkpoint; CheckpointError on any problem. Local."""
+                    templates: dict, by_step: dict[int, Manifest] | None = None) -> LoadedState:
+    """Everything this rank needs from one checkpoint of any kind; CheckpointError on any problem.
+
+    `by_step` holds the committed manifests an incremental checkpoint builds on. Local."""
     check_compatible(manifest, plan, dim, templates)
-    check_files(root, manifest)
-    rows = load_rows(root, manifest, plan, rank, templates)
+    by_step = by_step or {}
+    for m in [*parent_manifests(manifest, by_step), manifest]:
+        check_files(root, m)
+    segments = checkpoint_segments(root, manifest, by_step)
+    rows = load_rows(root, segments, plan, rank, templates, manifest.step)
     return LoadedState(manifest.step, rows, load_dense(root, manifest),
                        load_rng(root, manifest, rank), manifest)
 

@@ -24,6 +24,8 @@ from mpickpt.store.tables import (READ_ERRORS, error_text, group_datasets, row_a
 
 def verify_checkpoint(root: str, manifest: Manifest) -> list[str]:
     """All problems of one checkpoint (files, checksums, structure, coverage). Local."""
+    if manifest.kind != "full":
+        return verify_layered(root, manifest)
     problems = manifest_problems(root, manifest) + file_problem_messages(root, manifest)
     bad = {rel for rel, _ in file_problems(root, manifest)}
     present = [rel for rel in sorted(manifest.files) if rel not in bad]
@@ -188,3 +190,51 @@ def id_ranges(ids: np.ndarray, limit: int = 3) -> str:
 def dedupe(problems: list[str]) -> list[str]:
     """Problems in order, each once. Local."""
     return list(dict.fromkeys(problems))
+
+
+def verify_layered(root: str, manifest: Manifest) -> list[str]:
+    """An incremental checkpoint: its own and its parents' files, checksums of every file its
+    layers read (chunk and bundle files included), and coverage of every table by the layers. Local."""
+    from mpickpt.store.errors import CheckpointError
+    from mpickpt.store.layers import checkpoint_segments, parent_manifests, segment_files
+    from mpickpt.store.manifest import list_manifests
+
+    by_step = {m.step: m for m in list_manifests(root)}
+    by_step[manifest.step] = manifest
+    problems = manifest_problems(root, manifest)
+    try:
+        layers = [*parent_manifests(manifest, by_step), manifest]
+        segments = checkpoint_segments(root, manifest, by_step)
+    except CheckpointError as e:
+        return problems + [str(e)]
+    for m in layers:
+        problems += file_problem_messages(root, m)
+    files = dict.fromkeys([rel for m in layers for rel in sorted(m.files)] + segment_files(segments))
+    for rel in files:
+        problems += verify_file(os.path.join(root, rel))
+    if not problems:
+        problems += layered_coverage(root, manifest, segments)
+    return dedupe(problems)
+
+
+def layered_coverage(root: str, manifest: Manifest, segments) -> list[str]:
+    """Every global id of every table is in some layer. Local."""
+    from mpickpt.store.layers import SegmentReader
+
+    offsets = table_offsets(manifest)
+    seen = np.zeros(int(offsets[-1]), dtype=bool)
+    with SegmentReader(root) as reader:
+        for seg in segments:
+            for _, group, start, stop, _, _ in reader.groups(seg):
+                gids = reader.gids(seg, group, start, stop)
+                if gids.size and (gids.min() < 0 or gids.max() >= seen.size):
+                    return [f"{reader.path(seg)}: group {group.name}: global ids outside the "
+                            f"model's {seen.size} rows"]
+                seen[gids] = True
+    out = []
+    for t in range(len(offsets) - 1):
+        gaps = np.nonzero(~seen[offsets[t]:offsets[t + 1]])[0] + offsets[t]
+        if gaps.size:
+            out.append(f"table {t}: {gaps.size} of {offsets[t + 1] - offsets[t]} global ids are in "
+                       f"none of step {manifest.step}'s layers: {id_ranges(gaps)}")
+    return out

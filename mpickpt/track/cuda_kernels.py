@@ -21,6 +21,7 @@ class RowTrackingKernels:
         self._count = module.get_function("count_words")
         self._extract = module.get_function("extract_rows")
         self.stream = torch.cuda.Stream()
+        self._side = external_stream(cupy, self.stream)  # wrapped once, not per launch
 
     def _check(self, words: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         if words.dtype != torch.int64 or not words.is_cuda or not words.is_contiguous():
@@ -36,7 +37,7 @@ class RowTrackingKernels:
         self.stream.wait_stream(torch.cuda.current_stream())
         n = rows.numel()
         blocks = min(max(1, -(-n // THREADS)), 4096)
-        with self._cp.cuda.ExternalStream(self.stream.cuda_stream):
+        with self._side:
             self._mark((blocks,), (THREADS,), (words.data_ptr(), rows.data_ptr(), n))
         rows.record_stream(self.stream)  # training goes on; `extract` waits for this stream
 
@@ -47,7 +48,7 @@ class RowTrackingKernels:
         nw = words.numel()
         counts = torch.empty(nw, dtype=torch.int64, device=words.device)
         blocks = max(1, -(-nw // THREADS))
-        stream = self._cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        stream = external_stream(self._cp, torch.cuda.current_stream())
         with stream:
             self._count((blocks,), (THREADS,), (words.data_ptr(), counts.data_ptr(), nw))
         offsets = torch.cumsum(counts, 0) - counts
@@ -58,3 +59,11 @@ class RowTrackingKernels:
                 self._extract((blocks,), (THREADS,),
                               (words.data_ptr(), offsets.data_ptr(), rows.data_ptr(), nw))
         return rows
+
+
+def external_stream(cupy, stream: torch.cuda.Stream):
+    """A CuPy view of a torch stream (CuPy >= 14's `Stream.from_external` where available). Local."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(stream, "__cuda_stream__"):
+        return from_external(stream)
+    return cupy.cuda.ExternalStream(stream.cuda_stream)

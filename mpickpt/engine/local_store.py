@@ -1,0 +1,182 @@
+"""LocalChain: the checkpoint pipeline of every kind driven in one process, without MPI or a model.
+
+It writes exactly what the trainer's ranks would write (the same file specs through the same writer
+code, the same planner, the same extraction and commit records), but synchronously and for all
+ranks of a plan at once. The property tests and `bench/incremental_kinds.py` use it to write long
+chains quickly and to restore any step through the production restore path. Local.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpickpt.engine.kinds import KindPlanner, SavePlan
+from mpickpt.engine.snapshot import shard_file_specs
+from mpickpt.engine.writer_process import write_file
+from mpickpt.incrcp.extraction import Extractor
+from mpickpt.incrcp.extractor_process import column_refs, time_restore
+from mpickpt.incrcp.index import load_index
+from mpickpt.store.manifest import Manifest, apply_retention, list_manifests, write_manifest
+from mpickpt.store.restore import load_checkpoint
+
+
+@dataclass
+class _Topo:
+    rank: int
+
+
+@dataclass
+class _Embeddings:
+    local_gids: np.ndarray
+
+
+class RankState:
+    """One rank's row state (numpy arrays) shaped like a model's `row_state()`. Local."""
+
+    def __init__(self, plan, rank: int, dim: int, seed: int):
+        self.plan, self.topo = plan, _Topo(rank)
+        n = plan.local_rows(rank)
+        rng = np.random.default_rng(seed + rank)
+        self.arrays = {"weight": rng.standard_normal((n, dim)).astype(np.float32),
+                       "state/sum": np.zeros(n, dtype=np.float32)}
+        self.embeddings = _Embeddings(plan.local_to_global(rank, np.arange(n)))
+
+    def row_state(self) -> dict:
+        return self.arrays
+
+    def update(self, rows: np.ndarray, rng) -> None:
+        """A sparse optimizer step on `rows` (sorted unique local rows). Local."""
+        self.arrays["weight"][rows] += rng.standard_normal(
+            (len(rows), self.arrays["weight"].shape[1])).astype(np.float32)
+        self.arrays["state/sum"][rows] += 1.0
+
+
+class LocalChain:
+    """Checkpoints of one policy for every rank of `plan`, written under `root`."""
+
+    def __init__(self, root: str, plan, dim: int, policy: str, keep: int = 1000,
+                 ratio: float = 0.02, seed: int = 0, parts: int = 1):
+        self.root, self.plan, self.dim, self.policy = root, plan, dim, policy
+        self.keep, self.parts = keep, parts
+        self.ranks = [RankState(plan, r, dim, seed) for r in range(plan.world_size)]
+        self.changed = [set() for _ in self.ranks]
+        self.planners = [KindPlanner(policy, plan.local_rows(r), int(sum(plan.table_sizes)),
+                                     self._sum, self._max) for r in range(plan.world_size)]
+        self.extractors = [Extractor(root, ratio) for _ in self.ranks]
+        self.indexes: dict = {}
+        self.history: list[dict] = []
+        os.makedirs(root, exist_ok=True)
+
+    # The planners of all ranks see global sums: each rank contributes in turn.
+    def _sum(self, values):
+        return self._global
+
+    def _max(self, values):
+        return values
+
+    def touch(self, rank: int, rows: np.ndarray, rng) -> None:
+        """Apply an update to local `rows` of `rank` and mark them as tracked. Local."""
+        rows = np.unique(np.asarray(rows, dtype=np.int64))
+        self.ranks[rank].update(rows, rng)
+        self.changed[rank].update(rows.tolist())
+
+    def save(self, step: int) -> dict:
+        """Checkpoint every rank at `step` (write, commit, ingest). Returns what was written."""
+        changed = [np.array(sorted(c), dtype=np.int64) for c in self.changed]
+        self.changed = [set() for _ in self.ranks]
+        since = [p.since_base | _mask(len(p.since_base), c) for p, c in zip(self.planners, changed)]
+        self._global = np.array([sum(len(c) for c in changed), sum(int(s.sum()) for s in since)],
+                                dtype=np.int64)
+        plans = [p.plan(step, c, "local") for p, c in zip(self.planners, changed)]
+        start = time.perf_counter()
+        files, nbytes = {}, 0
+        for state, save in zip(self.ranks, plans):
+            got, b = self._write_rank(state, step, save)
+            files.update(got)
+            nbytes += b
+        files.update(self._write_dense(step))
+        seconds = time.perf_counter() - start
+        save = plans[0]
+        manifest = Manifest(step=step, kind=save.kind, ckpt_id=_ckpt_id(step),
+                            world_size=self.plan.world_size, dim=self.dim, plan=self.plan.describe(),
+                            optimizer="adagrad", files=files, reader_state={}, parents=save.parents,
+                            chain=save.chain, stats={"row_arrays": ["state/sum", "weight"],
+                                                     "parts": self.parts, "policy": self.policy,
+                                                     "bytes": nbytes, "decision": save.reason,
+                                                     **({"columns": save.columns}
+                                                        if save.columns else {})})
+        write_manifest(self.root, manifest)
+        apply_retention(self.root, self.keep)
+        ingest = self._ingest(step, save) if save.kind == "incrcp" else 0.0
+        for p in self.planners:
+            p.record_write(save.kind, seconds)
+        record = {"step": step, "kind": save.kind, "bytes": nbytes, "write_seconds": seconds,
+                  "ingest_seconds": ingest,
+                  "rows": sum(len(p.rows) if p.rows is not None else self.plan.local_rows(r)
+                              for r, p in enumerate(plans))}
+        self.history.append(record)
+        return record
+
+    def _write_rank(self, state: RankState, step: int, save: SavePlan):
+        arrays = {"gids": state.embeddings.local_gids, **state.arrays}
+        specs = shard_file_specs(state, self.root, _ckpt_id(step), step, self.parts, {}, save)
+        files, nbytes = {}, 0
+        for spec in specs:
+            size, payload = write_file(spec, arrays)
+            nbytes += size
+            if spec["meta"]["role"] != "chunk":
+                files[spec["relpath"]] = {**spec["meta"], "size": size}
+        return files, nbytes
+
+    def _write_dense(self, step: int) -> dict:
+        rel = f"{_ckpt_id(step)}/dense.h5"
+        spec = {"path": os.path.join(self.root, rel), "relpath": rel, "group_attrs": {},
+                "datasets": [("dense/param/w", "dense/param/w", None)], "blobs": {},
+                "meta": {"role": "dense", "rank": 0, "part": 0}, "attrs": {"step": step}}
+        size, _ = write_file(spec, {"dense/param/w": np.full(4, step, dtype=np.float32)})
+        return {rel: {**spec["meta"], "size": size}}
+
+    def _ingest(self, step: int, save: SavePlan) -> float:
+        start = time.perf_counter()
+        retained = [m.step for m in list_manifests(self.root) if m.chain == save.chain]
+        for rank, extractor in enumerate(self.extractors):
+            key = (save.chain, rank)
+            if key not in self.indexes:
+                self.indexes[key] = load_index(self.root, save.chain, rank)
+            refs = column_refs(self.root, save.chain, rank, step, self.parts)
+            extractor.ingest(self.indexes[key], step, refs, ["state/sum", "weight"], retained)
+        seconds = time.perf_counter() - start
+        restore = max(time_restore(self.root, self.indexes[(save.chain, r)], step,
+                                   ["state/sum", "weight"]) for r in range(len(self.ranks)))
+        for p in self.planners:
+            p.record_restore(save.chain, step, restore)
+        return seconds
+
+    def snapshot(self) -> list[dict]:
+        """A copy of every rank's arrays (the expected state at the current step). Local."""
+        return [{k: v.copy() for k, v in r.arrays.items()} for r in self.ranks]
+
+    def restore(self, step: int, plan=None) -> tuple[list[dict], float]:
+        """Every rank's rows of checkpoint `step` (under `plan`, default the writing plan) through
+        the production restore path, and the seconds it took. Local."""
+        plan = plan or self.plan
+        manifests = {m.step: m for m in list_manifests(self.root)}
+        templates = {"weight": ((self.dim,), np.dtype(np.float32)),
+                     "state/sum": ((), np.dtype(np.float32))}
+        start = time.perf_counter()
+        out = [load_checkpoint(self.root, manifests[step], plan, r, self.dim, templates,
+                               manifests).rows for r in range(plan.world_size)]
+        return out, time.perf_counter() - start
+
+
+def _mask(n: int, rows: np.ndarray) -> np.ndarray:
+    m = np.zeros(n, dtype=bool)
+    m[rows] = True
+    return m
+
+
+def _ckpt_id(step: int) -> str:
+    return f"step-{step:012d}-local"

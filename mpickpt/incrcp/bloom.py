@@ -1,0 +1,53 @@
+"""Bloom filter over int64 keys (global row ids), vectorized with numpy. Local."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+_MUL1 = np.uint64(0x9E3779B97F4A7C15)
+_MUL2 = np.uint64(0xBF58476D1CE4E5B9)
+_MUL3 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix(keys: np.ndarray, salt: np.uint64) -> np.ndarray:
+    """splitmix64 finaliser of key+salt. Local."""
+    with np.errstate(over="ignore"):
+        z = keys.astype(np.uint64) + salt * _MUL1
+        z = (z ^ (z >> np.uint64(30))) * _MUL2
+        z = (z ^ (z >> np.uint64(27))) * _MUL3
+        return z ^ (z >> np.uint64(31))
+
+
+class BloomFilter:
+    """`bits_per_key` bits per expected key and the optimal number of hashes (double hashing)."""
+
+    def __init__(self, expected: int, bits_per_key: int = 10):
+        self.num_bits = max(64, int(expected) * bits_per_key)
+        self.num_hashes = max(1, round(bits_per_key * math.log(2)))
+        self.bits = np.zeros(-(-self.num_bits // 8), dtype=np.uint8)
+
+    @classmethod
+    def of(cls, keys: np.ndarray, bits_per_key: int = 10) -> "BloomFilter":
+        f = cls(len(keys), bits_per_key)
+        f.add(keys)
+        return f
+
+    def _positions(self, keys: np.ndarray) -> np.ndarray:
+        h1, h2 = _mix(keys, np.uint64(1)), _mix(keys, np.uint64(2)) | np.uint64(1)
+        i = np.arange(self.num_hashes, dtype=np.uint64)[:, None]
+        with np.errstate(over="ignore"):
+            return ((h1[None, :] + i * h2[None, :]) % np.uint64(self.num_bits)).astype(np.int64)
+
+    def add(self, keys: np.ndarray) -> None:
+        pos = self._positions(np.asarray(keys)).ravel()
+        np.bitwise_or.at(self.bits, pos >> 3, (1 << (pos & 7)).astype(np.uint8))
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        """Boolean per key: possibly present (no false negatives). Local."""
+        keys = np.asarray(keys)
+        if keys.size == 0:
+            return np.zeros(0, dtype=bool)
+        pos = self._positions(keys)
+        hit = (self.bits[pos >> 3] >> (pos & 7).astype(np.uint8)) & 1
+        return hit.all(axis=0)

@@ -1,0 +1,83 @@
+"""The trainer's handle on its extractor process: submit, poll, restart, drain. Local."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+from mpickpt.incrcp.extractor_process import extractor_main
+
+
+class ExtractorClient:
+    """Hands ingestion jobs to one background extractor, in order; restarts it if it dies and hands
+    it every unanswered job again (ingestion is idempotent). Never blocks unless asked to drain."""
+
+    def __init__(self, root: str, ratio: float, log=None):
+        self.root, self.ratio = root, ratio
+        self.log = log or (lambda line: None)
+        self._ctx = mp.get_context("spawn")
+        self.pending: list[dict] = []
+        self.results: list[dict] = []
+        self.restarts = 0
+        self._start()
+
+    def _start(self) -> None:
+        parent, child = self._ctx.Pipe()
+        self.proc = self._ctx.Process(target=extractor_main, daemon=True, name="mpickpt-extractor",
+                                      args=(child, os.getpid(), self.root, self.ratio))
+        self.proc.start()
+        child.close()
+        self.conn = parent
+
+    def submit(self, job: dict) -> None:
+        """Queue one ingestion (after its column file is durable). Local."""
+        self.pending.append(job)
+        self.conn.send(job)
+
+    def poll(self, timeout: float = 0.0) -> list[dict]:
+        """Answers received so far (each job's result once). Local."""
+        out = []
+        while self.pending:
+            try:
+                if not self.conn.poll(timeout):
+                    break
+                result = self.conn.recv()
+            except (EOFError, OSError):
+                self._restart()
+                continue
+            self.pending.pop(0)
+            out.append(result)
+        return out
+
+    def _restart(self) -> None:
+        code = self.proc.exitcode if not self.proc.is_alive() else None
+        self.restarts += 1
+        self.log(f"extractor process died (exit code {code}); restarting it and resubmitting "
+                 f"{len(self.pending)} ingestions (committed checkpoints are unaffected)")
+        self.conn.close()
+        self._start()
+        for job in self.pending:
+            self.conn.send({**job, "crash_before_commit": False})
+
+    def drain(self, timeout: float = 600.0) -> list[dict]:
+        """Wait for every queued ingestion. Local."""
+        out, deadline = [], time.monotonic() + timeout
+        while self.pending and time.monotonic() < deadline:
+            out += self.poll(0.05)
+            if self.pending and not self.proc.is_alive():
+                self._restart()
+        return out
+
+    def close(self) -> None:
+        """Stop the extractor after its queue. Safe twice. Local."""
+        if self.conn is None:
+            return
+        try:
+            self.conn.send(None)
+        except (OSError, ValueError):
+            pass
+        self.proc.join(10.0)
+        if self.proc.is_alive():
+            self.proc.terminate()
+        self.conn.close()
+        self.conn = None

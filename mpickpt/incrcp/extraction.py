@@ -1,0 +1,233 @@
+"""Ingest one checkpoint's chunk into the 2-D lists: selective extraction, bundles, GC. Local.
+
+For every table, the new chunk's keys are compared with each older row-0 chunk through IncrCP's
+three filters (§4.3): key-range overlap, Bloom-filter hit ratio >= R, actual duplicate ratio >= R
+(ratios relative to the older chunk's rows). Chunks that pass are split: the rows the new chunk
+repeats go to a new row-1 chunk of their column (``until`` = the new step), the rest become that
+column's new row 0. All chunks produced by one extraction are concatenated into two bundle files
+(§4.4), one for the new row-0 chunks and one for the new row-1 chunks, addressed by (offset, length)
+per table; a file's reference count is the number of index entries naming it and it is deleted once
+that reaches zero, *after* the index generation that drops it is committed.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mpickpt.incrcp.bloom import BloomFilter
+from mpickpt.incrcp.index import ChunkIndex, ChunkRef, commit_index, index_dir
+from mpickpt.store.shard_file import FORMAT_VERSION, fsync_path, open_shard, read_rows, write_dataset
+
+
+@dataclass
+class ExtractionStats:
+    """What one ingestion did (reported to the trainer's log and kept in the index)."""
+
+    step: int
+    compared: int = 0
+    skipped_range: int = 0
+    skipped_bloom: int = 0
+    skipped_ratio: int = 0
+    extracted_chunks: int = 0
+    extracted_rows: int = 0
+    bundle_bytes: int = 0
+    dropped_refs: int = 0
+    deleted_files: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class BundleBuilder:
+    """Rows destined for one bundle file, grouped by table; hands out ChunkRefs as rows arrive."""
+
+    def __init__(self, relpath: str):
+        self.relpath = relpath
+        self.tables: dict[int, list[dict[str, np.ndarray]]] = {}
+        self.lengths: dict[int, int] = {}
+
+    def add(self, table: int, column: int, rows: dict[str, np.ndarray], until: int | None):
+        n = len(rows["gids"])
+        if n == 0:
+            return None
+        start = self.lengths.get(table, 0)
+        self.tables.setdefault(table, []).append(rows)
+        self.lengths[table] = start + n
+        return ChunkRef(self.relpath, table, start, start + n, int(rows["gids"][0]),
+                        int(rows["gids"][-1]), column, until)
+
+    def write(self, root: str, step: int) -> int:
+        """Write the bundle atomically and durably; returns bytes. Nothing when empty. Local."""
+        if not self.tables:
+            return 0
+        path = os.path.join(root, self.relpath)
+        tmp = path + ".tmp"
+        import h5py
+
+        with h5py.File(tmp, "w") as f:
+            f.attrs.update({"format_version": FORMAT_VERSION, "step": step, "kind": "bundle"})
+            for table, pieces in self.tables.items():
+                group = f.require_group(f"tables/{table}")
+                for name in pieces[0]:
+                    data = np.concatenate([p[name] for p in pieces])
+                    folder, leaf = os.path.split(name)
+                    write_dataset(group.require_group(folder) if folder else group, leaf, data)
+                group.attrs.update({"gid_min": -1, "gid_max": -1})  # bundles are read by ref
+        fsync_path(tmp)
+        os.replace(tmp, path)
+        return os.path.getsize(path)
+
+
+@dataclass
+class ChunkReader:
+    """Open files of one ingestion (each opened once). Local."""
+
+    root: str
+    files: dict = field(default_factory=dict)
+
+    def _file(self, rel: str):
+        if rel not in self.files:
+            self.files[rel] = open_shard(os.path.join(self.root, rel))
+        return self.files[rel]
+
+    def gids(self, ref: ChunkRef) -> np.ndarray:
+        group = self._file(ref.file)[f"tables/{ref.table}"]
+        return read_rows(group["gids"], ref.start, ref.stop, ref.file)
+
+    def rows(self, ref: ChunkRef, names: list[str]) -> dict[str, np.ndarray]:
+        group = self._file(ref.file)[f"tables/{ref.table}"]
+        return {n: read_rows(group[n], ref.start, ref.stop, ref.file) for n in ["gids", *names]}
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+        self.files = {}
+
+
+class Extractor:
+    """Runs ingestions for one rank; keeps Bloom filters of row-0 chunks in memory. Local."""
+
+    def __init__(self, root: str, ratio: float = 0.02, bits_per_key: int = 10):
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"extraction ratio R must lie in [0, 1], got {ratio!r}")
+        self.root, self.ratio, self.bits_per_key = root, ratio, bits_per_key
+        self.blooms: dict[tuple, BloomFilter] = {}
+
+    def ingest(self, index: ChunkIndex, step: int, new_refs: list[ChunkRef], row_names: list[str],
+               retained: list[int] | None = None, before_commit=None) -> ExtractionStats:
+        """Add checkpoint `step`'s chunks, extract duplicates, commit the next index generation,
+        then delete files no longer referenced. `before_commit()` is a fault-injection point."""
+        start = time.perf_counter()
+        stats = ExtractionStats(step)
+        if step in index.columns:
+            return stats
+        old_files = set(index.refcounts())
+        rel = os.path.relpath(index_dir(self.root, index.chain, index.rank), self.root)
+        row0 = BundleBuilder(f"{rel}/bundle-{step:012d}-row0.h5")
+        row1 = BundleBuilder(f"{rel}/bundle-{step:012d}-row1.h5")
+        reader = ChunkReader(self.root)
+        try:
+            for table in sorted({r.table for r in new_refs} | set(index.cells)):
+                keys = self._keys(reader, [r for r in new_refs if r.table == table])
+                for column in sorted(index.cells.get(table, {})):
+                    kept, moved = self._extract_cell(reader, index.row0(table, column), keys,
+                                                     step, row_names, row0, row1, stats)
+                    index.push_row1(table, column, kept, moved)
+            index.add_column(step, new_refs)
+            stats.bundle_bytes = row0.write(self.root, step) + row1.write(self.root, step)
+            if stats.bundle_bytes:
+                fsync_path(os.path.join(self.root, rel))
+            self._remember_blooms(reader, index, step)
+        finally:
+            reader.close()
+        if retained is not None:
+            stats.dropped_refs = index.drop(lambda r: keeps(r, retained))
+        if before_commit is not None:
+            before_commit()
+        index.stats = {"last": stats.as_dict()}
+        commit_index(self.root, index)
+        stats.deleted_files = self._delete_unreferenced(old_files - set(index.refcounts()))
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def _keys(self, reader: ChunkReader, refs: list[ChunkRef]) -> np.ndarray:
+        if not refs:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([reader.gids(r) for r in sorted(refs, key=lambda r: r.gid_min)])
+
+    def _extract_cell(self, reader, refs, keys, step, names, row0, row1, stats):
+        kept, moved = [], []
+        for ref in refs:
+            stats.compared += 1
+            lo, hi = np.searchsorted(keys, [ref.gid_min, ref.gid_max + 1])
+            if hi <= lo:  # stage 1: key ranges do not overlap
+                stats.skipped_range += 1
+                kept.append(ref)
+                continue
+            hits = int(self._bloom(reader, ref).contains(keys[lo:hi]).sum())
+            if hits < self.ratio * ref.rows or hits == 0:  # stage 2: Bloom hit ratio below R
+                stats.skipped_bloom += 1
+                kept.append(ref)
+                continue
+            rows = reader.rows(ref, names)
+            dup = np.isin(rows["gids"], keys[lo:hi], assume_unique=True)
+            ndup = int(dup.sum())
+            if ndup < self.ratio * ref.rows or ndup == 0:  # stage 3: actual duplicate ratio below R
+                stats.skipped_ratio += 1
+                kept.append(ref)
+                continue
+            stats.extracted_chunks += 1
+            stats.extracted_rows += ndup
+            stay = row0.add(ref.table, ref.column, {k: v[~dup] for k, v in rows.items()}, None)
+            if stay is not None:
+                kept.append(stay)
+            moved.append(row1.add(ref.table, ref.column, {k: v[dup] for k, v in rows.items()}, step))
+        return kept, moved
+
+    def _bloom(self, reader: ChunkReader, ref: ChunkRef) -> BloomFilter:
+        key = (ref.file, ref.table, ref.start)
+        if key not in self.blooms:  # e.g. after a restart: rebuild from the chunk's keys
+            self.blooms[key] = BloomFilter.of(reader.gids(ref), self.bits_per_key)
+        return self.blooms[key]
+
+    def _remember_blooms(self, reader: ChunkReader, index: ChunkIndex, step: int) -> None:
+        live = {(r.file, r.table, r.start) for t in index.cells for c in index.cells[t]
+                for r in index.row0(t, c)}
+        self.blooms = {k: v for k, v in self.blooms.items() if k in live}
+
+    def _delete_unreferenced(self, files: set[str]) -> int:
+        deleted = 0
+        for rel in files:
+            if rel.startswith("chains/"):
+                try:
+                    os.remove(os.path.join(self.root, rel))
+                    deleted += 1
+                except FileNotFoundError:
+                    pass
+        return deleted
+
+
+def keeps(ref: ChunkRef, retained: list[int]) -> bool:
+    """Garbage-collection rule: a chunk stays while some retained checkpoint needs it. Local."""
+    if ref.until is None:
+        return True
+    return any(ref.column <= s < ref.until for s in retained)
+
+
+def remove_orphans(root: str, index: ChunkIndex) -> int:
+    """Delete bundle and temporary files the committed index does not name (left by a crash in
+    the middle of an extraction). Column files are kept: they may await ingestion. Local."""
+    folder = index_dir(root, index.chain, index.rank)
+    if not os.path.isdir(folder):
+        return 0
+    live = {os.path.basename(f) for f in index.refcounts()}
+    removed = 0
+    for name in os.listdir(folder):
+        if (name.startswith("bundle-") and name not in live) or ".tmp" in name:
+            os.remove(os.path.join(folder, name))
+            removed += 1
+    return removed

@@ -1,0 +1,87 @@
+"""The extractor: one spawned process per rank that ingests incrcp chunks in the background.
+
+Like the writers it never imports mpi4py or torch and dies with its parent. It receives one job per
+committed-to-disk incremental checkpoint, in step order, and answers with the extraction's
+statistics and a measured restore time of that checkpoint's increments (IncrCP's cost model input).
+Ingestion is idempotent, so a restarted extractor can be handed the same jobs again.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+import traceback
+
+from mpickpt.engine.writer_process import _die_with_parent, serve
+
+
+def extractor_main(conn, parent_pid: int, root: str, ratio: float) -> None:
+    """Serve ingestion jobs until a None job or a closed pipe. Runs in the extractor process."""
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from mpickpt.incrcp.extraction import Extractor
+
+    state = {"extractor": Extractor(root, ratio), "indexes": {}}
+    serve(conn, lambda job: run_ingest(job, state))
+
+
+def run_ingest(job: dict, state: dict) -> dict:
+    """Ingest one column and time a restore of its checkpoint's increments. Local."""
+    from mpickpt.incrcp.extraction import remove_orphans
+    from mpickpt.incrcp.index import load_index
+    from mpickpt.store.manifest import list_manifests
+
+    root, chain, rank, step = job["root"], job["chain"], job["rank"], job["step"]
+    try:
+        key = (chain, rank)
+        if key not in state["indexes"]:
+            state["indexes"] = {key: load_index(root, chain, rank)}  # one chain at a time
+            remove_orphans(root, state["indexes"][key])
+        index = state["indexes"][key]
+        refs = column_refs(root, chain, rank, step, job["parts"])
+        retained = [m.step for m in list_manifests(root) if m.chain == chain]
+        hook = _crash if job.get("crash_before_commit") else None
+        stats = state["extractor"].ingest(index, step, refs, job["row_names"], retained, hook)
+        seconds = time_restore(root, index, step, job["row_names"])
+        return {"ok": True, "step": step, "chain": chain, "stats": stats.as_dict(),
+                "restore_seconds": seconds}
+    except Exception as e:  # reported to the trainer, never raised there
+        state["indexes"].pop((chain, rank), None)  # reload the committed index next time
+        detail = traceback.format_exception_only(type(e), e)[-1].strip()
+        return {"ok": False, "step": step, "chain": chain, "error": f"ingesting step {step}: {detail}"}
+
+
+def column_refs(root: str, chain: str, rank: int, step: int, parts: int) -> list:
+    """ChunkRefs of every table group in the column files of checkpoint `step`. Local."""
+    from mpickpt.incrcp.index import ChunkRef, column_relpath
+    from mpickpt.store.shard_file import open_shard
+
+    refs = []
+    for j in range(parts):
+        rel = column_relpath(chain, rank, step, j)
+        with open_shard(os.path.join(root, rel)) as f:
+            for name, group in (f.get("tables") or {}).items():
+                n = group["gids"].shape[0]
+                if n:
+                    refs.append(ChunkRef(rel, int(name), 0, n, int(group.attrs["gid_min"]),
+                                         int(group.attrs["gid_max"]), step))
+    return refs
+
+
+def time_restore(root: str, index, step: int, row_names: list[str]) -> float:
+    """Seconds to read every chunk of checkpoint `step`'s rectangle (this rank's lists). Local."""
+    from mpickpt.incrcp.extraction import ChunkReader
+
+    start = time.perf_counter()
+    reader = ChunkReader(root)
+    try:
+        for ref in index.rectangle(step):
+            reader.rows(ref, row_names)
+    finally:
+        reader.close()
+    return time.perf_counter() - start
+
+
+def _crash() -> None:
+    """Fault injection: die by SIGKILL after the bundles are written, before the index commit."""
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,135 @@
+"""Layers: the ordered pieces of files that make up one checkpoint, for every checkpoint kind.
+
+- ``full``: the checkpoint's own shard files.
+- ``differential``: its baseline's shard files, then its own (rows changed since the baseline).
+- ``consecutive``: its baseline, then every increment of the chain up to itself, oldest first
+  (the naive incremental restore: everything is read, newer rows overwrite older ones).
+- ``incrcp``: its baseline (its only parent), then the rectangle of the 2-D chunk lists of every writer rank
+  (`mpickpt.incrcp.index`), plus the chunk files of chain columns the index has not ingested yet.
+
+A Segment is rows [start, stop) of one table group (or every table group, `table=None`) of one file;
+applying segments in order, later rows overwriting earlier ones, gives the checkpoint's rows. Local:
+nothing here uses MPI.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpickpt.incrcp.index import column_relpath, load_index
+from mpickpt.store.errors import CheckpointError
+from mpickpt.store.manifest import Manifest
+from mpickpt.store.shard_file import open_shard, read_rows
+
+INCREMENTAL_KINDS = ("differential", "consecutive", "incrcp")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows [start, stop) of table `table` in `file` (relative path); None means whole groups."""
+
+    file: str
+    table: int | None = None
+    start: int | None = None
+    stop: int | None = None
+    gid_min: int | None = None
+    gid_max: int | None = None
+
+
+def parent_manifests(manifest: Manifest, by_step: dict[int, Manifest]) -> list[Manifest]:
+    """The committed manifests `manifest` builds on, oldest first; CheckpointError if one is gone."""
+    out = []
+    for step in manifest.parents:
+        if step not in by_step:
+            raise CheckpointError(f"checkpoint step {manifest.step} ({manifest.kind}) needs step "
+                                  f"{step}, which is not committed (retired or deleted)")
+        out.append(by_step[step])
+    return out
+
+
+def checkpoint_segments(root: str, manifest: Manifest, by_step: dict[int, Manifest]) -> list[Segment]:
+    """Every segment of `manifest`'s checkpoint in the order to apply them. Local."""
+    if manifest.kind == "full":
+        return whole_files(manifest)
+    parents = parent_manifests(manifest, by_step)
+    if manifest.kind in ("differential", "consecutive"):
+        return [s for m in [*parents, manifest] for s in whole_files(m)]
+    if manifest.kind == "incrcp":
+        return whole_files(parents[0]) + chunk_segments(root, manifest)
+    raise CheckpointError(f"checkpoint step {manifest.step}: unknown kind {manifest.kind!r}")
+
+
+def whole_files(manifest: Manifest) -> list[Segment]:
+    return [Segment(rel) for rel in manifest.shard_files()]
+
+
+def chain_columns(manifest: Manifest) -> list[int]:
+    """Steps of the incremental columns up to and including `manifest` (incrcp). Local."""
+    return [int(c) for c in manifest.stats.get("columns", [manifest.step])]
+
+
+def chunk_segments(root: str, manifest: Manifest) -> list[Segment]:
+    """The 2-D lists' rectangle of an incrcp checkpoint over all writer ranks, column order. Local."""
+    parts = int(manifest.stats.get("parts", 1))
+    pieces = []
+    for rank in range(manifest.world_size):
+        index = load_index(root, manifest.chain, rank)
+        for ref in index.rectangle(manifest.step):
+            pieces.append((ref.column, Segment(ref.file, ref.table, ref.start, ref.stop,
+                                               ref.gid_min, ref.gid_max)))
+        for column in chain_columns(manifest):
+            if column not in index.columns:  # not ingested yet: its chunk file is intact
+                pieces += [(column, Segment(column_relpath(manifest.chain, rank, column, j)))
+                           for j in range(parts)]
+    return [s for _, s in sorted(pieces, key=lambda p: p[0])]
+
+
+def segment_files(segments: list[Segment]) -> list[str]:
+    """Distinct files of `segments` in first-use order. Local."""
+    return list(dict.fromkeys(s.file for s in segments))
+
+
+class SegmentReader:
+    """Reads segments, opening each file once. Use as a context manager. Local."""
+
+    def __init__(self, root: str):
+        self.root, self.files = root, {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for f in self.files.values():
+            f.close()
+        self.files = {}
+
+    def path(self, seg: Segment) -> str:
+        return os.path.join(self.root, seg.file)
+
+    def groups(self, seg: Segment):
+        """(table, group, start, stop, gid_min, gid_max) of every table piece in `seg`. Local."""
+        path = self.path(seg)
+        if seg.file not in self.files:
+            self.files[seg.file] = open_shard(path)
+        tables = self.files[seg.file].get("tables")
+        if tables is None:
+            return
+        names = [str(seg.table)] if seg.table is not None else list(tables)
+        for name in names:
+            if name not in tables:
+                raise CheckpointError(f"{path}: has no group /tables/{name}")
+            group = tables[name]
+            if seg.table is not None:
+                yield seg.table, group, seg.start, seg.stop, seg.gid_min, seg.gid_max
+            else:
+                n = group["gids"].shape[0]
+                yield (int(name), group, 0, n, int(group.attrs.get("gid_min", 0)),
+                       int(group.attrs.get("gid_max", -1)))
+
+    def gids(self, seg: Segment, group, start: int, stop: int) -> np.ndarray:
+        return read_rows(group["gids"], start, stop, self.path(seg))
+
+    def rows(self, seg: Segment, group, name: str, start: int, stop: int) -> np.ndarray:
+        return read_rows(group[name], start, stop, self.path(seg))
