@@ -162,3 +162,86 @@ def _long_chain(chain):
     for p in chain.planners:
         p.cost.base_write = 1e9
         p.record_write = lambda kind, seconds: None
+
+
+def test_damaged_bundle_is_found_by_verify_and_restore(tmp_path):
+    import subprocess
+    import sys
+
+    from mpickpt.store.errors import CheckpointError
+
+    chain = LocalChain(str(tmp_path), PLAN, dim=3, policy="incrcp", seed=11)
+    _long_chain(chain)
+    expected = _stream(chain, np.random.default_rng(11), 6, 10, 40)
+    manifests = list_manifests(str(tmp_path))
+    index = load_index(str(tmp_path), manifests[-1].chain, 0)
+    bundle = sorted(f for f in index.refcounts() if "row1" in f)[0]
+    users = [m.step for m in manifests if m.kind == "incrcp"
+             and any(r.file == bundle for r in index.rectangle(m.step))]
+    assert users and users[-1] < 6, users  # deep rows serve older checkpoints only
+    path = tmp_path / bundle
+    ref = next(r for r in index.rectangle(users[0]) if r.file == bundle)
+    import h5py
+
+    with h5py.File(path, "r") as f:  # a byte inside a row that restoring users[0] reads
+        ds = f[f"tables/{ref.table}/weight"]
+        at = ds.id.get_offset() + ref.start * ds.dtype.itemsize * ds.shape[1]
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+    cli = [sys.executable, "-m", "mpickpt.cli"]
+    bad = subprocess.run([*cli, "verify", str(tmp_path), "--step", str(users[0])],
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and bundle in bad.stdout, bad.stdout
+    good = subprocess.run([*cli, "verify", str(tmp_path), "--step", "6"], capture_output=True,
+                          text=True)
+    assert good.returncode == 0, good.stdout  # the newest step does not read the deep row
+    with pytest.raises(CheckpointError, match=bundle.split("/")[-1]):
+        chain.restore(users[0])
+    got, _ = chain.restore(6)
+    _assert_state(got, expected[6], "step 6")
+    shown = subprocess.run([*cli, "inspect", str(tmp_path), "--step", "6"], capture_output=True,
+                           text=True)
+    assert "chunk store" in shown.stdout and "index generation" in shown.stdout, shown.stdout
+
+
+def test_bloom_filter_has_no_false_negatives_and_few_false_positives():
+    from mpickpt.incrcp.bloom import BloomFilter
+
+    rng = np.random.default_rng(0)
+    keys = rng.choice(10**9, 20_000, replace=False)
+    f = BloomFilter.of(keys)
+    assert f.contains(keys).all()
+    others = rng.choice(10**9, 20_000, replace=False) + 10**9
+    assert f.contains(others).mean() < 0.02  # ~0.8% expected at 10 bits per key
+
+
+def test_intermittent_predictor_and_incrcp_cost_model():
+    from mpickpt.engine.kinds import KindPlanner
+
+    def planner(policy):
+        counts = {}
+        p = KindPlanner(policy, 100, 100, lambda v: counts["sums"], lambda v: v)
+        return p, counts
+
+    p, counts = planner("intermittent")
+    kinds = []
+    for step, since_base in enumerate([100, 20, 35, 45, 52, 58, 20], start=1):
+        counts["sums"] = np.array([10, since_base])
+        kinds.append(p.plan(step, np.arange(10), "a").kind)
+    # increments of 0.20, 0.35, 0.45, 0.52 of the model: F_c = 1.2 > I_c = 0.4; 1.55 > 1.05;
+    # 2.0 > 1.8; then F_c = 2.52 <= I_c = 5 * 0.52 = 2.6 -> a new baseline, and a new history
+    assert kinds == ["full", "differential", "differential", "differential", "differential",
+                     "full", "differential"], kinds
+    assert "F_c 2.520 <= I_c 2.600" in p.decisions[5]["reason"]
+    p, counts = planner("incrcp")
+    counts["sums"] = np.array([10, 10])
+    assert p.plan(1, np.arange(10), "a").kind == "full"
+    p.record_write("full", 1.0)
+    p.record_write("incrcp", 0.1)
+    assert p.plan(2, np.arange(10), "a").kind == "incrcp"
+    p.record_restore(p.chain, 2, 0.3)
+    p.record_restore(p.chain, 3, 0.7)
+    assert p.cost.predicted_restore() == pytest.approx(1.1)  # linear in the last two restores
+    assert p.plan(3, np.arange(10), "a").kind == "full"  # C_base 1.0 < 0.1 + 1.1
+    assert "cost model" in p.decisions[-1]["reason"]

@@ -290,8 +290,8 @@ class CheckpointManager:
         try:
             return None, load_checkpoint(self.root, manifest, self.model.plan, self.topo.rank,
                                          self.model.embeddings.dim, templates, by_step)
-        except (CheckpointError, OSError, KeyError, ValueError) as e:
-            return str(e), None
+        except (CheckpointError, OSError, KeyError, ValueError, RuntimeError) as e:
+            return str(e), None  # RuntimeError: h5py on corrupted HDF5 metadata
 
     def _apply(self, loaded) -> Restored:
         self.model.load_row_state(loaded.rows)

@@ -69,16 +69,17 @@ def column_refs(root: str, chain: str, rank: int, step: int, parts: int) -> list
 
 
 def time_restore(root: str, index, step: int, row_names: list[str]) -> float:
-    """Seconds to read every chunk of checkpoint `step`'s rectangle (this rank's lists). Local."""
-    from mpickpt.incrcp.extraction import ChunkReader
+    """Seconds to read checkpoint `step`'s rectangle of this rank's lists the way restore reads it
+    (adjacent chunks merged into one read per bundle and table). Local."""
+    from mpickpt.store.layers import SegmentReader, merge_refs
 
     start = time.perf_counter()
-    reader = ChunkReader(root)
-    try:
-        for ref in index.rectangle(step):
-            reader.rows(ref, row_names)
-    finally:
-        reader.close()
+    with SegmentReader(root) as reader:
+        for seg in merge_refs(index.rectangle(step)):
+            for _, group, a, b, _, _ in reader.groups(seg):
+                reader.gids(seg, group, a, b)
+                for name in row_names:
+                    reader.rows(seg, group, name, a, b)
     return time.perf_counter() - start
 
 

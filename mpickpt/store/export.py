@@ -21,7 +21,8 @@ import h5py
 import numpy as np
 
 from mpickpt.store.errors import CheckpointError
-from mpickpt.store.layers import SegmentReader, checkpoint_segments, parent_manifests
+from mpickpt.store.layers import (SegmentReader, checkpoint_segments, newest_rows,
+                                   parent_manifests)
 from mpickpt.store.manifest import Manifest, list_manifests
 from mpickpt.store.restore import check_files
 from mpickpt.store.shard_file import BLOCK_ROWS, open_shard, read_all, read_rows
@@ -119,7 +120,7 @@ def assemble_layers(root: str, manifest: Manifest, segments: list, table: int,
     offsets = table_offsets(manifest)
     g0, size = int(offsets[table]), int(offsets[table + 1] - offsets[table])
     out: dict[str, np.ndarray] = {}
-    filled = np.zeros(size, dtype=bool)
+    newest = np.full(size, np.iinfo(np.int64).min, dtype=np.int64)
     with SegmentReader(root) as reader:
         for seg in segments:
             try:
@@ -127,17 +128,20 @@ def assemble_layers(root: str, manifest: Manifest, segments: list, table: int,
                     if t != table or stop <= start:
                         continue
                     rows = reader.gids(seg, group, start, stop) - g0
+                    orders = seg.row_orders(len(rows))
+                    pos = newest_rows(rows, orders)
+                    pos = pos[orders[pos] >= newest[rows[pos]]]
                     for name in names:
                         data = reader.rows(seg, group, name, start, stop)
                         out.setdefault(name, np.zeros((size, *data.shape[1:]), dtype=data.dtype))
-                        out[name][rows] = data
-                    filled[rows] = True
+                        out[name][rows[pos]] = data[pos]
+                    newest[rows[pos]] = orders[pos]
             except CheckpointError:
                 raise
             except READ_ERRORS as e:
                 raise CheckpointError(error_text(reader.path(seg), e)) from None
-    if not filled.all():
-        missing = np.nonzero(~filled)[0]
+    missing = np.nonzero(newest == np.iinfo(np.int64).min)[0]
+    if missing.size:
         raise CheckpointError(f"checkpoint step {manifest.step}: table {table} rows "
                               f"{id_ranges(missing)} ({missing.size} rows) are in none of its "
                               f"layers")

@@ -28,7 +28,11 @@ INCREMENTAL_KINDS = ("differential", "consecutive", "incrcp")
 
 @dataclass(frozen=True)
 class Segment:
-    """Rows [start, stop) of table `table` in `file` (relative path); None means whole groups."""
+    """Rows [start, stop) of table `table` in `file` (relative path); None means whole groups.
+
+    `order` ranks segments (the step that wrote the rows): where two segments hold a row, the
+    higher order wins. A merged segment (adjacent chunks of one bundle read in one go) has `runs`,
+    (rows, order) per chunk in file order; its gids are sorted within each run only."""
 
     file: str
     table: int | None = None
@@ -36,6 +40,14 @@ class Segment:
     stop: int | None = None
     gid_min: int | None = None
     gid_max: int | None = None
+    order: int = 0
+    runs: tuple = ()
+
+    def row_orders(self, n: int) -> np.ndarray:
+        """The order of each of the segment's `n` rows. Local."""
+        if not self.runs:
+            return np.full(n, self.order, dtype=np.int64)
+        return np.repeat([o for _, o in self.runs], [k for k, _ in self.runs]).astype(np.int64)
 
 
 def parent_manifests(manifest: Manifest, by_step: dict[int, Manifest]) -> list[Manifest]:
@@ -62,7 +74,7 @@ def checkpoint_segments(root: str, manifest: Manifest, by_step: dict[int, Manife
 
 
 def whole_files(manifest: Manifest) -> list[Segment]:
-    return [Segment(rel) for rel in manifest.shard_files()]
+    return [Segment(rel, order=manifest.step) for rel in manifest.shard_files()]
 
 
 def chain_columns(manifest: Manifest) -> list[int]:
@@ -76,14 +88,44 @@ def chunk_segments(root: str, manifest: Manifest) -> list[Segment]:
     pieces = []
     for rank in range(manifest.world_size):
         index = load_index(root, manifest.chain, rank)
-        for ref in index.rectangle(manifest.step):
-            pieces.append((ref.column, Segment(ref.file, ref.table, ref.start, ref.stop,
-                                               ref.gid_min, ref.gid_max)))
+        pieces += merge_refs(index.rectangle(manifest.step))
         for column in chain_columns(manifest):
             if column not in index.columns:  # not ingested yet: its chunk file is intact
-                pieces += [(column, Segment(column_relpath(manifest.chain, rank, column, j)))
+                pieces += [Segment(column_relpath(manifest.chain, rank, column, j), order=column)
                            for j in range(parts)]
-    return [s for _, s in sorted(pieces, key=lambda p: p[0])]
+    return sorted(pieces, key=lambda s: s.order)
+
+
+def merge_refs(refs) -> list[Segment]:
+    """Chunk references as segments, adjacent chunks of one file and table merged into one read
+    (a bundle holds an extraction's chunks of a table back to back). Local."""
+    out, by_place = [], {}
+    for r in refs:
+        by_place.setdefault((r.file, r.table), []).append(r)
+    for (file, table), group in by_place.items():
+        group.sort(key=lambda r: r.start)
+        run = [group[0]]
+        for r in group[1:] + [None]:
+            if r is not None and r.start == run[-1].stop:
+                run.append(r)
+                continue
+            out.append(Segment(file, table, run[0].start, run[-1].stop,
+                               min(x.gid_min for x in run), max(x.gid_max for x in run),
+                               order=min(x.column for x in run),
+                               runs=tuple((x.rows, x.column) for x in run) if len(run) > 1 else ()))
+            run = [r] if r is not None else []
+    return out
+
+
+def newest_rows(gids: np.ndarray, orders: np.ndarray) -> np.ndarray:
+    """Positions that hold each gid's highest-order value (a merged segment may repeat a gid when
+    selective extraction skipped a pair of chunks). Local."""
+    if len(gids) < 2:
+        return np.arange(len(gids))
+    by = np.lexsort((orders, gids))  # by gid, then order
+    last = np.ones(len(by), dtype=bool)
+    last[:-1] = gids[by][1:] != gids[by][:-1]
+    return by[last]
 
 
 def segment_files(segments: list[Segment]) -> list[str]:
@@ -109,7 +151,15 @@ class SegmentReader:
         return os.path.join(self.root, seg.file)
 
     def groups(self, seg: Segment):
-        """(table, group, start, stop, gid_min, gid_max) of every table piece in `seg`. Local."""
+        """(table, group, start, stop, gid_min, gid_max) of every table piece in `seg`; damaged HDF5
+        structure raises CheckpointError naming the file. Local."""
+        try:
+            yield from self._groups(seg)
+        except (RuntimeError, KeyError, ValueError) as e:
+            raise CheckpointError(f"{self.path(seg)}: cannot be read (corrupted HDF5 structure): "
+                                  f"{e}") from None
+
+    def _groups(self, seg: Segment):
         path = self.path(seg)
         if seg.file not in self.files:
             self.files[seg.file] = open_shard(path)
@@ -129,6 +179,7 @@ class SegmentReader:
                        int(group.attrs.get("gid_max", -1)))
 
     def gids(self, seg: Segment, group, start: int, stop: int) -> np.ndarray:
+        """Checksum-verified global ids of rows [start, stop) of `group`. Local."""
         return read_rows(group["gids"], start, stop, self.path(seg))
 
     def rows(self, seg: Segment, group, name: str, start: int, stop: int) -> np.ndarray:

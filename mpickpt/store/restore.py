@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpickpt.store.errors import CheckpointError
-from mpickpt.store.layers import Segment, SegmentReader, checkpoint_segments, parent_manifests
+from mpickpt.store.layers import (Segment, SegmentReader, checkpoint_segments, newest_rows,
+                                   parent_manifests)
 from mpickpt.store.manifest import Manifest, list_manifests, torn_dirs
 from mpickpt.store.shard_file import open_shard, read_all
 
@@ -64,13 +65,14 @@ def owned_ranges(plan, rank: int) -> list[tuple[int, int, int, int]]:
 
 def load_rows(root: str, segments: list[Segment], plan, rank: int, templates: dict,
               step: int, complete: bool = True) -> dict:
-    """This rank's rows under `plan`, applying `segments` in order (newer overwrite older). Local.
+    """This rank's rows under `plan` from `segments`; where several hold a row, the highest
+    order (newest step) wins. Local.
 
     `templates` maps row-array names to (shape tail, dtype). With `complete`, every row must come
     from some segment (benchmarks read an incremental checkpoint's increments alone)."""
     n = plan.local_rows(rank)
     out = {k: np.empty((n, *tail), dtype=dt) for k, (tail, dt) in templates.items()}
-    filled = np.zeros(n, dtype=bool)
+    newest = np.full(n, np.iinfo(np.int64).min, dtype=np.int64)
     ranges = owned_ranges(plan, rank)
     with SegmentReader(root) as reader:
         for seg in segments:
@@ -79,19 +81,46 @@ def load_rows(root: str, segments: list[Segment], plan, rank: int, templates: di
                 if not mine or stop <= start:
                     continue
                 gids = reader.gids(seg, group, start, stop)
-                for _, g0, g1, local0 in mine:
-                    i0, i1 = np.searchsorted(gids, [g0, g1])
-                    if i1 > i0:
-                        local = local0 + gids[i0:i1] - g0
-                        for name in out:
-                            out[name][local] = reader.rows(seg, group, name, start + int(i0),
-                                                           start + int(i1))
-                        filled[local] = True
-    if complete and not filled.all():
-        missing = plan.local_to_global(rank, np.nonzero(~filled)[0][:5])
-        raise CheckpointError(f"checkpoint step {step} lacks {int((~filled).sum())} rows "
-                              f"of rank {rank}, e.g. global ids {missing.tolist()}")
+                if seg.runs:
+                    _apply_merged(reader, seg, group, start, gids, mine, out, newest)
+                else:
+                    _apply_sorted(reader, seg, group, start, gids, mine, out, newest)
+    if complete and (newest == np.iinfo(np.int64).min).any():
+        missing = np.nonzero(newest == np.iinfo(np.int64).min)[0]
+        raise CheckpointError(f"checkpoint step {step} lacks {missing.size} rows of rank {rank}, "
+                              f"e.g. global ids {plan.local_to_global(rank, missing[:5]).tolist()}")
     return out
+
+
+def _apply_sorted(reader, seg, group, start, gids, mine, out, newest) -> None:
+    """A segment with ascending gids: read only the owned ranges. Local."""
+    for _, g0, g1, local0 in mine:
+        i0, i1 = (int(i) for i in np.searchsorted(gids, [g0, g1]))
+        if i1 > i0:
+            local = local0 + gids[i0:i1] - g0
+            keep = seg.order >= newest[local]
+            if not keep.any():
+                continue
+            for name in out:
+                out[name][local[keep]] = reader.rows(seg, group, name, start + i0, start + i1)[keep]
+            newest[local[keep]] = seg.order
+
+
+def _apply_merged(reader, seg, group, start, gids, mine, out, newest) -> None:
+    """Adjacent chunks read in one go: select owned rows, newest value per row. Local."""
+    orders = seg.row_orders(len(gids))
+    local = np.full(len(gids), -1, dtype=np.int64)
+    for _, g0, g1, local0 in mine:
+        inside = (gids >= g0) & (gids < g1)
+        local[inside] = local0 + gids[inside] - g0
+    pos = np.nonzero(local >= 0)[0]
+    pos = pos[newest_rows(gids[pos], orders[pos])]
+    pos = pos[orders[pos] >= newest[local[pos]]]
+    if pos.size == 0:
+        return
+    for name in out:
+        out[name][local[pos]] = reader.rows(seg, group, name, start, start + len(gids))[pos]
+    newest[local[pos]] = orders[pos]
 
 
 def load_dense(root: str, manifest: Manifest) -> dict[str, np.ndarray]:

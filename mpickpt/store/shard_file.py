@@ -118,13 +118,18 @@ def verify_file(path: str) -> list[str]:
     problems: list[str] = []
     with f:
         names: list[str] = []
-        f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset)
-                     and not n.endswith(CRC_SUFFIX) else None)
+        try:
+            f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset)
+                         and not n.endswith(CRC_SUFFIX) else None)
+        except (RuntimeError, OSError, KeyError, ValueError) as e:
+            return [f"{path}: HDF5 structure cannot be read (corrupted metadata): {e}"]
         for name in names:
             try:
                 read_all(f[name], path)
             except CheckpointError as e:
                 problems.append(str(e))
+            except (RuntimeError, OSError, KeyError, ValueError) as e:
+                problems.append(f"{path}: dataset /{name} cannot be read: {e}")
     return problems
 
 

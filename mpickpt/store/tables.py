@@ -16,7 +16,7 @@ from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import Manifest
 from mpickpt.store.shard_file import CRC_SUFFIX, open_shard
 
-READ_ERRORS = (CheckpointError, OSError, KeyError, ValueError)
+READ_ERRORS = (CheckpointError, OSError, KeyError, ValueError, RuntimeError)
 """What opening or reading a damaged HDF5 file can raise (open_shard can raise KeyError too)."""
 
 
