@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from mpickpt.data.synthetic import criteo_kaggle_sizes
 from mpickpt.engine.config import OVERLAP_POLICIES, CheckpointConfig
-from mpickpt.engine.kinds import KINDS
+from mpickpt.engine.kinds import INCRCP_RESETS, KINDS
 from mpickpt.faults import KillAt
 from mpickpt.model.dense import DenseArch, parse_mlp
 from mpickpt.model.optimizers import OPTIMIZERS, OptimizerConfig
@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "increments in IncrCP's 2-D chunk store)")
     c.add_argument("--incrcp-ratio", type=_ratio, default=0.02,
                    help="IncrCP's selective-extraction threshold R (0..1)")
+    c.add_argument("--incrcp-reset", choices=INCRCP_RESETS, default="cost",
+                   help="incrcp baselines: IncrCP's cost model (construction + extrapolated "
+                        "recovery time), or never (one chain per run)")
     t = p.add_argument_group("testing")
     t.add_argument("--inject-kill", default=None, metavar="STEP:RANK[,RANK...]",
                    help="those ranks SIGKILL themselves after step STEP")
@@ -192,7 +195,7 @@ def _checkpoint(args) -> CheckpointConfig | None:
     config = CheckpointConfig(directory=args.ckpt_dir, interval=args.ckpt_interval,
                               keep=args.ckpt_keep, resume=args.resume, writers=args.ckpt_writers,
                               overlap=args.ckpt_overlap, kind=args.ckpt_kind,
-                              incrcp_ratio=args.incrcp_ratio,
+                              incrcp_ratio=args.incrcp_ratio, incrcp_reset=args.incrcp_reset,
                               inject_extract_crash=args.inject_extract_crash)
     config.check_directory()
     return config

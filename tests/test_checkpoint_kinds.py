@@ -95,8 +95,8 @@ def test_restore_reshards_to_other_rank_counts(tmp_path, kind):
 
 
 def test_retention_keeps_what_retained_checkpoints_need(tmp_path):
-    chain = LocalChain(str(tmp_path), PLAN, dim=3, policy="incrcp", keep=3, seed=5)
-    _long_chain(chain)
+    chain = LocalChain(str(tmp_path), PLAN, dim=3, policy="incrcp", keep=3, seed=5,
+                       incrcp_reset="never")
     expected = _stream(chain, np.random.default_rng(5), 12, 6, 40)
     steps = [m.step for m in list_manifests(str(tmp_path))]
     assert steps[-3:] == [10, 11, 12] and 1 in steps  # the baseline stays as a parent
@@ -113,8 +113,7 @@ def test_retention_keeps_what_retained_checkpoints_need(tmp_path):
 
 
 def test_crash_before_index_commit_keeps_every_checkpoint_restorable(tmp_path):
-    chain = LocalChain(str(tmp_path), PLAN, dim=3, policy="incrcp", seed=9)
-    _long_chain(chain)
+    chain = LocalChain(str(tmp_path), PLAN, dim=3, policy="incrcp", seed=9, incrcp_reset="never")
     expected = _stream(chain, np.random.default_rng(9), 6, 8, 40)
     # the next checkpoint is written, then its extraction dies after the bundles, before the commit
     rng = np.random.default_rng(10)
@@ -157,12 +156,6 @@ def _boom():
     raise RuntimeError("injected crash before the index commit")
 
 
-def _long_chain(chain):
-    """Keep the cost model from starting a new baseline (these tests are about one long chain)."""
-    for p in chain.planners:
-        p.cost.base_write = 1e9
-        p.record_write = lambda kind, seconds: None
-
 
 def test_damaged_bundle_is_found_by_verify_and_restore(tmp_path):
     import subprocess
@@ -170,8 +163,7 @@ def test_damaged_bundle_is_found_by_verify_and_restore(tmp_path):
 
     from mpickpt.store.errors import CheckpointError
 
-    chain = LocalChain(str(tmp_path), PLAN, dim=3, policy="incrcp", seed=11)
-    _long_chain(chain)
+    chain = LocalChain(str(tmp_path), PLAN, dim=3, policy="incrcp", seed=11, incrcp_reset="never")
     expected = _stream(chain, np.random.default_rng(11), 6, 10, 40)
     manifests = list_manifests(str(tmp_path))
     index = load_index(str(tmp_path), manifests[-1].chain, 0)
@@ -184,7 +176,7 @@ def test_damaged_bundle_is_found_by_verify_and_restore(tmp_path):
     import h5py
 
     with h5py.File(path, "r") as f:  # a byte inside a row that restoring users[0] reads
-        ds = f[f"tables/{ref.table}/weight"]
+        ds = f[f"{ref.where}/weight"]
         at = ds.id.get_offset() + ref.start * ds.dtype.itemsize * ds.shape[1]
     data = bytearray(path.read_bytes())
     data[at] ^= 0xFF

@@ -27,6 +27,8 @@ class CheckpointConfig:
     """'full', 'differential', 'consecutive', 'intermittent' or 'incrcp' (see engine.kinds)."""
     incrcp_ratio: float = 0.02
     """IncrCP's selective-extraction threshold R."""
+    incrcp_reset: str = "cost"
+    """incrcp: new baselines by IncrCP's cost model ('cost') or never ('never')."""
     inject_extract_crash: int | None = None
     """Testing: rank 0's extractor dies in its N-th ingestion, before the index commit."""
 
@@ -43,6 +45,8 @@ class CheckpointConfig:
 
         if self.kind not in KINDS:
             raise ValueError(f"--ckpt-kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.incrcp_reset not in ("cost", "never"):
+            raise ValueError(f"--incrcp-reset must be 'cost' or 'never', got {self.incrcp_reset!r}")
         if not 0.0 <= self.incrcp_ratio <= 1.0:
             raise ValueError(f"--incrcp-ratio must lie in [0, 1], got {self.incrcp_ratio!r}")
         if self.resume not in ("latest", "none") and not str(self.resume).isdigit():

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 KINDS = ("full", "differential", "consecutive", "intermittent", "incrcp")
+INCRCP_RESETS = ("cost", "never")
+"""incrcp baseline resets: IncrCP's cost model, or one chain for the whole run."""
 
 
 @dataclass
@@ -64,10 +66,13 @@ class CostModel:
 class KindPlanner:
     """Chooses each checkpoint's kind and rows for one rank; decisions agree across ranks."""
 
-    def __init__(self, policy: str, local_rows: int, total_rows: int, allreduce_sum, allreduce_max):
+    def __init__(self, policy: str, local_rows: int, total_rows: int, allreduce_sum, allreduce_max,
+                 incrcp_reset: str = "cost"):
         if policy not in KINDS:
             raise ValueError(f"--ckpt-kind must be one of {', '.join(KINDS)}, got {policy!r}")
-        self.policy, self.total_rows = policy, total_rows
+        if incrcp_reset not in INCRCP_RESETS:
+            raise ValueError(f"--incrcp-reset must be 'cost' or 'never', got {incrcp_reset!r}")
+        self.policy, self.total_rows, self.incrcp_reset = policy, total_rows, incrcp_reset
         self._sum, self._max = allreduce_sum, allreduce_max
         self.since_base = np.zeros(local_rows, dtype=bool)
         self.base_step: int | None = None
@@ -106,7 +111,7 @@ class KindPlanner:
             f_c, i_c = 1.0 + sum(self.sizes), (i + 1) * self.sizes[-1]
             if f_c <= i_c:
                 return True, f"predictor: F_c {f_c:.3f} <= I_c {i_c:.3f}"
-        if self.policy == "incrcp" and self.chain_steps:
+        if self.policy == "incrcp" and self.incrcp_reset == "cost" and self.chain_steps:
             c_base, c_incr, r_next = self._max(np.array(
                 [self.cost.base_write, self.cost.incr_write, self.cost.predicted_restore()]))
             if c_base < c_incr + r_next:

@@ -58,13 +58,14 @@ class LocalChain:
     """Checkpoints of one policy for every rank of `plan`, written under `root`."""
 
     def __init__(self, root: str, plan, dim: int, policy: str, keep: int = 1000,
-                 ratio: float = 0.02, seed: int = 0, parts: int = 1):
+                 ratio: float = 0.02, seed: int = 0, parts: int = 1, incrcp_reset: str = "cost"):
         self.root, self.plan, self.dim, self.policy = root, plan, dim, policy
         self.keep, self.parts = keep, parts
         self.ranks = [RankState(plan, r, dim, seed) for r in range(plan.world_size)]
         self.changed = [set() for _ in self.ranks]
         self.planners = [KindPlanner(policy, plan.local_rows(r), int(sum(plan.table_sizes)),
-                                     self._sum, self._max) for r in range(plan.world_size)]
+                                     self._sum, self._max, incrcp_reset)
+                         for r in range(plan.world_size)]
         self.extractors = [Extractor(root, ratio) for _ in self.ranks]
         self.indexes: dict = {}
         self.history: list[dict] = []

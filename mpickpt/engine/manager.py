@@ -84,7 +84,8 @@ class CheckpointManager:
 
         return KindPlanner(self.config.kind, self.model.plan.local_rows(self.topo.rank),
                            int(sum(self.model.plan.table_sizes)),
-                           lambda v: reduce(v, MPI.SUM), lambda v: reduce(v, MPI.MAX))
+                           lambda v: reduce(v, MPI.SUM), lambda v: reduce(v, MPI.MAX),
+                           self.config.incrcp_reset)
 
     def _say(self, line: str) -> None:
         if self.topo.is_root:

@@ -43,26 +43,28 @@ class ExtractionStats:
 
 
 class BundleBuilder:
-    """Rows destined for one bundle file, grouped by table; hands out ChunkRefs as rows arrive."""
+    """Rows destined for one bundle file: every table's chunks back to back in one group, ``rows``
+    (one read per array restores a run of them); hands out ChunkRefs as rows arrive."""
+
+    GROUP = "rows"
 
     def __init__(self, relpath: str):
         self.relpath = relpath
-        self.tables: dict[int, list[dict[str, np.ndarray]]] = {}
-        self.lengths: dict[int, int] = {}
+        self.pieces: list[dict[str, np.ndarray]] = []
+        self.length = 0
 
     def add(self, table: int, column: int, rows: dict[str, np.ndarray], until: int | None):
         n = len(rows["gids"])
         if n == 0:
             return None
-        start = self.lengths.get(table, 0)
-        self.tables.setdefault(table, []).append(rows)
-        self.lengths[table] = start + n
+        start, self.length = self.length, self.length + n
+        self.pieces.append(rows)
         return ChunkRef(self.relpath, table, start, start + n, int(rows["gids"][0]),
-                        int(rows["gids"][-1]), column, until)
+                        int(rows["gids"][-1]), column, until, self.GROUP)
 
     def write(self, root: str, step: int) -> int:
         """Write the bundle atomically and durably; returns bytes. Nothing when empty. Local."""
-        if not self.tables:
+        if not self.pieces:
             return 0
         path = os.path.join(root, self.relpath)
         tmp = path + ".tmp"
@@ -70,13 +72,11 @@ class BundleBuilder:
 
         with h5py.File(tmp, "w") as f:
             f.attrs.update({"format_version": FORMAT_VERSION, "step": step, "kind": "bundle"})
-            for table, pieces in self.tables.items():
-                group = f.require_group(f"tables/{table}")
-                for name in pieces[0]:
-                    data = np.concatenate([p[name] for p in pieces])
-                    folder, leaf = os.path.split(name)
-                    write_dataset(group.require_group(folder) if folder else group, leaf, data)
-                group.attrs.update({"gid_min": -1, "gid_max": -1})  # bundles are read by ref
+            group = f.require_group(self.GROUP)
+            for name in self.pieces[0]:
+                data = np.concatenate([p[name] for p in self.pieces])
+                folder, leaf = os.path.split(name)
+                write_dataset(group.require_group(folder) if folder else group, leaf, data)
         fsync_path(tmp)
         os.replace(tmp, path)
         return os.path.getsize(path)
@@ -95,11 +95,11 @@ class ChunkReader:
         return self.files[rel]
 
     def gids(self, ref: ChunkRef) -> np.ndarray:
-        group = self._file(ref.file)[f"tables/{ref.table}"]
+        group = self._file(ref.file)[ref.where]
         return read_rows(group["gids"], ref.start, ref.stop, ref.file)
 
     def rows(self, ref: ChunkRef, names: list[str]) -> dict[str, np.ndarray]:
-        group = self._file(ref.file)[f"tables/{ref.table}"]
+        group = self._file(ref.file)[ref.where]
         return {n: read_rows(group[n], ref.start, ref.stop, ref.file) for n in ["gids", *names]}
 
     def close(self) -> None:

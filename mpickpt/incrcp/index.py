@@ -38,6 +38,13 @@ class ChunkRef:
     gid_max: int
     column: int
     until: int | None = None
+    group: str = ""
+    """HDF5 group holding the rows: '' means ``tables/<table>`` (a column file); bundles keep all
+    tables' chunks back to back in one group, ``rows``, so a restore reads them in one go."""
+
+    @property
+    def where(self) -> str:
+        return self.group or f"tables/{self.table}"
 
     @property
     def rows(self) -> int:

@@ -125,11 +125,12 @@ def assemble_layers(root: str, manifest: Manifest, segments: list, table: int,
         for seg in segments:
             try:
                 for t, group, start, stop, _, _ in reader.groups(seg):
-                    if t != table or stop <= start:
+                    if t not in (table, -1) or stop <= start:
                         continue
                     rows = reader.gids(seg, group, start, stop) - g0
                     orders = seg.row_orders(len(rows))
                     pos = newest_rows(rows, orders)
+                    pos = pos[(rows[pos] >= 0) & (rows[pos] < size)]  # a bundle mixes tables
                     pos = pos[orders[pos] >= newest[rows[pos]]]
                     for name in names:
                         data = reader.rows(seg, group, name, start, stop)

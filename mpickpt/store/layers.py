@@ -42,6 +42,9 @@ class Segment:
     gid_max: int | None = None
     order: int = 0
     runs: tuple = ()
+    group: str = ""
+    """HDF5 group of the rows when not ``tables/<table>`` (bundles); `table` is -1 when a merged
+    segment spans several tables."""
 
     def row_orders(self, n: int) -> np.ndarray:
         """The order of each of the segment's `n` rows. Local."""
@@ -101,18 +104,20 @@ def merge_refs(refs) -> list[Segment]:
     (a bundle holds an extraction's chunks of a table back to back). Local."""
     out, by_place = [], {}
     for r in refs:
-        by_place.setdefault((r.file, r.table), []).append(r)
-    for (file, table), group in by_place.items():
+        by_place.setdefault((r.file, r.where), []).append(r)
+    for (file, where), group in by_place.items():
         group.sort(key=lambda r: r.start)
         run = [group[0]]
         for r in group[1:] + [None]:
             if r is not None and r.start == run[-1].stop:
                 run.append(r)
                 continue
-            out.append(Segment(file, table, run[0].start, run[-1].stop,
-                               min(x.gid_min for x in run), max(x.gid_max for x in run),
-                               order=min(x.column for x in run),
-                               runs=tuple((x.rows, x.column) for x in run) if len(run) > 1 else ()))
+            tables = {x.table for x in run}
+            out.append(Segment(file, tables.pop() if len(tables) == 1 else -1, run[0].start,
+                               run[-1].stop, min(x.gid_min for x in run),
+                               max(x.gid_max for x in run), order=min(x.column for x in run),
+                               runs=tuple((x.rows, x.column) for x in run) if len(run) > 1 else (),
+                               group=run[0].group))
             run = [r] if r is not None else []
     return out
 
@@ -151,8 +156,8 @@ class SegmentReader:
         return os.path.join(self.root, seg.file)
 
     def groups(self, seg: Segment):
-        """(table, group, start, stop, gid_min, gid_max) of every table piece in `seg`; damaged HDF5
-        structure raises CheckpointError naming the file. Local."""
+        """(table, group, start, stop, gid_min, gid_max) of every table piece in `seg` (table -1: rows
+        of several tables); damaged HDF5 structure raises CheckpointError naming the file. Local."""
         try:
             yield from self._groups(seg)
         except (RuntimeError, KeyError, ValueError) as e:
@@ -163,6 +168,12 @@ class SegmentReader:
         path = self.path(seg)
         if seg.file not in self.files:
             self.files[seg.file] = open_shard(path)
+        if seg.group:
+            if seg.group not in self.files[seg.file]:
+                raise CheckpointError(f"{path}: has no group /{seg.group}")
+            yield (seg.table, self.files[seg.file][seg.group], seg.start, seg.stop, seg.gid_min,
+                   seg.gid_max)
+            return
         tables = self.files[seg.file].get("tables")
         if tables is None:
             return

@@ -77,7 +77,7 @@ def load_rows(root: str, segments: list[Segment], plan, rank: int, templates: di
     with SegmentReader(root) as reader:
         for seg in segments:
             for table, group, start, stop, gmin, gmax in reader.groups(seg):
-                mine = [r for r in ranges if r[0] == table and gmax >= r[1] and gmin < r[2]]
+                mine = [r for r in ranges if table in (r[0], -1) and gmax >= r[1] and gmin < r[2]]
                 if not mine or stop <= start:
                     continue
                 gids = reader.gids(seg, group, start, stop)
