@@ -70,7 +70,7 @@ def column_refs(root: str, chain: str, rank: int, step: int, parts: int) -> list
 
 def time_restore(root: str, index, step: int, row_names: list[str]) -> float:
     """Seconds to read checkpoint `step`'s rectangle of this rank's lists the way restore reads it
-    (adjacent chunks merged into one read per bundle and table). Local."""
+    (nearby chunks of a file merged into one read). Local."""
     from mpickpt.store.layers import SegmentReader, merge_refs
 
     start = time.perf_counter()

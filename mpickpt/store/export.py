@@ -21,7 +21,7 @@ import h5py
 import numpy as np
 
 from mpickpt.store.errors import CheckpointError
-from mpickpt.store.layers import (SegmentReader, checkpoint_segments, newest_rows,
+from mpickpt.store.layers import (GAP, SegmentReader, checkpoint_segments, newest_rows,
                                    parent_manifests)
 from mpickpt.store.manifest import Manifest, list_manifests
 from mpickpt.store.restore import check_files
@@ -129,7 +129,8 @@ def assemble_layers(root: str, manifest: Manifest, segments: list, table: int,
                         continue
                     rows = reader.gids(seg, group, start, stop) - g0
                     orders = seg.row_orders(len(rows))
-                    pos = newest_rows(rows, orders)
+                    pos = np.nonzero(orders != GAP)[0]
+                    pos = pos[newest_rows(rows[pos], orders[pos])]
                     pos = pos[(rows[pos] >= 0) & (rows[pos] < size)]  # a bundle mixes tables
                     pos = pos[orders[pos] >= newest[rows[pos]]]
                     for name in names:

@@ -47,7 +47,7 @@ class Segment:
     segment spans several tables."""
 
     def row_orders(self, n: int) -> np.ndarray:
-        """The order of each of the segment's `n` rows. Local."""
+        """The order of each of the segment's `n` rows (GAP for rows it does not hold). Local."""
         if not self.runs:
             return np.full(n, self.order, dtype=np.int64)
         return np.repeat([o for _, o in self.runs], [k for k, _ in self.runs]).astype(np.int64)
@@ -99,27 +99,45 @@ def chunk_segments(root: str, manifest: Manifest) -> list[Segment]:
     return sorted(pieces, key=lambda s: s.order)
 
 
+GAP = np.iinfo(np.int64).min
+"""Order of rows a merged segment reads only to avoid a seek (chunks outside the rectangle)."""
+MAX_GAP_ROWS = 1 << 16
+
+
 def merge_refs(refs) -> list[Segment]:
-    """Chunk references as segments, adjacent chunks of one file and table merged into one read
-    (a bundle holds an extraction's chunks of a table back to back). Local."""
+    """Chunk references as segments: chunks of one file and group less than MAX_GAP_ROWS apart
+    are read in one go (a bundle holds an extraction's chunks back to back; the rows between
+    them are read and skipped, which costs less than a seek per chunk on a cold file). Local."""
     out, by_place = [], {}
     for r in refs:
         by_place.setdefault((r.file, r.where), []).append(r)
-    for (file, where), group in by_place.items():
+    for (file, _), group in by_place.items():
         group.sort(key=lambda r: r.start)
         run = [group[0]]
         for r in group[1:] + [None]:
-            if r is not None and r.start == run[-1].stop:
+            if r is not None and r.start - run[-1].stop < MAX_GAP_ROWS:
                 run.append(r)
                 continue
-            tables = {x.table for x in run}
-            out.append(Segment(file, tables.pop() if len(tables) == 1 else -1, run[0].start,
-                               run[-1].stop, min(x.gid_min for x in run),
-                               max(x.gid_max for x in run), order=min(x.column for x in run),
-                               runs=tuple((x.rows, x.column) for x in run) if len(run) > 1 else (),
-                               group=run[0].group))
-            run = [r] if r is not None else []
+            out.append(_merged(file, run))
+            run = [r]
     return out
+
+
+def _merged(file: str, run: list) -> Segment:
+    first = run[0]
+    if len(run) == 1:
+        return Segment(file, first.table, first.start, first.stop, first.gid_min, first.gid_max,
+                       order=first.column, group=first.group)
+    runs, end = [], first.start
+    for x in run:
+        if x.start > end:
+            runs.append((x.start - end, int(GAP)))
+        runs.append((x.rows, x.column))
+        end = x.stop
+    tables = {x.table for x in run}
+    return Segment(file, tables.pop() if len(tables) == 1 else -1, first.start, run[-1].stop,
+                   min(x.gid_min for x in run), max(x.gid_max for x in run),
+                   order=min(x.column for x in run), runs=tuple(runs), group=first.group)
 
 
 def newest_rows(gids: np.ndarray, orders: np.ndarray) -> np.ndarray:

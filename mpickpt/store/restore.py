@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpickpt.store.errors import CheckpointError
-from mpickpt.store.layers import (Segment, SegmentReader, checkpoint_segments, newest_rows,
+from mpickpt.store.layers import (GAP, Segment, SegmentReader, checkpoint_segments, newest_rows,
                                    parent_manifests)
 from mpickpt.store.manifest import Manifest, list_manifests, torn_dirs
 from mpickpt.store.shard_file import open_shard, read_all
@@ -113,7 +113,7 @@ def _apply_merged(reader, seg, group, start, gids, mine, out, newest) -> None:
     for _, g0, g1, local0 in mine:
         inside = (gids >= g0) & (gids < g1)
         local[inside] = local0 + gids[inside] - g0
-    pos = np.nonzero(local >= 0)[0]
+    pos = np.nonzero((local >= 0) & (orders != GAP))[0]
     pos = pos[newest_rows(gids[pos], orders[pos])]
     pos = pos[orders[pos] >= newest[local[pos]]]
     if pos.size == 0:
