@@ -46,14 +46,18 @@ def main(argv=None) -> int:
         trainer = Trainer(topo, config)
     except CheckpointError as e:  # every rank agreed on it inside restore()
         return _fail(comm, str(e))
+    status = 0
     try:
         trainer.run()
     except CriteoFormatError as e:  # found mid-stream; every rank reads the same lines
-        return _fail(comm, str(e))
+        status = _fail(comm, str(e))
+        comm.Barrier()  # every rank stopped at the same line, so this agreed exit is collective
     finally:
         trainer.close()
+    # Both exits release the process group: a gloo group left to the interpreter's teardown can
+    # abort the process ("terminate called without an active exception", exit status 6).
     topo.close()
-    return 0
+    return status
 
 
 if __name__ == "__main__":
