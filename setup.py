@@ -1,5 +1,10 @@
 """mpickpt: checkpointing and fault tolerance for hybrid-parallel DLRM training over MPI."""
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
+
+# The CPU kernel of the quantization range search (mpickpt._quant_cpu). Optional: without a C
+# compiler the install still succeeds and mpickpt.quant.search falls back to its torch path.
+QUANT_CPU = Extension("mpickpt._quant_cpu", sources=["kernels/quant_rows_cpu.c"],
+                      extra_compile_args=["-O3", "-std=c11"], optional=True)
 
 setup(
     name="mpickpt",
@@ -9,6 +14,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["mpickpt", "mpickpt.*"]),
+    ext_modules=[QUANT_CPU],
     package_data={"mpickpt": ["../kernels/*.cu"]},
     # torch is deliberately unpinned here so clusters keep their own CUDA build; on CPU-only machines
     # install with `-c constraints-cpu.txt`, which pins the local CPU build torch==2.13.0.

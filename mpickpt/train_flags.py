@@ -13,6 +13,9 @@ from mpickpt.data.synthetic import criteo_kaggle_sizes
 from mpickpt.engine.config import OVERLAP_POLICIES, CheckpointConfig
 from mpickpt.engine.kinds import INCRCP_RESETS, KINDS
 from mpickpt.faults import KillAt
+from mpickpt.quant.bitwidth import BIT_CHOICES, STATE_BIT_CHOICES
+from mpickpt.quant.codecs import QUANT_CHOICES
+from mpickpt.quant.search import SEARCHES
 from mpickpt.model.dense import DenseArch, parse_mlp
 from mpickpt.model.optimizers import OPTIMIZERS, OptimizerConfig
 from mpickpt.model.shard_plan import ShardPlan, ShardPlanOptions
@@ -115,6 +118,29 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--incrcp-reset", choices=INCRCP_RESETS, default="cost",
                    help="incrcp baselines: IncrCP's cost model (construction + extrapolated "
                         "recovery time), or never (one chain per run)")
+    q = p.add_argument_group("quantized checkpoints (Check-N-Run; training stays float32)")
+    q.add_argument("--ckpt-bits", choices=BIT_CHOICES, default="32",
+                   help="bits per embedding weight in checkpoints: 32 (lossless), 16 (float16), "
+                        "8/4/3/2 (quantized per row), or auto (from the expected restores)")
+    q.add_argument("--ckpt-quant", choices=QUANT_CHOICES, default="adaptive",
+                   help="quantizer below 16 bits: sym, asym, adaptive (Check-N-Run's adaptive "
+                        "asymmetric range search) or kmeans (per-row k-means, a reference)")
+    q.add_argument("--quant-search", choices=SEARCHES, default="refined",
+                   help="adaptive range search: refined (greedy walk + least-squares polish, never "
+                        "worse) or greedy (the paper's walk)")
+    q.add_argument("--quant-bins", type=_int_at_least(1), default=0,
+                   help="greedy walk bins (default: 25 at 2 and 3 bits, 45 at 4 bits)")
+    q.add_argument("--quant-ratio", type=_ratio, default=-1.0,
+                   help="greedy walk: fraction of the range it may clip (default: 0.5 at 2 bits, "
+                        "0.2 at 3 and 4 bits)")
+    q.add_argument("--ckpt-state-bits", type=int, choices=STATE_BIT_CHOICES, default=None,
+                   help="optimizer state bits (default: 32 with lossless weights, else 16)")
+    q.add_argument("--node-failure-rate", type=float, default=None,
+                   help="--ckpt-bits auto: failures per node per hour")
+    q.add_argument("--expected-train-hours", type=float, default=None,
+                   help="--ckpt-bits auto: expected training time in hours")
+    q.add_argument("--nodes", type=_int_at_least(1), default=None,
+                   help="--ckpt-bits auto: nodes of the job (default: counted from the ranks)")
     t = p.add_argument_group("testing")
     t.add_argument("--inject-kill", default=None, metavar="STEP:RANK[,RANK...]",
                    help="those ranks SIGKILL themselves after step STEP")
@@ -196,7 +222,12 @@ def _checkpoint(args) -> CheckpointConfig | None:
                               keep=args.ckpt_keep, resume=args.resume, writers=args.ckpt_writers,
                               overlap=args.ckpt_overlap, kind=args.ckpt_kind,
                               incrcp_ratio=args.incrcp_ratio, incrcp_reset=args.incrcp_reset,
-                              inject_extract_crash=args.inject_extract_crash)
+                              inject_extract_crash=args.inject_extract_crash,
+                              bits=args.ckpt_bits, quant=args.ckpt_quant,
+                              quant_search=args.quant_search, quant_bins=args.quant_bins,
+                              quant_ratio=args.quant_ratio, state_bits=args.ckpt_state_bits,
+                              failure_rate=args.node_failure_rate,
+                              train_hours=args.expected_train_hours, nodes=args.nodes)
     config.check_directory()
     return config
 

@@ -31,6 +31,24 @@ class CheckpointConfig:
     """incrcp: new baselines by IncrCP's cost model ('cost') or never ('never')."""
     inject_extract_crash: int | None = None
     """Testing: rank 0's extractor dies in its N-th ingestion, before the index commit."""
+    bits: str = "32"
+    """Embedding weight bits in checkpoints: '32', '16', '8', '4', '3', '2' or 'auto'."""
+    quant: str = "adaptive"
+    """Quantizer below 16 bits: 'sym', 'asym', 'adaptive' or 'kmeans'."""
+    quant_search: str = "refined"
+    """Adaptive range search: 'refined' or 'greedy' (the paper's walk)."""
+    quant_bins: int = 0
+    """Greedy walk bins (0: the paper's default for the width)."""
+    quant_ratio: float = -1.0
+    """Greedy walk ratio (< 0: the paper's default for the width)."""
+    state_bits: int | None = None
+    """Optimizer state bits (None: 32 with lossless weights, else 16)."""
+    failure_rate: float | None = None
+    """--ckpt-bits auto: failures per node per hour."""
+    train_hours: float | None = None
+    """--ckpt-bits auto: expected training hours."""
+    nodes: int | None = None
+    """--ckpt-bits auto: nodes of the job (None: counted from the ranks)."""
 
     def __post_init__(self):
         if not self.directory:
@@ -49,8 +67,18 @@ class CheckpointConfig:
             raise ValueError(f"--incrcp-reset must be 'cost' or 'never', got {self.incrcp_reset!r}")
         if not 0.0 <= self.incrcp_ratio <= 1.0:
             raise ValueError(f"--incrcp-ratio must lie in [0, 1], got {self.incrcp_ratio!r}")
+        self.bit_policy(1)  # refuse bad quantization flags before training starts
         if self.resume not in ("latest", "none") and not str(self.resume).isdigit():
             raise ValueError(f"--resume must be 'latest', 'none' or a step number, got {self.resume!r}")
+
+    def bit_policy(self, nodes: int):
+        """A fresh BitWidthPolicy from these settings (`nodes` unless --nodes was given). Local."""
+        from mpickpt.quant.bitwidth import BitWidthPolicy
+
+        return BitWidthPolicy(requested=str(self.bits), quant=self.quant, search=self.quant_search,
+                              num_bins=self.quant_bins, ratio=self.quant_ratio,
+                              state_bits=self.state_bits, failure_rate=self.failure_rate,
+                              nodes=self.nodes or nodes, hours=self.train_hours)
 
     @property
     def resume_step(self) -> int | None:

@@ -71,6 +71,8 @@ class CheckpointManager:
                           if config.kind == "incrcp" else None)
         self.ingestions = 0
         self._last_submitted: int | None = None
+        self.bits = config.bit_policy(max(1, topo.world_size // max(1, topo.local_size)))
+        self._say(self.bits.explain())
 
     def _make_planner(self) -> KindPlanner:
         from mpi4py import MPI
@@ -187,7 +189,8 @@ class CheckpointManager:
 
     def _submit(self, step: int, ckpt_id: str, stall: float, staged: int, save) -> None:
         parts = self.writers.size
-        files = shard_file_specs(self.model, self.root, ckpt_id, step, parts, rng_blobs(), save)
+        files = shard_file_specs(self.model, self.root, ckpt_id, step, parts, rng_blobs(), save,
+                                 self.bits.row_codecs(self.model.row_state()))
         if save.kind == "incrcp":  # the extra file rides with the first part
             files = [[files[0], files[1]], *[[f] for f in files[2:]]]
         else:
@@ -206,8 +209,12 @@ class CheckpointManager:
         m = self.model
         fields = {"kind": save.kind, "world_size": self.topo.world_size, "dim": m.embeddings.dim,
                   "plan": m.plan.describe(), "optimizer": m.embeddings.optimizer.config.kind,
-                  "codec": "fp32", "parents": list(save.parents), "chain": save.chain,
+                  "codec": self.bits.weight_codec().label(), "parents": list(save.parents),
+                  "chain": save.chain,
                   "stats": {"row_arrays": sorted(m.row_state()), "parts": self.writers.size,
+                            "codecs": {k: c.attrs()["codec"]
+                                       for k, c in self.bits.row_codecs(m.row_state()).items()},
+                            "restores": self.bits.restores,
                             "policy": self.config.kind, "decision": save.reason,
                             **({"columns": save.columns} if save.columns else {})}}
         return PendingCheckpoint(step, ckpt_id, reader_state, fields)
@@ -301,8 +308,13 @@ class CheckpointManager:
             torch.set_rng_state(torch.frombuffer(bytearray(loaded.rng["torch_cpu_rng"]),
                                                  dtype=torch.uint8))
         m = loaded.manifest
-        self._say(f"resumed from checkpoint step {m.step} ({m.kind}, written by {m.world_size} "
-                  f"ranks, {m.total_bytes() / 1e6:.1f} MB) onto {self.topo.world_size} ranks")
+        self._say(f"resumed from checkpoint step {m.step} ({m.kind}, {m.codec}, written by "
+                  f"{m.world_size} ranks, {m.total_bytes() / 1e6:.1f} MB) onto "
+                  f"{self.topo.world_size} ranks")
+        fallback = self.bits.note_restore(int(m.stats.get("restores", 0)) + 1)
+        if fallback:
+            self._say(fallback)
+        self._say(self.bits.explain())
         return Restored(m.step, m.reader_state)
 
     # ---- shutdown --------------------------------------------------------------------------

@@ -81,15 +81,20 @@ def part_bounds(n: int, parts: int) -> list[tuple[int, int]]:
 
 
 def shard_file_specs(model, root: str, ckpt_id: str, step: int, parts: int, rng: dict,
-                     save=None) -> list[dict]:
+                     save=None, codecs: dict | None = None) -> list[dict]:
     """One file spec per writer part: per table, the part's rows of every row array. Local.
 
     `save` (a SavePlan) selects rows for incremental kinds; incrcp chunks go to the chain's
-    directory, and the RNG states then travel in a small per-rank ``extra`` file of the step."""
+    directory, and the RNG states then travel in a small per-rank ``extra`` file of the step.
+    `codecs` maps row-array names to the lossy Codec the writer encodes them with."""
     plan, rank = model.plan, model.topo.rank
     names = ["gids", *model.row_state()]
     kind = save.kind if save is not None else "full"
     selected = save.rows if save is not None and not save.is_full else None
+    codecs = codecs or {}
+    encode = {name: {k: v for k, v in vars_of(c).items() if k != "threads"}
+              for name, c in codecs.items()}
+    label = codecs["weight"].label() if "weight" in codecs else "fp32"
     specs = []
     for j, (a, b) in enumerate(part_bounds(plan.local_rows(rank), parts)):
         datasets, groups = [], {}
@@ -112,9 +117,10 @@ def shard_file_specs(model, root: str, ckpt_id: str, step: int, parts: int, rng:
             rel = f"{ckpt_id}/rank-{rank:05d}-part-{j}.h5"
         specs.append({"path": os.path.join(root, rel), "relpath": rel, "datasets": datasets,
                       "group_attrs": groups, "blobs": rng if j == 0 and kind != "incrcp" else {},
+                      "codecs": encode,
                       "meta": {"role": "chunk" if kind == "incrcp" else "shard", "rank": rank,
                                "part": j},
-                      "attrs": {"step": step, "kind": kind, "codec": "fp32", "rank": rank,
+                      "attrs": {"step": step, "kind": kind, "codec": label, "rank": rank,
                                 "part": j, "parts": parts, "world_size": plan.world_size}})
     if kind == "incrcp":
         rel = f"{ckpt_id}/rank-{rank:05d}-extra.h5"
@@ -123,6 +129,13 @@ def shard_file_specs(model, root: str, ckpt_id: str, step: int, parts: int, rng:
                        "meta": {"role": "extra", "rank": rank, "part": 0},
                        "attrs": {"step": step, "kind": kind, "rank": rank}}]
     return specs
+
+
+def vars_of(codec) -> dict:
+    """A Codec's fields as a plain dict (what the writer process rebuilds it from). Local."""
+    from dataclasses import asdict
+
+    return asdict(codec)
 
 
 def _rows_within(rows: np.ndarray, lo: int, hi: int) -> np.ndarray:

@@ -113,8 +113,13 @@ def _write_hdf5(tmp: str, spec: dict, arrays: dict, reservation: Reservation) ->
             f.attrs[key] = value
         for group, attrs in spec.get("group_attrs", {}).items():
             f.require_group(group).attrs.update(attrs)
+        codecs = spec.get("codecs", {})
         for name, source, ranges in spec["datasets"]:
-            payload += _write(f, name, _gather(arrays[source], ranges), reservation.release)
+            data = _gather(arrays[source], ranges)
+            if source in codecs:  # quantized here, block by block, in the background
+                payload += _write_encoded(f, name, data, codecs[source], reservation.release)
+            else:
+                payload += _write(f, name, data, reservation.release)
         for name, raw in spec.get("blobs", {}).items():
             _write(f, name, np.frombuffer(raw, dtype=np.uint8), reservation.release)
         reservation.close()  # the rest covers HDF5's metadata, written at close
@@ -173,6 +178,15 @@ def _write(f, name: str, data: np.ndarray, before_block) -> int:
 
     folder, leaf = os.path.split(name)
     return write_dataset(f.require_group(folder) if folder else f, leaf, data, before_block)
+
+
+def _write_encoded(f, name: str, data: np.ndarray, codec: dict, before_block) -> int:
+    from mpickpt.quant.codecs import Codec
+    from mpickpt.store.row_arrays import write_encoded
+
+    folder, leaf = os.path.split(name)
+    return write_encoded(f.require_group(folder) if folder else f, leaf, data, Codec(**codec),
+                         before_block)
 
 
 def _gather(array: np.ndarray, ranges) -> np.ndarray:

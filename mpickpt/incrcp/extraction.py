@@ -19,6 +19,7 @@ import numpy as np
 
 from mpickpt.incrcp.bloom import BloomFilter
 from mpickpt.incrcp.index import ChunkIndex, ChunkRef, commit_index, index_dir
+from mpickpt.store.row_arrays import EncodedRows, open_rows, write_raw
 from mpickpt.store.shard_file import FORMAT_VERSION, fsync_path, open_shard, read_rows, write_dataset
 
 
@@ -74,9 +75,12 @@ class BundleBuilder:
             f.attrs.update({"format_version": FORMAT_VERSION, "step": step, "kind": "bundle"})
             group = f.require_group(self.GROUP)
             for name in self.pieces[0]:
-                data = np.concatenate([p[name] for p in self.pieces])
                 folder, leaf = os.path.split(name)
-                write_dataset(group.require_group(folder) if folder else group, leaf, data)
+                parent = group.require_group(folder) if folder else group
+                if name == "gids":
+                    write_dataset(parent, leaf, np.concatenate([p[name] for p in self.pieces]))
+                else:  # stored arrays copied as they are: quantized rows are never re-quantized
+                    write_raw(parent, leaf, EncodedRows.concat([p[name] for p in self.pieces]))
         fsync_path(tmp)
         os.replace(tmp, path)
         return os.path.getsize(path)
@@ -100,7 +104,9 @@ class ChunkReader:
 
     def rows(self, ref: ChunkRef, names: list[str]) -> dict[str, np.ndarray]:
         group = self._file(ref.file)[ref.where]
-        return {n: read_rows(group[n], ref.start, ref.stop, ref.file) for n in ["gids", *names]}
+        rows = {"gids": read_rows(group["gids"], ref.start, ref.stop, ref.file)}
+        rows.update({n: open_rows(group, n, ref.file).raw(ref.start, ref.stop) for n in names})
+        return rows
 
     def close(self) -> None:
         for f in self.files.values():

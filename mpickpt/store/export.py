@@ -27,6 +27,7 @@ from mpickpt.store.manifest import Manifest, list_manifests
 from mpickpt.store.restore import check_files
 from mpickpt.store.shard_file import BLOCK_ROWS, open_shard, read_all, read_rows
 from mpickpt.store.tables import (READ_ERRORS, error_text, group_datasets, row_array_names,
+                                  stored_row_arrays,
                                   shard_index, table_offsets)
 from mpickpt.store.verify import id_ranges
 
@@ -163,7 +164,7 @@ def place_group(group: h5py.Group, path: str, g0: int, size: int, filled: np.nda
     if filled[rows].any():
         raise CheckpointError(f"{where}: table rows {id_ranges(rows[filled[rows]])} are also in "
                               f"another shard file")
-    datasets = group_datasets(group)
+    datasets = stored_row_arrays(group, path)
     for name in names:
         ds = datasets.get(name)
         if ds is None or ds.shape[0] != rows.size:
@@ -172,7 +173,7 @@ def place_group(group: h5py.Group, path: str, g0: int, size: int, filled: np.nda
         target = out.setdefault(name, np.zeros((size, *ds.shape[1:]), dtype=ds.dtype))
         for a in range(0, rows.size, BLOCK_ROWS):
             b = min(rows.size, a + BLOCK_ROWS)
-            target[rows[a:b]] = read_rows(ds, a, b, path)
+            target[rows[a:b]] = ds.rows(a, b)
     return rows
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from mpickpt.incrcp.index import column_relpath, load_index
 from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import Manifest
+from mpickpt.store.row_arrays import open_rows
 from mpickpt.store.shard_file import open_shard, read_rows
 
 INCREMENTAL_KINDS = ("differential", "consecutive", "incrcp")
@@ -212,4 +213,5 @@ class SegmentReader:
         return read_rows(group["gids"], start, stop, self.path(seg))
 
     def rows(self, seg: Segment, group, name: str, start: int, stop: int) -> np.ndarray:
-        return read_rows(group[name], start, stop, self.path(seg))
+        """Rows [start, stop) of row array `name`, decoded when quantized. Local."""
+        return open_rows(group, name, self.path(seg)).rows(start, stop)

@@ -64,10 +64,22 @@ def group_datasets(group: h5py.Group) -> dict[str, h5py.Dataset]:
     out: dict[str, h5py.Dataset] = {}
 
     def visit(name: str, obj) -> None:  # a non-None return would stop the visit
-        if isinstance(obj, h5py.Dataset) and not name.endswith(CRC_SUFFIX):
+        if isinstance(obj, h5py.Dataset) and not name.endswith(CRC_SUFFIX) \
+                and "codec" not in obj.parent.attrs:  # parts of an encoded row array
             out[name] = obj
 
     group.visititems(visit)
+    return out
+
+
+def stored_row_arrays(group: h5py.Group, path: str) -> dict:
+    """Relative name -> StoredRows of every row array of a table group, plain or encoded. Local."""
+    from mpickpt.store.row_arrays import StoredRows, is_encoded
+
+    out = {name: StoredRows(ds, path) for name, ds in group_datasets(group).items()}
+    encoded: list[str] = []
+    group.visititems(lambda name, obj: encoded.append(name) if is_encoded(obj) else None)
+    out.update({name: StoredRows(group[name], path) for name in encoded})
     return out
 
 

@@ -19,6 +19,7 @@ from mpickpt.store.catalog import file_problems, file_problem_messages
 from mpickpt.store.manifest import Manifest
 from mpickpt.store.shard_file import open_shard, read_all, verify_file
 from mpickpt.store.tables import (READ_ERRORS, error_text, group_datasets, row_array_names,
+                                  stored_row_arrays,
                                   table_groups, table_offsets)
 
 
@@ -86,7 +87,7 @@ def group_problems(path: str, table: int, group, manifest: Manifest) -> list[str
     where = f"{path}: group /tables/{table}"
     if table >= len(manifest.plan["table_sizes"]):
         return [f"{where}: the manifest has only {len(manifest.plan['table_sizes'])} tables"]
-    datasets = group_datasets(group)
+    datasets = stored_row_arrays(group, path)
     expected = ["gids", *row_array_names(manifest)]
     out = [f"{where}: dataset {n} is missing" for n in expected if n not in datasets]
     out += [f"{where}: unexpected dataset {n}" for n in sorted(set(datasets) - set(expected))]

@@ -1,0 +1,151 @@
+"""Fast per-row range search of the uniform codecs: Check-N-Run's greedy walk and a refinement. Local.
+
+A row x of dimension D is stored as codes c in [0, L] (L = 2**bits - 1) with a float16 scale s and
+offset o: x ~ o + s*c. For a candidate (s, o) the nearest codes give three per-row sums,
+Sc = sum c, Scc = sum c*c and Sxc = sum x*c, and from them, in closed form,
+
+- the loss of the candidate: sum (x - o - s c)^2 = Sxx - 2 o Sx - 2 s Sxc + D o^2 + 2 s o Sc + s^2 Scc;
+- the least-squares (LS) polish: the best (s, o) for those codes, a per-row linear regression of x
+  on c, and its loss, again in closed form.
+
+Searches (`SEARCHES`):
+
+- ``greedy``: Check-N-Run's walk (§4.2): from [min, max], move x_min up or x_max down by
+  (max - min) / num_bins, whichever candidate has the lower loss, for num_bins * ratio steps; keep
+  the best range seen. With FBGEMM's parameters (200 bins, ratio 0.16) it reproduces
+  `embedding_bag_4bit_prepack`'s loss.
+- ``refined`` (the default): the same walk, where the candidate each step takes is also
+  LS-polished at no extra pass over the data, then `polish_rounds` LS rounds from the best; a
+  row keeps the lowest loss seen, so it is never worse than ``greedy`` with the same bins and ratio, nor than [min, max].
+
+Every candidate is rounded to float16 before it is evaluated, so the loss minimised is the loss of
+what is stored. Rows are centred on their mean first, so the closed forms do not cancel
+catastrophically for rows far from zero (the compiled kernels accumulate in double instead).
+
+Backends: the compiled CPU kernel `mpickpt._quant_cpu` (kernels/quant_rows_cpu.c, built by
+setup.py), its CUDA twin (kernels/quant_rows.cu, `mpickpt.quant.cuda_kernels`), and a torch path
+(`mpickpt.quant.search_torch`) where no compiler was available.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+SEARCHES = ("greedy", "refined")
+DEFAULT_BINS = {2: 25, 3: 25, 4: 45, 8: 45}
+"""Check-N-Run's defaults (§5.2): 25 bins at 2 and 3 bits, 45 at 4 bits."""
+DEFAULT_RATIO = {2: 0.5, 3: 0.2, 4: 0.2, 8: 0.0}
+"""Check-N-Run's defaults: 0.5 at 2 bits, 0.2 at 3 bits (0.2 at 4 bits, where the paper gives
+none); plain asymmetric at 8 bits."""
+FP16_MAX = 65504.0
+
+
+def default_bins(bits: int) -> int:
+    return DEFAULT_BINS.get(bits, 25)
+
+
+def default_ratio(bits: int) -> float:
+    return DEFAULT_RATIO.get(bits, 0.2)
+
+
+def check_search(search: str, num_bins: int, ratio: float) -> None:
+    """Refuse an unknown search or out-of-range bins/ratio, naming the value. Local."""
+    if search not in SEARCHES:
+        raise ValueError(f"range search must be one of {SEARCHES}, got {search!r}")
+    if int(num_bins) != num_bins or num_bins < 1:
+        raise ValueError(f"--quant-bins must be a positive integer, got {num_bins!r}")
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"--quant-ratio must lie in [0, 1], got {ratio!r}")
+
+
+def check_finite_range(x: np.ndarray, what: str = "rows") -> None:
+    """float16 parameters need every value finite and within +-65504. Local."""
+    if x.size == 0:
+        return
+    bad = ~np.isfinite(x) | (np.abs(x) > FP16_MAX)
+    if bad.any():
+        r = int(np.nonzero(bad.any(axis=-1) if x.ndim > 1 else bad)[0][0])
+        raise ValueError(f"{what}: row {r} holds a value that is not finite or exceeds float16's "
+                         f"range (|x| > {FP16_MAX:g}); quantized checkpoints cannot store it, "
+                         f"use --ckpt-bits 32")
+
+
+def c_kernel():
+    """The compiled CPU kernel (mpickpt._quant_cpu), or None where it was not built. Local."""
+    try:
+        from mpickpt import _quant_cpu
+    except ImportError:
+        return None
+    return _quant_cpu
+
+
+def search(x: np.ndarray, bits: int, search: str = "refined", num_bins: int | None = None,
+           ratio: float | None = None, polish_rounds: int = 2, threads: int = 1,
+           backend: str = "auto") -> tuple[np.ndarray, np.ndarray]:
+    """float16 (scale, offset) per row of `x` (n, D) for the chosen search. Local.
+
+    `backend`: "c" (the compiled kernel), "torch", or "auto" (c where built). `threads` > 1 splits
+    the rows across that many threads."""
+    num_bins = default_bins(bits) if num_bins is None else num_bins
+    ratio = default_ratio(bits) if ratio is None else ratio
+    check_search(search, num_bins, ratio)
+    kernel = c_kernel() if backend in ("auto", "c") else None
+    if backend == "c" and kernel is None:
+        raise RuntimeError("the CPU quantization kernel mpickpt._quant_cpu is not built "
+                           "(reinstall mpickpt with a C compiler)")
+    if kernel is not None:
+        return _search_c(kernel, x, bits, search == "refined", int(num_bins * ratio), num_bins,
+                         polish_rounds, threads)
+    return _search_torch(x, bits, search, num_bins, ratio, polish_rounds, threads)
+
+
+C_BLOCK_ROWS = 2048
+
+
+def _search_c(kernel, x, bits, refine, steps, bins, rounds, threads):
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    n, d = x.shape
+    scale, offset = np.empty(n, np.float32), np.empty(n, np.float32)
+
+    def run(a: int) -> None:
+        b = min(n, a + C_BLOCK_ROWS)
+        kernel.search_rows(x[a:b], b - a, d, bits, int(refine), steps, bins, rounds,
+                           scale[a:b], offset[a:b])
+
+    starts = range(0, n, C_BLOCK_ROWS)
+    if threads > 1 and n > C_BLOCK_ROWS:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(run, starts))
+    elif n:
+        kernel.search_rows(x, n, d, bits, int(refine), steps, bins, rounds, scale, offset)
+    return scale.astype(np.float16), offset.astype(np.float16)
+
+
+def _search_torch(x, bits, search, num_bins, ratio, polish_rounds, threads):
+    from mpickpt.quant.search_torch import search_blocks
+
+    return search_blocks(x, bits, search, num_bins, ratio, polish_rounds, threads)
+
+
+def encode_codes(x: np.ndarray, scale: np.ndarray, offset: np.ndarray, bits: int) -> np.ndarray:
+    """Nearest codes (n, D) uint8 of rows `x` for float16 parameters (x*inv - o*inv, clamped,
+    rounded half to even: the kernels' arithmetic). Local."""
+    s = scale.astype(np.float32)[:, None]
+    inv = np.where(s > 0, np.float32(1) / np.where(s > 0, s, np.float32(1)), np.float32(0))
+    q = np.asarray(x, dtype=np.float32) * inv
+    q += -offset.astype(np.float32)[:, None] * inv
+    np.clip(q, 0, (1 << bits) - 1, out=q)
+    return np.rint(q, out=q).astype(np.uint8)
+
+
+def decode_codes(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """Rows o + s*c as float32 (n, D). Local."""
+    return (codes.astype(np.float32) * scale.astype(np.float32)[:, None]
+            + offset.astype(np.float32)[:, None])
+
+
+def row_loss(x: np.ndarray, scale: np.ndarray, offset: np.ndarray, bits: int) -> np.ndarray:
+    """Exact squared L2 error per row of storing `x` with these parameters. Local."""
+    err = decode_codes(encode_codes(x, scale, offset, bits), scale, offset) - x
+    return np.einsum("ij,ij->i", err, err)

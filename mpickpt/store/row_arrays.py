@@ -1,0 +1,167 @@
+"""Row arrays in shard files: plain datasets, or groups of encoded (quantized) rows.
+
+A lossless row array is a dataset ``<table group>/<name>`` (n, ...) as before. A row array stored
+with a lossy codec (`mpickpt.quant.codecs`) is a *group* of that name whose attributes hold the
+codec (``codec``, JSON) and the logical shape (``shape``, ``dtype``); its datasets are the codec's
+arrays (``codes`` + ``scale`` + ``offset``, ``centroids``, or ``values``), each written block by
+block with per-block CRCs like every dataset. Encoding runs block by block (`BLOCK_ROWS` rows), so
+a background writer never holds more than one encoded block beyond the staged rows.
+
+`StoredRows` hides the difference from readers: `.shape`, `.dtype`, `.rows(a, b)` (decoded,
+checksum-verified) and `.raw(a, b)` (the encoded arrays, for copying rows without re-quantizing).
+1-D row arrays (per-row optimizer scalars) are encoded as rows of one value, so only fp16/fp32 apply
+to them. Local: nothing here uses MPI.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import h5py
+import numpy as np
+
+from mpickpt.quant.codecs import Codec, from_attrs
+from mpickpt.store.errors import CheckpointCorruptError
+from mpickpt.store.shard_file import BLOCK_ROWS, CRC_SUFFIX, read_rows
+
+
+def is_encoded(obj) -> bool:
+    """Whether an HDF5 object is an encoded row array (a group carrying a codec). Local."""
+    return isinstance(obj, h5py.Group) and "codec" in obj.attrs
+
+
+class StoredRows:
+    """One row array of a table group, plain or encoded. Local."""
+
+    def __init__(self, obj, path: str):
+        self.obj, self.path = obj, path
+        self.codec: Codec | None = None
+        if is_encoded(obj):
+            try:
+                self.codec = from_attrs(obj.attrs)
+                self.shape = tuple(int(v) for v in obj.attrs["shape"])
+            except (KeyError, ValueError) as e:
+                raise CheckpointCorruptError(f"{path}: encoded array {obj.name}: {e}") from None
+            self.dtype = np.dtype(str(obj.attrs.get("dtype", "float32")))
+        else:
+            self.shape, self.dtype = tuple(obj.shape), obj.dtype
+
+    @property
+    def name(self) -> str:
+        return self.obj.name
+
+    @property
+    def dim(self) -> int:
+        return self.shape[1] if len(self.shape) > 1 else 1
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop), decoded to the logical dtype and shape. Local."""
+        if self.codec is None:
+            return read_rows(self.obj, start, stop, self.path)
+        out = self.codec.decode(self.raw(start, stop).arrays, self.dim)
+        return out.reshape((stop - start, *self.shape[1:])).astype(self.dtype, copy=False)
+
+    def raw(self, start: int, stop: int) -> "EncodedRows":
+        """The stored arrays of rows [start, stop), checksum-verified. Local."""
+        if self.codec is None:
+            return EncodedRows(None, self.shape[1:], str(self.dtype),
+                               {"values": read_rows(self.obj, start, stop, self.path)})
+        arrays = {}
+        for key in self.codec.array_names():
+            if key not in self.obj:
+                raise CheckpointCorruptError(f"{self.path}: encoded array {self.obj.name} lacks "
+                                             f"its dataset {key}")
+            arrays[key] = read_rows(self.obj[key], start, stop, self.path)
+        return EncodedRows(self.codec, self.shape[1:], str(self.dtype), arrays)
+
+
+def open_rows(group: h5py.Group, name: str, path: str) -> StoredRows:
+    """The row array `name` of a table group (KeyError when absent). Local."""
+    return StoredRows(group[name], path)
+
+
+@dataclass
+class EncodedRows:
+    """Stored arrays of some rows, copied between files without decoding (codec None: plain)."""
+
+    codec: Codec | None
+    tail: tuple
+    dtype: str
+    arrays: dict
+
+    @staticmethod
+    def concat(pieces: list["EncodedRows"]) -> "EncodedRows":
+        first = pieces[0]
+        if any(p.codec != first.codec or p.tail != first.tail for p in pieces):
+            raise ValueError("cannot concatenate rows stored with different codecs or shapes")
+        return EncodedRows(first.codec, first.tail, first.dtype,
+                           {k: np.concatenate([p.arrays[k] for p in pieces]) for k in first.arrays})
+
+    def __len__(self) -> int:
+        return len(next(iter(self.arrays.values())))
+
+    def __getitem__(self, rows) -> "EncodedRows":
+        """The selected rows (a mask or index array). Local."""
+        return EncodedRows(self.codec, self.tail, self.dtype,
+                           {k: a[rows] for k, a in self.arrays.items()})
+
+
+class BlockWriter:
+    """A contiguous dataset written block after block, each block's CRC32 kept. Local."""
+
+    def __init__(self, group: h5py.Group, name: str, shape: tuple, dtype, before_block=None):
+        self.group, self.name, self.before_block = group, name, before_block
+        self.ds = group.create_dataset(name, shape=shape, dtype=dtype)
+        self.at, self.crcs = 0, []
+
+    def write(self, block: np.ndarray) -> int:
+        block = np.ascontiguousarray(block, dtype=self.ds.dtype)
+        self.crcs.append(zlib.crc32(memoryview(block).cast("B")))
+        if self.before_block is not None:
+            self.before_block(block.nbytes)
+        if block.shape[0]:
+            self.ds.write_direct(block, dest_sel=np.s_[self.at:self.at + block.shape[0]])
+        self.at += block.shape[0]
+        return block.nbytes
+
+    def close(self) -> None:
+        if not self.crcs:  # an empty dataset has the CRC of one empty block
+            self.crcs.append(zlib.crc32(b""))
+        self.group.create_dataset(self.name + CRC_SUFFIX, data=np.array(self.crcs, np.uint32))
+
+
+def write_encoded(parent: h5py.Group, name: str, data: np.ndarray, codec: Codec,
+                  before_block=None) -> int:
+    """Encode `data` block by block into the group `name`; returns the bytes stored. Local."""
+    n = data.shape[0]
+    rows2d = data.reshape(n, -1)
+    group = _encoded_group(parent, name, codec, data.shape, data.dtype)
+    probe = codec.encode(rows2d[:0])
+    writers = {k: BlockWriter(group, k, (n, *a.shape[1:]), a.dtype, before_block)
+               for k, a in probe.items()}
+    total = 0
+    for a in range(0, n, BLOCK_ROWS):
+        for k, arr in codec.encode(rows2d[a:a + BLOCK_ROWS]).items():
+            total += writers[k].write(arr)
+    for w in writers.values():
+        w.close()
+    return total
+
+
+def write_raw(parent: h5py.Group, name: str, rows: EncodedRows) -> int:
+    """Write rows copied with `StoredRows.raw` (no re-encoding); returns bytes stored. Local."""
+    from mpickpt.store.shard_file import write_dataset
+
+    if rows.codec is None:
+        return write_dataset(parent, name, rows.arrays["values"])
+    n = len(rows)
+    group = _encoded_group(parent, name, rows.codec, (n, *rows.tail), np.dtype(rows.dtype))
+    return sum(write_dataset(group, k, a) for k, a in rows.arrays.items())
+
+
+def _encoded_group(parent, name, codec: Codec, shape, dtype) -> h5py.Group:
+    group = parent.require_group(name)
+    group.attrs.update(codec.attrs())
+    group.attrs["shape"] = np.asarray(shape, dtype=np.int64)
+    group.attrs["dtype"] = str(np.dtype(dtype))
+    return group
