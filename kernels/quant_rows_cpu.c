@@ -223,7 +223,60 @@ static PyObject *search_rows(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* Codes of one row for (s, o), packed little-endian into ceil(d * bits / 8) bytes: the same
+ * arithmetic as evaluate() and mpickpt.quant.search.encode_codes. */
+static void encode_row(const float *x, int d, int bits, float s, float o, uint8_t *out) {
+    float inv = s > 0.0f ? 1.0f / s : 0.0f;
+    float noi = -o * inv, top = (float)((1 << bits) - 1);
+    uint64_t acc = 0;
+    int held = 0;
+    for (int j = 0; j < d; j++) {
+        acc |= (uint64_t)code_of(x[j], inv, noi, top) << held;
+        held += bits;
+        while (held >= 8) {
+            *out++ = (uint8_t)(acc & 0xffu);
+            acc >>= 8;
+            held -= 8;
+        }
+    }
+    if (held > 0) *out = (uint8_t)(acc & 0xffu);
+}
+
+/* encode_rows(x: float32 buffer (n*d), n, d, bits, scale: float32 (n), offset: float32 (n),
+ *             out: uint8 buffer (n * ceil(d*bits/8))) */
+static PyObject *encode_rows(PyObject *self, PyObject *args) {
+    Py_buffer xb, sb, ob, cb;
+    Py_ssize_t n;
+    int d, bits;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*niiy*y*w*", &xb, &n, &d, &bits, &sb, &ob, &cb)) return NULL;
+    Py_ssize_t row_bytes = ((Py_ssize_t)d * bits + 7) / 8;
+    PyObject *result = NULL;
+    if (d < 1 || bits < 1 || bits > 8 || xb.len < (Py_ssize_t)(n * d * sizeof(float))
+        || sb.len < (Py_ssize_t)(n * sizeof(float)) || ob.len < (Py_ssize_t)(n * sizeof(float))
+        || cb.len < n * row_bytes) {
+        PyErr_SetString(PyExc_ValueError, "encode_rows: buffer sizes do not match n, d and bits");
+    } else {
+        const float *x = (const float *)xb.buf, *scale = (const float *)sb.buf,
+                    *offset = (const float *)ob.buf;
+        uint8_t *codes = (uint8_t *)cb.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++)
+            encode_row(x + i * d, d, bits, scale[i], offset[i], codes + i * row_bytes);
+        Py_END_ALLOW_THREADS
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&xb);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&cb);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"encode_rows", encode_rows, METH_VARARGS,
+     "Nearest codes of every row for float32 scale/offset, packed little-endian per row."},
     {"search_rows", search_rows, METH_VARARGS,
      "Per-row float16 scale and offset by the greedy walk (refine=0) or the refined search."},
     {NULL, NULL, 0, NULL}};

@@ -96,8 +96,8 @@ class Codec:
             codes, centroids = kmeans_rows(x, self.bits)
             return {"codes": pack(codes, self.bits), "centroids": centroids}
         scale, offset = self.params(x)
-        codes = rs.encode_codes(x, scale, offset, self.bits)
-        return {"codes": pack(codes, self.bits), "scale": scale, "offset": offset}
+        codes = rs.encode_packed(x, scale, offset, self.bits, self.threads)
+        return {"codes": codes, "scale": scale, "offset": offset}
 
     def params(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """float16 (scale, offset) per row for the uniform codecs. Local."""

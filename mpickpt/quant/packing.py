@@ -2,7 +2,8 @@
 
 Codes of one row are laid out little-endian in a bit stream: code j occupies bits
 [j*bits, (j+1)*bits) of the row's bytes, so a 3-bit code may straddle two bytes. A packed row takes
-ceil(dim * bits / 8) bytes.
+ceil(dim * bits / 8) bytes. Packing works on whole-byte groups of codes (4 per byte at 2 bits, 2 at
+4 bits, 8 codes in 3 bytes at 3 bits) with shifts over every row at once.
 """
 from __future__ import annotations
 
@@ -31,10 +32,28 @@ def pack(codes: np.ndarray, bits: int) -> np.ndarray:
         raise ValueError(f"codes must lie in [0, {1 << bits}), got {codes.min()}..{codes.max()}")
     if bits == 8:
         return codes.astype(np.uint8)
-    # bit j*bits + b of each row is bit b of code j
-    planes = (codes[:, :, None].astype(np.uint8) >> np.arange(bits, dtype=np.uint8)) & 1
-    stream = planes.reshape(n, dim * bits)
-    return np.packbits(stream, axis=1, bitorder="little")
+    return _pack_groups(codes.astype(np.uint32, copy=False), bits, n, dim)
+
+
+def _group(bits: int) -> tuple[int, int]:
+    """(codes, bytes) of the smallest whole-byte group: 4 codes in 1 byte at 2 bits, 2 in 1 at 4,
+    8 codes in 3 bytes at 3 bits."""
+    return {2: (4, 1), 4: (2, 1), 3: (8, 3)}[bits]
+
+
+def _pack_groups(codes: np.ndarray, bits: int, n: int, dim: int) -> np.ndarray:
+    per, nbytes = _group(bits)
+    padded = -(-dim // per) * per
+    if padded != dim:
+        codes = np.concatenate([codes, np.zeros((n, padded - dim), np.uint32)], axis=1)
+    groups = codes.reshape(n, padded // per, per)
+    word = groups[:, :, 0].copy()
+    for k in range(1, per):
+        word |= groups[:, :, k] << np.uint32(k * bits)
+    out = np.empty((n, padded // per, nbytes), np.uint8)
+    for b in range(nbytes):
+        out[:, :, b] = word >> np.uint32(8 * b)
+    return out.reshape(n, padded // per * nbytes)[:, :packed_bytes(dim, bits)]
 
 
 def unpack(packed: np.ndarray, bits: int, dim: int) -> np.ndarray:
@@ -47,6 +66,15 @@ def unpack(packed: np.ndarray, bits: int, dim: int) -> np.ndarray:
     if bits == 8:
         return packed.copy()
     n = packed.shape[0]
-    stream = np.unpackbits(packed, axis=1, count=dim * bits, bitorder="little")
-    planes = stream.reshape(n, dim, bits)
-    return (planes << np.arange(bits, dtype=np.uint8)).sum(axis=2, dtype=np.uint8)
+    per, nbytes = _group(bits)
+    ngroups = -(-dim // per)
+    full = np.zeros((n, ngroups * nbytes), np.uint8)
+    full[:, :packed.shape[1]] = packed
+    word = np.zeros((n, ngroups), np.uint32)
+    for b, byte in enumerate(np.moveaxis(full.reshape(n, ngroups, nbytes), 2, 0)):
+        word |= byte.astype(np.uint32) << np.uint32(8 * b)
+    mask = np.uint32((1 << bits) - 1)
+    codes = np.empty((n, ngroups, per), np.uint8)
+    for k in range(per):
+        codes[:, :, k] = (word >> np.uint32(k * bits)) & mask
+    return codes.reshape(n, ngroups * per)[:, :dim]
