@@ -189,3 +189,19 @@ def test_optimizer_state_keeps_16_bits_unless_asked():
     asked = BitWidthPolicy(requested="4", state_bits=8).row_codecs(state)
     assert asked["state/momentum"] == Codec("asym", 8) and asked["state/adagrad_sum"].name == "fp16"
     assert "state/adagrad_sum" not in BitWidthPolicy(requested="4", state_bits=32).row_codecs(state)
+
+
+def test_a_row_out_of_float16_range_fails_the_write_naming_the_row(tmp_path):
+    from dataclasses import asdict
+
+    from mpickpt.engine.writer_process import write_file
+
+    w = np.ones((10, 4), np.float32)
+    w[7, 2] = np.inf
+    path = tmp_path / "rank-00000-part-0.h5"
+    spec = {"path": str(path), "relpath": path.name, "group_attrs": {}, "blobs": {}, "meta": {},
+            "attrs": {}, "datasets": [("tables/0/weight", "weight", None)],
+            "codecs": {"weight": asdict(Codec("adaptive", 4))}}
+    with pytest.raises(ValueError, match=r"row 7 .*--ckpt-bits 32"):
+        write_file(spec, {"weight": w})
+    assert not path.exists()  # never renamed into place; the previous checkpoint is untouched
