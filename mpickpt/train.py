@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     from mpickpt.store.errors import CheckpointError
     from mpickpt.topology import Topology
     from mpickpt.train_flags import TrainConfig
-    from mpickpt.trainer import Trainer
+    from mpickpt.trainer import ParityLost, Trainer
 
     comm = MPI.COMM_WORLD
     error, config = None, None
@@ -49,9 +49,11 @@ def main(argv=None) -> int:
     status = 0
     try:
         trainer.run()
-    except CriteoFormatError as e:  # found mid-stream; every rank reads the same lines
+    except (CriteoFormatError, ParityLost, CheckpointError) as e:
+        # found mid-stream, on every rank at the same step (the same lines, the same injected
+        # failure, an agreed restore), so this exit is collective
         status = _fail(comm, str(e))
-        comm.Barrier()  # every rank stopped at the same line, so this agreed exit is collective
+        comm.Barrier()
     finally:
         trainer.close()
     # Both exits release the process group: a gloo group left to the interpreter's teardown can

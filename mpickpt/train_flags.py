@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from mpickpt.data.synthetic import criteo_kaggle_sizes
 from mpickpt.engine.config import OVERLAP_POLICIES, CheckpointConfig
 from mpickpt.engine.kinds import INCRCP_RESETS, KINDS
-from mpickpt.faults import KillAt
+from mpickpt.faults import FailAt, KillAt
 from mpickpt.quant.bitwidth import BIT_CHOICES, STATE_BIT_CHOICES
 from mpickpt.quant.codecs import QUANT_CHOICES
 from mpickpt.quant.search import SEARCHES
 from mpickpt.model.dense import DenseArch, parse_mlp
 from mpickpt.model.optimizers import OPTIMIZERS, OptimizerConfig
 from mpickpt.model.shard_plan import ShardPlan, ShardPlanOptions
+from mpickpt.parity.guard import ParityConfig
 
 CRITEO_PRESET = "criteo-kaggle"
 
@@ -141,9 +142,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--ckpt-bits auto: expected training time in hours")
     q.add_argument("--nodes", type=_int_at_least(1), default=None,
                    help="--ckpt-bits auto: nodes of the job (default: counted from the ranks)")
+    e = p.add_argument_group("in-memory parity (ECRM; level 1, below the checkpoints)")
+    e.add_argument("--parity-k", type=_int_at_least(1), default=None, metavar="K",
+                   help="data ranks per parity group (groups of K + R consecutive ranks; the "
+                        "world size must be a multiple of K + R); off when not given")
+    e.add_argument("--parity-r", type=_int_at_least(1), default=1, metavar="R",
+                   help="parity units per stripe: 1 = XOR, 2 or more = Reed-Solomon over GF(2^8); "
+                        "R failed ranks per group are rebuilt exactly")
+    e.add_argument("--rebuild-budget", type=_positive_float, default=0.1, metavar="F",
+                   help="fraction of a step's time each rebuild round may spend on its chunk")
     t = p.add_argument_group("testing")
     t.add_argument("--inject-kill", default=None, metavar="STEP:RANK[,RANK...]",
                    help="those ranks SIGKILL themselves after step STEP")
+    t.add_argument("--inject-failure", default=None, metavar="STEP:RANK[,RANK...]",
+                   help="after step STEP those ranks lose their shards, optimizer state and "
+                        "parity (NaN) and the job recovers them: from parity when it can, else "
+                        "from the latest checkpoint")
     t.add_argument("--inject-extract-crash", type=_int_at_least(1), default=None, metavar="N",
                    help="rank 0's extractor SIGKILLs itself in its N-th ingestion, after writing "
                         "the bundles and before committing the chunk index")
@@ -178,6 +192,8 @@ class TrainConfig:
     phase_times: bool
     checkpoint: CheckpointConfig | None
     inject_kill: KillAt | None
+    parity: ParityConfig | None
+    inject_failure: FailAt | None
     trace_samples: str | None
 
     @classmethod
@@ -203,6 +219,9 @@ class TrainConfig:
                    backend=args.backend, prefetch_depth=args.prefetch_depth,
                    phase_times=args.phase_times, checkpoint=_checkpoint(args),
                    inject_kill=KillAt.parse(args.inject_kill) if args.inject_kill else None,
+                   parity=_parity(args),
+                   inject_failure=(FailAt.parse(args.inject_failure)
+                                   if args.inject_failure else None),
                    trace_samples=args.trace_samples)
 
     def check_world(self, world_size: int) -> ShardPlan:
@@ -212,7 +231,20 @@ class TrainConfig:
                              f"size {world_size}: each rank needs an equal share of the batch")
         if self.inject_kill is not None:
             self.inject_kill.check_world(world_size)
+        if self.parity is not None:
+            self.parity.check_world(world_size)
+        if self.inject_failure is not None:
+            self.inject_failure.check_world(world_size)
+            if self.parity is None and self.checkpoint is None:
+                raise ValueError("--inject-failure needs something to recover from: --parity-k "
+                                 "or --ckpt-dir")
         return ShardPlan.build(self.table_sizes, world_size, self.plan_options)
+
+
+def _parity(args) -> ParityConfig | None:
+    if args.parity_k is None:
+        return None
+    return ParityConfig(k=args.parity_k, r=args.parity_r, budget=args.rebuild_budget)
 
 
 def _checkpoint(args) -> CheckpointConfig | None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from mpickpt.data.criteo_tsv import CriteoTSVConfig, CriteoTSVSource
 from mpickpt.data.position import SyntheticPosition, TSVPosition, position_from_dict
@@ -10,6 +11,7 @@ from mpickpt.data.synthetic import SyntheticConfig, SyntheticStream
 from mpickpt.engine.manager import CheckpointManager
 from mpickpt.evaluation import evaluate
 from mpickpt.model.hybrid import HybridDLRM
+from mpickpt.parity.guard import ParityGuard
 from mpickpt.progress import ProgressLog
 from mpickpt.timing import PhaseTimer
 
@@ -36,6 +38,10 @@ def make_sources(config):
     return train, TSVPosition(), test, TSVPosition()
 
 
+class ParityLost(RuntimeError):
+    """Lost shards that neither parity nor a checkpoint can bring back."""
+
+
 class Trainer:
     """Owns the model, the reader, the checkpoint manager and the loop. `run` is collective."""
 
@@ -53,11 +59,20 @@ class Trainer:
             restored = self.ckpt.restore()  # collective
             if restored is not None:
                 self.step, start = restored.step, position_from_dict(restored.reader_state)
-        allowance = self.ckpt.allowance(self.step, config.num_batches) if self.ckpt else None
-        self.reader = PrefetchReader(self.source, global_batch=config.global_batch, rank=topo.rank,
-                                     world=topo.world_size, state=start,
-                                     depth=config.prefetch_depth, allowance=allowance)
+        self.parity = None
+        self.failure_injected = False
+        if config.parity is not None:
+            self.parity = ParityGuard(topo, self.model, config.parity, self.log.say)
+            self.parity.encode()  # collective
+        self.reader = self._make_reader(start)
         self.log.restart_at(self.step)
+
+    def _make_reader(self, start) -> PrefetchReader:
+        cfg = self.config
+        allowance = self.ckpt.allowance(self.step, cfg.num_batches) if self.ckpt else None
+        return PrefetchReader(self.source, global_batch=cfg.global_batch, rank=self.topo.rank,
+                              world=self.topo.world_size, state=start, depth=cfg.prefetch_depth,
+                              allowance=allowance)
 
     def run(self) -> None:
         """Train up to `num_batches` steps (or to the end of the data). Collective."""
@@ -68,15 +83,26 @@ class Trainer:
             if batch is None:
                 self.log.say(f"end of training data after {self.step} batches")
                 break
+            started = time.perf_counter()
             loss = self.model.train_step(batch)
             self.step += 1
             self.log.step(self.step, loss, cfg.global_batch)
+            if self.parity is not None:
+                self.parity.note_step(time.perf_counter() - started)
             if self.ckpt is not None:
+                if self.parity is not None and self.ckpt.due(self.step):
+                    self.parity.settle()  # a snapshot must not copy rows still being rebuilt
                 self.ckpt.after_step(self.step, self.reader, cfg.num_batches)
             if cfg.inject_kill is not None:
                 cfg.inject_kill.maybe_kill(self.step, self.topo.rank)
+            if (cfg.inject_failure is not None and cfg.inject_failure.due(self.step)
+                    and not self.failure_injected):  # once: a rollback replays the step
+                self.failure_injected = True
+                self._lose(cfg.inject_failure.ranks)
             if cfg.test_freq and self.step % cfg.test_freq == 0 and self.step < cfg.num_batches:
                 self.test()
+        if self.parity is not None:
+            self.parity.settle()
         if self.ckpt is not None:
             self.ckpt.close()
         self.test()
@@ -84,6 +110,35 @@ class Trainer:
             self._print_phases()
         if cfg.digest:
             self.log.say(f"digest {self.model.digest()}")
+
+    def _lose(self, ranks) -> None:
+        """Emulated loss of `ranks`' shards after this step, and its recovery: parity rebuild
+        when parity covers it (training continues), else rollback of every rank to the latest
+        checkpoint. Collective."""
+        why = self.parity.uncovered(ranks) if self.parity is not None else "no parity (--parity-k)"
+        if self.parity is not None:
+            self.parity.fail(ranks)
+        else:
+            self.model.embeddings.wipe_rows(ranks)
+        if why is None:
+            self.parity.start_rebuild(ranks, self.step)
+            return
+        if self.ckpt is None:
+            raise ParityLost(f"ranks {sorted(ranks)} lost their shards after step {self.step}: "
+                             f"{why}, and there is no checkpoint to fall back to (--ckpt-dir)")
+        self.log.say(f"ranks {sorted(ranks)} lost their shards after step {self.step}: {why}; "
+                     f"falling back to the latest checkpoint")
+        restored = self.ckpt.restore_latest()  # collective
+        if restored is None:
+            raise ParityLost(f"ranks {sorted(ranks)} lost their shards after step {self.step}: "
+                             f"{why}, and no checkpoint is committed yet")
+        self.reader.close()
+        self.step = restored.step
+        self.reader = self._make_reader(position_from_dict(restored.reader_state))
+        self.log.restart_at(self.step)
+        if self.parity is not None:
+            self.parity.rebuild = None
+            self.parity.encode()
 
     def _trace(self) -> None:
         if self.config.trace_samples and self.topo.is_root:

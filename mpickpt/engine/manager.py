@@ -248,17 +248,34 @@ class CheckpointManager:
                                "crash_before_commit": crash})
 
     # ---- restoring -------------------------------------------------------------------------
-    def restore(self) -> Restored | None:
-        """Load the newest valid checkpoint (or the chosen step) into the model. Collective.
+    def due(self, step: int) -> bool:
+        """A checkpoint is taken after `step`. Local."""
+        return step % self.config.interval == 0
+
+    def restore_latest(self) -> Restored | None:
+        """Mid-run rollback: let the checkpoint in flight finish, load the newest committed one
+        whatever --resume says, and make the next checkpoint a new full baseline. Collective.
+        None when nothing is committed."""
+        results = self.writers.wait()
+        if results is not None:
+            self._report(results)
+        self.commits.drain()
+        restored = self.restore(latest=True)
+        self.planner.reset()
+        return restored
+
+    def restore(self, latest: bool = False) -> Restored | None:
+        """Load the newest valid checkpoint (or the chosen step, unless `latest`) into the model.
+        Collective.
 
         Returns None when resuming is off or nothing is committed yet. Raises CheckpointError when
         checkpoints exist but none can be used (or the chosen one cannot)."""
-        if self.config.resume == "none":
+        if self.config.resume == "none" and not latest:
             return None
         listing = committed(self.root) if self.topo.is_root else None
         manifests, torn = self.topo.control.bcast(listing, root=0)
         self._drop_torn(torn)
-        candidates = self._candidates(manifests)
+        candidates = list(reversed(manifests)) if latest else self._candidates(manifests)
         by_step = {m.step: m for m in manifests}
         problems = []
         for manifest in candidates:

@@ -65,6 +65,7 @@ class ShardedEmbeddingBags:
         self.weight = self._init_weight(seed)
         self.optimizer = make_sparse_optimizer(optim, len(self.local_gids), dim, self.device)
         self.index_hooks: list[IndexHook] = []
+        self.update_hooks: list = []
         self._offsets = torch.as_tensor(plan.table_offsets, device=self.device)
 
     def _init_weight(self, seed: int) -> torch.Tensor:
@@ -83,6 +84,22 @@ class ShardedEmbeddingBags:
         rows this step's update will touch. Returns a function that removes the hook."""
         self.index_hooks.append(hook)
         return lambda: self.index_hooks.remove(hook)
+
+    @torch.no_grad()
+    def wipe_rows(self, ranks) -> None:
+        """Emulated loss: if this rank is in `ranks`, its rows and optimizer state become NaN.
+        Local."""
+        if self.topo.rank in ranks:
+            self.weight.fill_(float("nan"))
+            for t in self.optimizer.state.values():
+                t.fill_(float("nan"))
+
+    def add_update_hook(self, hook) -> Callable[[], None]:
+        """Bracket every sparse update: `token = hook.before_update(rows)` before the optimizer
+        changes `rows`, `hook.after_update(rows, token)` after. Local to register; the calls run
+        on every rank in every step (`after_update` may be collective). Returns a remover."""
+        self.update_hooks.append(hook)
+        return lambda: self.update_hooks.remove(hook)
 
     def lookup(self, sparse: torch.Tensor) -> tuple[torch.Tensor, LookupContext]:
         """Pooled (sum) embeddings (B, T, dim) of this rank's batch. Collective over `topo.pg`."""
@@ -120,7 +137,10 @@ class ShardedEmbeddingBags:
         with self.timer.phase("optimizer"):
             row_grad = torch.zeros(len(ctx.rows), self.dim, device=self.device)
             row_grad.index_add_(0, ctx.inverse, owner_grad[ctx.recv_seg])
+            tokens = [h.before_update(ctx.rows) for h in self.update_hooks]
             self.optimizer.step(self.weight, ctx.rows, row_grad)
+        for hook, token in zip(self.update_hooks, tokens):
+            hook.after_update(ctx.rows, token)
 
     def _exchange_counts(self, counts: torch.Tensor) -> list[int]:
         out = torch.empty_like(counts)

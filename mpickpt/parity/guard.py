@@ -1,0 +1,126 @@
+"""Level-1 fault tolerance of a training job: parity upkeep, lost ranks, rebuild, fallback.
+
+The trainer owns one `ParityGuard` per rank. It hooks into the embedding bags (updates: difference
+propagation; lookups: rebuild rounds and degraded reads). A failure of at most r ranks per group is
+rebuilt from parity while training continues; more than r in some group cannot be decoded, and the
+guard says so, so that the trainer falls back to level 2 (the latest HDF5 checkpoint).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mpickpt.parity.layout import check_parity_shape
+from mpickpt.parity.rebuild import Rebuild
+from mpickpt.parity.upkeep import ParityStore
+
+NAN_BITS = 0x7FC00000
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParityConfig:
+    """--parity-k, --parity-r, --rebuild-budget."""
+
+    k: int
+    r: int = 1
+    budget: float = 0.1
+    """Fraction of a step's time a rebuild round may take for its chunk (degraded reads extra)."""
+
+    def __post_init__(self):
+        if self.k < 1 or self.r < 1:
+            raise ValueError(f"--parity-k and --parity-r must be >= 1, got k={self.k}, r={self.r}")
+        if not 0 < self.budget <= 10:
+            raise ValueError(f"--rebuild-budget must be in (0, 10], got {self.budget!r}")
+
+    def check_world(self, world_size: int) -> None:
+        check_parity_shape(self.k, self.r, world_size)
+
+
+class ParityGuard:
+    """Parity for one rank of a HybridDLRM. Construction is local; `encode`, `fail`, `settle`
+    and the hooks it installs are collective."""
+
+    def __init__(self, topo, model, config: ParityConfig, say):
+        self.topo, self.config, self.say = topo, config, say
+        self.store = ParityStore(topo, model.embeddings, config.k, config.r)
+        model.embeddings.add_update_hook(self.store)
+        model.embeddings.add_index_hook(self._on_lookup)
+        self.rebuild: Rebuild | None = None
+        self.step_seconds: float | None = None
+        self.history: list[dict] = []
+
+    def encode(self) -> None:
+        """Compute all parity from the current rows. Collective."""
+        start = time.perf_counter()
+        self.store.encode_all()
+        took = time.perf_counter() - start
+        st = self.store
+        self.say(f"parity: groups of k={st.k} data + r={st.r} parity ranks, rotating placement; "
+                 f"{st.nbytes() / 1e6:.2f} MB of parity on rank 0 for "
+                 f"{st.words.nbytes() / 1e6:.2f} MB of rows and optimizer state "
+                 f"({st.nbytes() / max(st.words.nbytes(), 1):.1%}); encoded in {took:.2f} s")
+
+    def note_step(self, seconds: float) -> None:
+        """Time of the last training step (for rebuild chunk sizing). Local."""
+        if self.rebuild is None or not self.rebuild.active:
+            self.step_seconds = seconds if self.step_seconds is None else \
+                0.8 * self.step_seconds + 0.2 * seconds
+
+    def uncovered(self, ranks) -> str | None:
+        """Why parity cannot rebuild `ranks`, or None if it can. Local and pure."""
+        g = self.config.k + self.config.r
+        by_group: dict[int, list[int]] = {}
+        for r in sorted(ranks):
+            by_group.setdefault(r // g, []).append(r)
+        for group, lost in by_group.items():
+            if len(lost) > self.config.r:
+                return (f"parity group {group} (ranks {group * g}-{group * g + g - 1}) lost ranks "
+                        f"{lost}, more than --parity-r {self.config.r} can rebuild")
+        if self.rebuild is not None and self.rebuild.active:
+            return "ranks failed while a rebuild was still running"
+        return None
+
+    @torch.no_grad()
+    def fail(self, ranks) -> None:
+        """The named ranks lose their rows, optimizer state and parity (NaN). Local to each rank;
+        every rank calls it with the same `ranks`."""
+        if self.topo.rank in ranks:
+            self.store.words.wipe()
+            self.store.parity.fill_(NAN_BITS)
+
+    def start_rebuild(self, ranks, step: int) -> None:
+        """Begin rebuilding `ranks` (their failure is covered). Local; rounds run in lookups."""
+        self.rebuild = Rebuild(self.store, set(ranks), self.config.budget)
+        self.rebuild_step = step
+        self.say(f"parity: ranks {sorted(ranks)} lost their shards after step {step}; rebuilding "
+                 f"from their groups while training continues")
+
+    def _on_lookup(self, rows: torch.Tensor) -> None:
+        if self.rebuild is not None and self.rebuild.active:
+            self.rebuild.round(rows, self.step_seconds)
+            if not self.rebuild.active:
+                self._report()
+
+    def settle(self) -> None:
+        """Finish a running rebuild now (before a checkpoint or the end). Collective."""
+        if self.rebuild is not None and self.rebuild.active:
+            self.rebuild.finish()
+            self._report()
+
+    def _report(self) -> None:
+        rb = self.rebuild
+        totals = self.topo.control.allreduce(
+            np.array([rb.total, rb.degraded_rows, rb.received_bytes], dtype=np.int64)).tolist()
+        wall = rb.finished_at - rb.started
+        record = {"ranks": sorted(rb.failed), "after_step": self.rebuild_step,
+                  "units": totals[0], "degraded_rows": totals[1], "received_bytes": totals[2],
+                  "rounds": rb.rounds, "seconds": wall, "round_seconds": rb.seconds}
+        self.history.append(record)
+        self.say(f"parity: rebuilt ranks {record['ranks']} ({record['units']} units, "
+                 f"{record['degraded_rows']} rows by degraded reads, "
+                 f"{record['received_bytes'] / 1e6:.1f} MB received, "
+                 f"{record['received_bytes'] / 1e6 / max(wall, 1e-9):.0f} MB/s) in "
+                 f"{rb.rounds} rounds, {wall:.2f} s while training went on")

@@ -1,0 +1,155 @@
+"""Rebuild of lost ranks from their group's survivors while training goes on (ECRM §3.4).
+
+The lost rank's units (its data rows and its parity rows) are decoded stripe by stripe. Each
+training step runs one round, inside the lookup (after the indices reach their owners, before
+rows are pooled or updated): a lost rank asks its surviving group members for the units of (a) the
+stripes of rows this step reads that are not rebuilt yet, decoded on demand (degraded reads), and
+(b) the next chunk of its lost stripes, sized to a fraction of the step time. Survivors answer with
+their current data rows and parity rows; the lost rank decodes and writes its units back. Every
+member's data and parity are consistent at that point (all folds of the previous step are in,
+none of this step's), so the decoded units are exact: a chunk is locked for exactly the span of one
+round, and updates of this step land after it, the synchronous form of ECRM's lock and buffer.
+Lost rows are never updated before they are rebuilt (a row a step updates is read first), so
+parity held by survivors stays consistent with the lost rows' true values.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from mpickpt.parity.exchange import exchange_counts, exchange_rows
+
+FIRST_CHUNK_STRIPES = 4096
+
+
+class Rebuild:
+    """One rebuild of the failed ranks `failed` (a set of world ranks, at most r per group).
+
+    Every rank holds one; `round` and `finish` are collective until `active` is False."""
+
+    def __init__(self, store, failed: set[int], budget: float):
+        self.store, self.failed, self.budget = store, set(failed), budget
+        L, me = store.layout, store.topo.rank
+        self.mine = me in self.failed
+        self.group_failed = {f - L.base for f in self.failed if L.base <= f < L.base + L.g}
+        self.lost = np.zeros(L.stripes, dtype=bool)
+        if self.mine:
+            self.lost[L.stripe_of_row(store.pos, np.arange(L.rows[store.pos]))] = True
+            self.lost[L.stripe_of_parity(store.pos, np.arange(L.parity_rows))] = True
+        self.total = int(self.lost.sum())
+        self.cursor = 0
+        self.chunk = FIRST_CHUNK_STRIPES
+        self.active = True
+        self.rounds = self.degraded_rows = self.received_bytes = 0
+        self.seconds = 0.0
+        self.started = time.perf_counter()
+        self.finished_at = None
+
+    def remaining(self) -> int:
+        return int(self.lost.sum())
+
+    def round(self, needed_rows: torch.Tensor | None, step_seconds: float | None,
+              everything: bool = False) -> None:
+        """One exchange: degraded reads of `needed_rows` (local rows this step reads) and the next
+        chunk. Collective over the training process group."""
+        start = time.perf_counter()
+        request = self._request(needed_rows, everything)
+        left = int(self.mine and self.remaining() - len(request) > 0)
+        st = self.store
+        world = st.topo.world_size
+        survivors = [st.layout.base + p for p in range(st.layout.g) if p not in self.group_failed]
+        counts = [[len(request) if (self.mine and d in survivors) else 0, left]
+                  for d in range(world)]
+        got = exchange_counts(st.topo.pg, st.words.device, counts)
+        req = torch.as_tensor(request, dtype=torch.int64, device=st.words.device).view(-1, 1)
+        asked = exchange_rows(st.topo.pg, st.words.device,
+                              [req if c[0] else req[:0] for c in counts],
+                              [c[0] for c in got], 1, torch.int64)
+        answers = [self._units(a.view(-1).cpu().numpy()) for a in asked]
+        replies = exchange_rows(st.topo.pg, st.words.device, answers,
+                                [len(request) if s in survivors and self.mine else 0
+                                 for s in range(world)], st.words.width, torch.int32)
+        if self.mine and len(request):
+            self._decode(request, {s - st.layout.base: replies[s] for s in survivors})
+            self.received_bytes += len(request) * len(survivors) * st.words.width * 4
+        self.rounds += 1
+        self.active = any(c[1] for c in got)
+        took = time.perf_counter() - start
+        self.seconds += took
+        self._resize(len(request), took, step_seconds)
+        if not self.active and self.finished_at is None:
+            self.finished_at = time.perf_counter()
+
+    def finish(self) -> None:
+        """Rebuild everything that is left now. Collective."""
+        while self.active:
+            self.round(None, None, everything=True)
+
+    def _request(self, needed_rows, everything: bool) -> np.ndarray:
+        if not self.mine:
+            return np.empty(0, dtype=np.int64)
+        L = self.store.layout
+        parts = []
+        if needed_rows is not None and len(needed_rows):
+            s = L.stripe_of_row(self.store.pos, needed_rows.cpu().numpy())
+            s = s[self.lost[s]]
+            self.degraded_rows += len(s)
+            parts.append(s)
+        todo = np.flatnonzero(self.lost[self.cursor:]) + self.cursor
+        take = todo if everything else todo[:self.chunk]
+        if len(take):
+            self.cursor = int(take[-1]) + 1
+        parts.append(take)
+        return np.unique(np.concatenate(parts)).astype(np.int64)
+
+    def _units(self, stripes: np.ndarray) -> torch.Tensor:
+        """This member's units (data row or parity row; zeros for padding) of `stripes`."""
+        st, L = self.store, self.store.layout
+        out = torch.zeros(len(stripes), st.words.width, dtype=torch.int32, device=st.words.device)
+        if len(stripes) == 0:
+            return out
+        rows = L.row_of_stripe(st.pos, stripes)
+        data = np.flatnonzero(rows >= 0)
+        out[torch.as_tensor(data)] = st.words.gather(torch.as_tensor(rows[data],
+                                                                     device=st.words.device))
+        prow = L.parity_row(st.pos, stripes)
+        par = np.flatnonzero(prow >= 0)
+        out[torch.as_tensor(par)] = st.parity[torch.as_tensor(prow[par], device=st.words.device)]
+        return out
+
+    def _decode(self, stripes: np.ndarray, units: dict[int, torch.Tensor]) -> None:
+        """Decode this rank's units of `stripes` from the survivors' `units` (by position)."""
+        st, L = self.store, self.store.layout
+        offsets = stripes % L.g
+        for o in np.unique(offsets):
+            sel = np.flatnonzero(offsets == o)
+            idx = torch.as_tensor(sel, device=st.words.device)
+            dpos = L.data_positions(int(o))
+            ppos = L.parity_positions(int(o))
+            data = {j: units[int(p)][idx] for j, p in enumerate(dpos)
+                    if int(p) not in self.group_failed}
+            parity = {q: units[int(p)][idx] for q, p in enumerate(ppos)
+                      if int(p) not in self.group_failed}
+            erased = [j for j, p in enumerate(dpos) if int(p) in self.group_failed]
+            data.update(st.code.decode(data, parity, erased))
+            s = stripes[sel]
+            if st.pos in dpos:
+                rows = L.row_of_stripe(st.pos, s)
+                keep = np.flatnonzero(rows >= 0)
+                j = int(np.flatnonzero(dpos == st.pos)[0])
+                st.words.scatter(torch.as_tensor(rows[keep], device=st.words.device),
+                                 data[j][torch.as_tensor(keep, device=st.words.device)])
+            else:
+                q = int(np.flatnonzero(ppos == st.pos)[0])
+                prow = torch.as_tensor(L.parity_row(st.pos, s), device=st.words.device)
+                st.parity[prow] = st.code.encode(q, [data[j] for j in range(L.k)])
+            self.lost[s] = False
+
+    def _resize(self, requested: int, took: float, step_seconds: float | None) -> None:
+        """Chunk for the next round: `budget` of a step's time at the rate just measured."""
+        if not self.mine or step_seconds is None or requested == 0 or took <= 0:
+            return
+        rate = requested / took
+        self.chunk = int(min(max(64, rate * self.budget * step_seconds), 4 * self.chunk + 64))

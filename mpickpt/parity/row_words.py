@@ -1,0 +1,43 @@
+"""A shard's rows (fp32 weights + sparse optimizer state) seen as int32 words: the parity unit."""
+from __future__ import annotations
+
+import torch
+
+
+class RowWords:
+    """Gather, scatter and wipe the W words of local rows. Local."""
+
+    def __init__(self, embeddings):
+        state = embeddings.optimizer.state
+        self.tensors = [embeddings.weight] + [state[k] for k in sorted(state)]
+        for t in self.tensors:
+            if t.dtype != torch.float32:
+                raise TypeError(f"parity needs float32 row state, got {t.dtype}")
+        self.widths = [t[0].numel() if t.dim() > 1 else 1 for t in self.tensors]
+        self.width = sum(self.widths)
+        self.rows = len(embeddings.weight)
+        self.device = embeddings.weight.device
+
+    def gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """(n, W) int32 copy of `rows`."""
+        parts = [t[rows].reshape(len(rows), w).view(torch.int32)
+                 for t, w in zip(self.tensors, self.widths)]
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].clone()
+
+    @torch.no_grad()
+    def scatter(self, rows: torch.Tensor, words: torch.Tensor) -> None:
+        """Write (n, W) int32 `words` into `rows`."""
+        a = 0
+        for t, w in zip(self.tensors, self.widths):
+            part = words[:, a:a + w].contiguous().view(torch.float32)
+            t[rows] = part.reshape((len(rows),) + tuple(t.shape[1:]))
+            a += w
+
+    @torch.no_grad()
+    def wipe(self) -> None:
+        """Fill every row with NaN (what a lost rank has left)."""
+        for t in self.tensors:
+            t.fill_(float("nan"))
+
+    def nbytes(self) -> int:
+        return self.rows * self.width * 4

@@ -1,0 +1,79 @@
+"""Encoding, folding and decoding of parity units on torch tensors (CPU or CUDA).
+
+A unit is one row of a shard seen as W int32 words: the bit patterns of its fp32 weights followed
+by its optimizer state, so decoding is bitwise exact. Parity q of a stripe is
+P_q = XOR_j C[q, j] * D_j over GF(2^8), bytewise (C from `gf256.cauchy`; row 0 is all ones, so
+r = 1 is plain XOR). The code is linear, so an update of D_j from old to new changes P_q by
+C[q, j] * (old XOR new): that is the difference a holder folds in. All functions are local.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mpickpt.parity import gf256
+
+
+class StripeCode:
+    """The (k, r) code and its tables on one device."""
+
+    def __init__(self, k: int, r: int, device):
+        self.k, self.r = k, r
+        self.matrix = gf256.cauchy(r, k)
+        self._mul = torch.as_tensor(gf256.MUL, device=device)
+
+    def scale(self, coef, words: torch.Tensor) -> torch.Tensor:
+        """coef * words bytewise; `coef` an int or a uint8/int tensor with one value per row."""
+        if isinstance(coef, (int, np.integer)):
+            if coef == 1:
+                return words
+            table = self._mul[int(coef)]
+            return torch.take(table, words.contiguous().view(torch.uint8).long()) \
+                .view(torch.int32).view_as(words)
+        coef = torch.as_tensor(coef, device=words.device).long()
+        if bool((coef == 1).all()):
+            return words
+        b = words.contiguous().view(torch.uint8).view(len(words), -1).long()
+        out = self._mul[coef[:, None], b]
+        return out.view(torch.int32).view_as(words)
+
+    @torch.no_grad()
+    def fold(self, parity: torch.Tensor, prow: torch.Tensor, coef, delta: torch.Tensor) -> None:
+        """parity[prow] ^= coef * delta, for unique `prow`. In place."""
+        if len(prow) == 0:
+            return
+        parity[prow] = torch.bitwise_xor(parity[prow], self.scale(coef, delta))
+
+    def encode(self, q: int, data: list[torch.Tensor]) -> torch.Tensor:
+        """Parity unit q of stripes whose k data units are `data[j]` (n, W) each."""
+        out = torch.zeros_like(data[0])
+        for j, d in enumerate(data):
+            out ^= self.scale(int(self.matrix[q, j]), d)
+        return out
+
+    def decode(self, data: dict[int, torch.Tensor], parity: dict[int, torch.Tensor],
+               erased: list[int]) -> dict[int, torch.Tensor]:
+        """The erased data units of stripes sharing one erasure pattern.
+
+        `data`: available data units by data index j; `parity`: available parity units by q (at
+        least len(erased) of them); returns {j: (n, W)} for j in `erased`."""
+        if not erased:
+            return {}
+        qs = sorted(parity)[:len(erased)]
+        if len(qs) < len(erased):
+            raise ValueError(f"{len(erased)} data units erased but only {len(parity)} parity "
+                             f"units survive")
+        syndromes = []
+        for q in qs:
+            s = parity[q].clone()
+            for j, d in data.items():
+                s ^= self.scale(int(self.matrix[q, j]), d)
+            syndromes.append(s)
+        minv = gf256.mat_inv(self.matrix[np.ix_(qs, erased)])
+        out = {}
+        for a, j in enumerate(erased):
+            d = torch.zeros_like(syndromes[0])
+            for b in range(len(qs)):
+                d ^= self.scale(int(minv[a, b]), syndromes[b])
+            out[j] = d
+        return out
