@@ -1,0 +1,56 @@
+"""Real 4-rank training jobs that lose ranks' shards mid-run: parity rebuilds them while training
+continues and the final digest equals a failure-free run's; more failures than r in a group fall
+back to the latest checkpoint and the run still ends with the same digest."""
+import functools
+
+from tests.launch import SMALL_MODEL, digest_of, resumed_step, run_ranks
+
+STEPS = ("--num-batches", "16", "--digest")
+
+
+@functools.lru_cache(maxsize=None)
+def _clean(optimizer: str) -> str:
+    return digest_of(run_ranks(4, "mpickpt.train", *SMALL_MODEL, *STEPS, "--optimizer", optimizer))
+
+
+def test_one_lost_rank_is_rebuilt_from_xor_parity_exactly():
+    proc = run_ranks(4, "mpickpt.train", *SMALL_MODEL, *STEPS, "--parity-k", "3",
+                     "--inject-failure", "7:2")
+    assert digest_of(proc) == _clean("adagrad")
+    assert "parity: ranks [2] lost their shards after step 7" in proc.stdout
+    assert "parity: rebuilt ranks [2]" in proc.stdout
+    assert "falling back" not in proc.stdout
+
+
+def test_two_lost_ranks_are_rebuilt_from_reed_solomon_parity_exactly():
+    proc = run_ranks(4, "mpickpt.train", *SMALL_MODEL, *STEPS, "--parity-k", "2", "--parity-r",
+                     "2", "--optimizer", "momentum", "--inject-failure", "5:0,3",
+                     "--rebuild-budget", "0.01")
+    assert digest_of(proc) == _clean("momentum")
+    assert "parity: rebuilt ranks [0, 3]" in proc.stdout
+
+
+def test_more_failures_than_r_fall_back_to_the_checkpoint(tmp_path):
+    proc = run_ranks(4, "mpickpt.train", *SMALL_MODEL, *STEPS, "--parity-k", "3",
+                     "--inject-failure", "8:1,2", "--ckpt-dir", str(tmp_path / "ck"),
+                     "--ckpt-interval", "5")
+    assert digest_of(proc) == _clean("adagrad")
+    assert "lost ranks [1, 2], more than --parity-r 1 can rebuild; falling back to the latest " \
+           "checkpoint" in proc.stdout
+    assert resumed_step(proc.stdout) == 5
+
+
+def test_unrecoverable_loss_and_bad_flags_stop_with_clear_errors(tmp_path):
+    proc = run_ranks(2, "mpickpt.train", *SMALL_MODEL, *STEPS, "--parity-k", "1",
+                     "--inject-failure", "3:0,1")
+    assert proc.returncode == 2
+    assert "more than --parity-r 1 can rebuild, and there is no checkpoint to fall back to" \
+        in proc.stderr
+    proc = run_ranks(2, "mpickpt.train", *SMALL_MODEL, *STEPS, "--parity-k", "2")
+    assert proc.returncode == 2 and "multiple of 3, got 2 ranks" in proc.stderr
+    proc = run_ranks(2, "mpickpt.train", *SMALL_MODEL, *STEPS, "--inject-failure", "3:1")
+    assert proc.returncode == 2 and "--inject-failure needs something to recover from" \
+        in proc.stderr
+    proc = run_ranks(2, "mpickpt.train", *SMALL_MODEL, *STEPS, "--parity-k", "1",
+                     "--inject-failure", "3:2")
+    assert proc.returncode == 2 and "names ranks [2], but the world has 2 ranks" in proc.stderr
