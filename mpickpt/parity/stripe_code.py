@@ -42,6 +42,10 @@ class StripeCode:
         """parity[prow] ^= coef * delta, for unique `prow`. In place."""
         if len(prow) == 0:
             return
+        if parity.is_cuda and _cuda_fold() is not None:  # one launch, CuPy kernel
+            coef = torch.as_tensor(coef, device=parity.device).to(torch.uint8).expand(len(prow))
+            _cuda_fold()(parity, prow.to(parity.device), coef.contiguous(), delta.contiguous())
+            return
         parity[prow] = torch.bitwise_xor(parity[prow], self.scale(coef, delta))
 
     def encode(self, q: int, data: list[torch.Tensor]) -> torch.Tensor:
@@ -77,3 +81,16 @@ class StripeCode:
                 d ^= self.scale(int(minv[a, b]), syndromes[b])
             out[j] = d
         return out
+
+
+def _cuda_fold():
+    """`cuda_kernels.fold_cuda` when CuPy and a GPU are there, else None (cached)."""
+    global _FOLD
+    if _FOLD is False:
+        from mpickpt.parity import cuda_kernels
+
+        _FOLD = cuda_kernels.fold_cuda if cuda_kernels.available() else None
+    return _FOLD
+
+
+_FOLD = False
