@@ -83,6 +83,7 @@ class Topology:
     control: object  # mpi4py.MPI.Intracomm, a Dup of the launcher's communicator
     pg: object = field(repr=False)  # torch.distributed ProcessGroup for the training data plane
     _owns_default_pg: bool = field(default=False, repr=False)
+    _side_groups: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_mpi(cls, comm=None, backend: str | None = None, timeout_s: float = 300.0) -> "Topology":
@@ -107,6 +108,15 @@ class Topology:
         """True on rank 0, which prints and writes manifests. Local."""
         return self.rank == 0
 
+    def side_group(self, name: str):
+        """A further process group over all ranks, for traffic that should run beside the
+        training data plane instead of queueing behind it (parity upkeep). Created on the first
+        call for `name` (collective then; every rank must ask in the same order), cached after
+        (local)."""
+        if name not in self._side_groups:
+            self._side_groups[name] = dist.new_group(backend=self.backend)
+        return self._side_groups[name]
+
     def barrier(self) -> None:
         """Barrier on the control channel. Collective."""
         self.control.Barrier()
@@ -116,6 +126,7 @@ class Topology:
         if self.pg is not None and self._owns_default_pg and dist.is_initialized():
             dist.destroy_process_group()
         self.pg = None
+        self._side_groups.clear()
         if self.control is not None:
             self.control.Free()
             self.control = None

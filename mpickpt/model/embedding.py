@@ -96,8 +96,9 @@ class ShardedEmbeddingBags:
 
     def add_update_hook(self, hook) -> Callable[[], None]:
         """Bracket every sparse update: `token = hook.before_update(rows)` before the optimizer
-        changes `rows`, `hook.after_update(rows, token)` after. Local to register; the calls run
-        on every rank in every step (`after_update` may be collective). Returns a remover."""
+        changes `rows`, `hook.after_update(rows, token)` after, and `hook.step_done()` from
+        `finish_step` at the end of the training step. Local to register; the calls run on every
+        rank in every step and may be collective. Returns a remover."""
         self.update_hooks.append(hook)
         return lambda: self.update_hooks.remove(hook)
 
@@ -141,6 +142,12 @@ class ShardedEmbeddingBags:
             self.optimizer.step(self.weight, ctx.rows, row_grad)
         for hook, token in zip(self.update_hooks, tokens):
             hook.after_update(ctx.rows, token)
+
+    def finish_step(self) -> None:
+        """End of a training step: update hooks complete their work (parity upkeep folds the
+        deltas it exchanged beside the dense allreduce). Collective if a hook is."""
+        for hook in self.update_hooks:
+            hook.step_done()
 
     def _exchange_counts(self, counts: torch.Tensor) -> list[int]:
         out = torch.empty_like(counts)

@@ -48,12 +48,14 @@ class HybridDLRM:
             logits = self.dense(batch.dense, leaf)
             loss_sum = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
             (loss_sum / global_batch).backward()
+        # sparse first: update hooks (parity upkeep) exchange their data during the allreduce
+        self.embeddings.apply_gradients(leaf.grad, ctx)
         with self.timer.phase("allreduce"):
             loss = self._allreduce_dense_grads(loss_sum.detach()) / global_batch
         with self.timer.phase("dense"):
             self.dense_optimizer.step()
             self.dense_optimizer.zero_grad(set_to_none=True)
-        self.embeddings.apply_gradients(leaf.grad, ctx)
+        self.embeddings.finish_step()
         self.steps_done += 1
         return loss
 

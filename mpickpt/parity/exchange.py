@@ -25,3 +25,4 @@ def exchange_rows(pg, device, blocks: list[torch.Tensor], recv_rows: list[int], 
     recv = torch.empty(sum(recv_rows), width, dtype=dtype, device=device)
     dist.all_to_all_single(recv, send.contiguous(), recv_rows, send_rows, group=pg)
     return list(torch.split(recv, recv_rows))
+

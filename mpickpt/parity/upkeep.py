@@ -2,15 +2,25 @@
 
 After the owner applies a step's sparse update to rows R, it sends (R, old XOR new) of their words
 to each parity holder of their stripes in one all-to-all; holders fold C[q, j] * (old XOR new) into
-their parity rows before the step ends. A full encode is the same exchange with old = 0, in
-bounded rounds. Dense state has no parity: it is replicated.
+their parity rows before the step ends. The exchange runs on a process group of its own, beside
+the training data plane, in three non-blocking parts of the step:
+
+    before_update  routes R (known once the indices reach their owner) and posts the row counts
+    after_update   XORs old and new words, waits for the counts, posts the deltas
+    step_done      (after the dense allreduce) waits for the deltas and folds them
+
+so the counts travel during the sparse optimizer step and the deltas during the dense gradient
+allreduce. A full encode is the same exchange with old = 0, in bounded rounds. Dense state has no
+parity: it is replicated.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from mpickpt.parity.exchange import exchange_counts, exchange_rows
 from mpickpt.parity.layout import group_layouts
 from mpickpt.parity.row_words import RowWords
 from mpickpt.parity.stripe_code import StripeCode
@@ -18,12 +28,28 @@ from mpickpt.parity.stripe_code import StripeCode
 ENCODE_ROUND_ROWS = 1 << 16
 
 
+@dataclass
+class _Exchange:
+    """One step's delta exchange in flight."""
+
+    pick: torch.Tensor  # rows of (rows, delta) in destination order
+    send_rows: list[int]
+    recv_counts: torch.Tensor
+    work: object  # the count exchange, then the delta exchange
+    send: torch.Tensor | None = None
+    recv: torch.Tensor | None = None
+    recv_rows: list[int] | None = None
+
+
 class ParityStore:
-    """This rank's parity rows for its group, kept current. Construction is local;
-    `encode_all` and `propagate` are collective over the training process group."""
+    """This rank's parity rows for its group, kept current. Construction is collective the first
+    time a job builds one (it creates the upkeep process group); `encode_all`, `propagate` and
+    the update hooks are collective over that group."""
 
     def __init__(self, topo, embeddings, k: int, r: int):
         self.topo, self.k, self.r = topo, k, r
+        self.pg = topo.side_group("parity")
+        self._flight: _Exchange | None = None
         plan = embeddings.plan
         world = topo.world_size
         self.layouts = group_layouts(k, r, [plan.local_rows(i) for i in range(world)])
@@ -49,50 +75,80 @@ class ParityStore:
             self.propagate(rows, self.words.gather(rows))
 
     def before_update(self, rows: torch.Tensor) -> torch.Tensor:
-        """Words of `rows` before the optimizer changes them. Local."""
+        """Words of `rows` before the optimizer changes them; posts this step's row counts.
+        Collective, non-blocking."""
+        self._post_counts(rows)
         return self.words.gather(rows)
 
     def after_update(self, rows: torch.Tensor, old: torch.Tensor) -> None:
-        """Propagate old XOR new of the updated `rows`. Collective."""
-        self.propagate(rows, torch.bitwise_xor(old, self.words.gather(rows)))
+        """Posts old XOR new of the updated `rows` to their parity holders. Collective,
+        non-blocking (waits only for the counts)."""
+        self._post_deltas(rows, torch.bitwise_xor(old, self.words.gather(rows)))
+
+    def step_done(self) -> None:
+        """Waits for this step's deltas and folds them: parity is current again. Collective."""
+        x, self._flight = self._flight, None
+        if x is None:
+            return
+        x.work.wait()
+        if len(x.recv):
+            src = np.repeat(np.arange(len(x.recv_rows)) - self.layout.base, x.recv_rows)
+            self._fold(src, x.recv)
 
     @torch.no_grad()
     def propagate(self, rows: torch.Tensor, delta: torch.Tensor) -> None:
         """Send (rows, delta) to the parity holders and fold what arrives. Collective."""
-        blocks = self._outgoing(rows, delta)
-        counts = exchange_counts(self.topo.pg, self.words.device, [[len(b)] for b in blocks])
-        width = 1 + self.words.width
-        got = exchange_rows(self.topo.pg, self.words.device, blocks, [c[0] for c in counts],
-                            width, torch.int32)
-        self.sent_bytes += sum(len(b) for b in blocks) * width * 4
-        for src, block in enumerate(got):
-            if len(block):
-                self._fold_from(src - self.layout.base, block)
+        self._post_counts(rows)
+        self._post_deltas(rows, delta)
+        self.step_done()
 
-    def _outgoing(self, rows: torch.Tensor, delta: torch.Tensor) -> list[torch.Tensor]:
+    def _post_counts(self, rows: torch.Tensor) -> None:
+        if self._flight is not None:
+            raise RuntimeError("parity upkeep: a new exchange began before the last one was "
+                               "folded (step_done was not called)")
+        pick, send_rows = self._route(rows)
+        send = torch.tensor(send_rows, dtype=torch.int64, device=self.words.device)
+        recv = torch.empty_like(send)
+        work = dist.all_to_all_single(recv, send, group=self.pg, async_op=True)
+        self._flight = _Exchange(pick, send_rows, recv, work, send=send)
+
+    def _post_deltas(self, rows: torch.Tensor, delta: torch.Tensor) -> None:
+        x = self._flight
+        payload = torch.cat([rows.to(torch.int32).view(-1, 1), delta], dim=1)
+        send = payload.index_select(0, x.pick)
+        x.work.wait()
+        x.send = send
+        x.recv_rows = x.recv_counts.tolist()
+        x.recv = torch.empty(sum(x.recv_rows), payload.shape[1], dtype=torch.int32,
+                             device=payload.device)
+        x.work = dist.all_to_all_single(x.recv, x.send, x.recv_rows, x.send_rows, group=self.pg,
+                                        async_op=True)
+        self.sent_bytes += x.send.numel() * 4
+
+    def _route(self, rows: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Order of `rows` (each once per parity unit, r in all) by destination rank, and the
+        number of rows for each rank. Local."""
         L, world = self.layout, self.topo.world_size
-        blocks = [torch.empty(0, 1 + self.words.width, dtype=torch.int32,
-                              device=self.words.device) for _ in range(world)]
-        if len(rows) == 0:
-            return blocks
         local = rows.cpu().numpy()
         holders = L.parity_positions(L.stripe_of_row(self.pos, local) % L.g)  # (n, r)
-        payload = torch.cat([rows.to(torch.int32).view(-1, 1), delta], dim=1)
-        for q in range(self.r):
-            dest = holders[:, q] + L.base
-            for d in np.unique(dest):
-                pick = torch.as_tensor(np.nonzero(dest == d)[0], device=payload.device)
-                blocks[d] = torch.cat([blocks[d], payload[pick]])
-        return blocks
+        dest = holders.T.reshape(-1) + L.base  # q-major: all rows for q=0, then q=1, ...
+        order = np.argsort(dest, kind="stable")
+        pick = torch.as_tensor(np.tile(np.arange(len(local)), self.r)[order],
+                               device=rows.device)
+        return pick, np.bincount(dest, minlength=world).tolist()
 
-    def _fold_from(self, src_pos: int, block: torch.Tensor) -> None:
+    def _fold(self, src_pos: np.ndarray, block: torch.Tensor) -> None:
+        """Fold received (row, delta) `block`s; `src_pos`: the sender's group position per row."""
         L = self.layout
+        if ((src_pos < 0) | (src_pos >= L.g)).any():
+            raise RuntimeError(f"rank {self.topo.rank} got parity deltas from outside its group "
+                               f"(positions {sorted(set(src_pos.tolist()))})")
         rows = block[:, 0].cpu().numpy().astype(np.int64)
         stripes = L.stripe_of_row(src_pos, rows)
         q = L.role(self.pos, stripes)
         if (q < 0).any():
             raise RuntimeError(f"rank {self.topo.rank} got parity deltas for stripes it does not "
-                               f"hold from group position {src_pos}")
+                               f"hold (from group positions {sorted(set(src_pos[q < 0].tolist()))})")
         prow = torch.as_tensor(L.parity_row(self.pos, stripes), device=block.device)
         coef = self.code.matrix[q, L.data_index(src_pos, rows)]
         self.code.fold(self.parity, prow, torch.as_tensor(coef), block[:, 1:])
