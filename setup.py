@@ -6,6 +6,11 @@ from setuptools import Extension, find_packages, setup
 QUANT_CPU = Extension("mpickpt._quant_cpu", sources=["kernels/quant_rows_cpu.c"],
                       extra_compile_args=["-O3", "-std=c11"], optional=True)
 
+# The CPU fold of parity deltas (mpickpt._parity_cpu), optional too: mpickpt.parity falls back to
+# torch indexing.
+PARITY_CPU = Extension("mpickpt._parity_cpu", sources=["kernels/parity_fold_cpu.c"],
+                       extra_compile_args=["-O3", "-std=c11"], optional=True)
+
 setup(
     name="mpickpt",
     version="0.1.0",
@@ -14,7 +19,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["mpickpt", "mpickpt.*"]),
-    ext_modules=[QUANT_CPU],
+    ext_modules=[QUANT_CPU, PARITY_CPU],
     package_data={"mpickpt": ["../kernels/*.cu"]},
     # torch is deliberately unpinned here so clusters keep their own CUDA build; on CPU-only machines
     # install with `-c constraints-cpu.txt`, which pins the local CPU build torch==2.13.0.

@@ -96,6 +96,54 @@ def test_folding_differences_equals_reencoding(k, r, seed):
         assert torch.equal(parity[q], code.encode(q, units))
 
 
+@pytest.mark.parametrize("path", ["compiled", "torch"])
+@settings(max_examples=30, deadline=None)
+@given(k=st.integers(2, 6), r=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_one_fold_of_several_members_with_repeated_rows(path, k, r, seed):
+    """Deltas of several members for the same stripes, folded in ONE call (rows repeat): equal to
+    re-encoding, on the compiled CPU kernel and on the torch fallback."""
+    from mpickpt.parity import stripe_code
+
+    if path == "compiled" and stripe_code._cpu_fold() is None:
+        pytest.skip("mpickpt._parity_cpu was not built")
+    saved = stripe_code._CPU_FOLD
+    stripe_code._CPU_FOLD = None if path == "torch" else saved
+    try:
+        rng = np.random.default_rng(seed)
+        code = StripeCode(k, r, "cpu")
+        units = _units(rng, k, 25, 5)
+        for q in range(r):
+            parity = code.encode(q, units)
+            prows, coefs, deltas, new = [], [], [], [u.clone() for u in units]
+            for j in range(k):
+                rows = np.unique(rng.integers(0, 25, 9))
+                new[j][rows] = torch.from_numpy(rng.integers(-2**31, 2**31, (len(rows), 5))
+                                                .astype(np.int32))
+                prows.append(rows)
+                coefs.append(np.full(len(rows), code.matrix[q, j], dtype=np.uint8))
+                deltas.append(units[j][rows] ^ new[j][rows])
+            code.fold(parity, torch.as_tensor(np.concatenate(prows)),
+                      torch.as_tensor(np.concatenate(coefs)), torch.cat(deltas))
+            assert torch.equal(parity, code.encode(q, new))
+    finally:
+        stripe_code._CPU_FOLD = saved
+
+
+def test_compiled_fold_refuses_rows_outside_the_store():
+    from mpickpt.parity import stripe_code
+
+    fold = stripe_code._cpu_fold()
+    if fold is None:
+        pytest.skip("mpickpt._parity_cpu was not built")
+    parity = np.zeros((4, 3), dtype=np.int32)
+    with pytest.raises(IndexError, match="parity row 4 of delta 1"):
+        fold(parity, 3, np.array([0, 4], dtype=np.int64), np.ones(2, np.uint8),
+             np.ones((2, 3), np.int32), gf256.MUL.astype(np.uint8))
+    with pytest.raises(ValueError, match="inconsistent buffers"):
+        fold(parity, 3, np.array([0], dtype=np.int64), np.ones(2, np.uint8),
+             np.ones((1, 3), np.int32), gf256.MUL.astype(np.uint8))
+
+
 @settings(max_examples=60, deadline=None)
 @given(k=st.integers(1, 6), r=st.integers(1, 3), data=st.data())
 def test_layout_maps_every_unit_once_and_spreads_parity(k, r, data):

@@ -13,6 +13,7 @@ zeros that exist nowhere. All methods are local and pure (numpy in, numpy out).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -66,7 +67,13 @@ class GroupLayout:
 
     def data_offsets(self, p: int) -> np.ndarray:
         """The k offsets (ascending) where position p is a data member."""
-        return np.array([o for o in range(self.g) if (p - o) % self.g >= self.r], dtype=np.int64)
+        return self.offset_table[p]
+
+    @cached_property
+    def offset_table(self) -> np.ndarray:
+        """(g, k): row p is `data_offsets(p)`."""
+        return np.array([[o for o in range(self.g) if (p - o) % self.g >= self.r]
+                         for p in range(self.g)], dtype=np.int64).reshape(self.g, self.k)
 
     def data_positions(self, offset: int) -> np.ndarray:
         """The k data positions of stripes at `offset`, by data index j: position
@@ -79,14 +86,16 @@ class GroupLayout:
         return np.where(q < self.r, q, -1)
 
     # --- data units ---
-    def stripe_of_row(self, p: int, rows) -> np.ndarray:
+    def stripe_of_row(self, p, rows) -> np.ndarray:
+        """Stripes of local `rows` of position p (an int, or one position per row)."""
         rows = np.asarray(rows, dtype=np.int64)
-        return (rows // self.k) * self.g + self.data_offsets(p)[rows % self.k]
+        return (rows // self.k) * self.g + self.offset_table[p, rows % self.k]
 
-    def data_index(self, p: int, rows) -> np.ndarray:
-        """Data index j (0..k-1) of position p's rows within their stripes."""
-        offsets = self.data_offsets(p)[np.asarray(rows, dtype=np.int64) % self.k]
-        return (p - offsets) % self.g - self.r
+    def data_index(self, p, rows) -> np.ndarray:
+        """Data index j (0..k-1) of position p's rows within their stripes (p: an int, or one
+        position per row)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return (p - self.offset_table[p, rows % self.k]) % self.g - self.r
 
     def row_of_stripe(self, p: int, stripe) -> np.ndarray:
         """Local row of position p at data `stripe` (-1 where p is parity there or the row is

@@ -20,7 +20,7 @@ class RowWords:
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """(n, W) int32 copy of `rows`."""
-        parts = [t[rows].reshape(len(rows), w).view(torch.int32)
+        parts = [t.index_select(0, rows).reshape(len(rows), w).view(torch.int32)
                  for t, w in zip(self.tensors, self.widths)]
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].clone()
 
@@ -30,7 +30,7 @@ class RowWords:
         a = 0
         for t, w in zip(self.tensors, self.widths):
             part = words[:, a:a + w].contiguous().view(torch.float32)
-            t[rows] = part.reshape((len(rows),) + tuple(t.shape[1:]))
+            t.index_copy_(0, rows, part.reshape((len(rows),) + tuple(t.shape[1:])))
             a += w
 
     @torch.no_grad()

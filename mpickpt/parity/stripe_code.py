@@ -21,6 +21,7 @@ class StripeCode:
         self.k, self.r = k, r
         self.matrix = gf256.cauchy(r, k)
         self._mul = torch.as_tensor(gf256.MUL, device=device)
+        self._mul_np = np.ascontiguousarray(gf256.MUL, dtype=np.uint8)
 
     def scale(self, coef, words: torch.Tensor) -> torch.Tensor:
         """coef * words bytewise; `coef` an int or a uint8/int tensor with one value per row."""
@@ -39,14 +40,26 @@ class StripeCode:
 
     @torch.no_grad()
     def fold(self, parity: torch.Tensor, prow: torch.Tensor, coef, delta: torch.Tensor) -> None:
-        """parity[prow] ^= coef * delta, for unique `prow`. In place."""
+        """parity[prow] ^= coef * delta; `prow` may repeat (every delta lands). In place.
+
+        One call of the compiled CPU kernel (kernels/parity_fold_cpu.c) or of the CUDA kernel
+        (kernels/parity_fold.cu) where they are present, else torch indexing."""
         if len(prow) == 0:
             return
+        coef = torch.as_tensor(coef).to(torch.uint8).expand(len(prow)).contiguous()
         if parity.is_cuda and _cuda_fold() is not None:  # one launch, CuPy kernel
-            coef = torch.as_tensor(coef, device=parity.device).to(torch.uint8).expand(len(prow))
-            _cuda_fold()(parity, prow.to(parity.device), coef.contiguous(), delta.contiguous())
+            _cuda_fold()(parity, prow.to(parity.device), coef.to(parity.device),
+                         delta.contiguous())
             return
-        parity[prow] = torch.bitwise_xor(parity[prow], self.scale(coef, delta))
+        if not parity.is_cuda and _cpu_fold() is not None:
+            _cpu_fold()(parity.numpy(), parity.shape[1], prow.cpu().to(torch.int64).numpy(),
+                        coef.cpu().numpy(), delta.contiguous().cpu().numpy(), self._mul_np)
+            return
+        prow = prow.to(parity.device)
+        for level in _repeat_levels(prow):
+            p = prow[level]
+            parity.index_copy_(0, p, torch.bitwise_xor(
+                parity.index_select(0, p), self.scale(coef[level.cpu()], delta[level])))
 
     def encode(self, q: int, data: list[torch.Tensor]) -> torch.Tensor:
         """Parity unit q of stripes whose k data units are `data[j]` (n, W) each."""
@@ -81,6 +94,35 @@ class StripeCode:
                 d ^= self.scale(int(minv[a, b]), syndromes[b])
             out[j] = d
         return out
+
+
+def _repeat_levels(prow: torch.Tensor) -> list[torch.Tensor]:
+    """Positions of `prow` split into levels without repeats: the first occurrence of every row,
+    then the second, ... Local."""
+    order = torch.argsort(prow, stable=True)
+    sorted_rows = prow[order]
+    new = torch.ones(len(prow), dtype=torch.bool, device=prow.device)
+    new[1:] = sorted_rows[1:] != sorted_rows[:-1]
+    idx = torch.arange(len(prow), device=prow.device)
+    start = torch.cummax(torch.where(new, idx, torch.zeros_like(idx)), 0).values
+    level = idx - start
+    return [order[level == v] for v in range(int(level.max()) + 1)]
+
+
+def _cpu_fold():
+    """`mpickpt._parity_cpu.fold_rows` where it was built, else None (cached)."""
+    global _CPU_FOLD
+    if _CPU_FOLD is False:
+        try:
+            from mpickpt import _parity_cpu
+
+            _CPU_FOLD = _parity_cpu.fold_rows
+        except ImportError:
+            _CPU_FOLD = None
+    return _CPU_FOLD
+
+
+_CPU_FOLD = False
 
 
 def _cuda_fold():
