@@ -4,8 +4,9 @@ The lost rank's units (its data rows and its parity rows) are decoded stripe by 
 training step runs one round, inside the lookup (after the indices reach their owners, before
 rows are pooled or updated): a lost rank asks its surviving group members for the units of (a) the
 stripes of rows this step reads that are not rebuilt yet, decoded on demand (degraded reads), and
-(b) the next chunk of its lost stripes, sized to a fraction of the step time. Survivors answer with
-their current data rows and parity rows; the lost rank decodes and writes its units back. Every
+(b) the next chunk of its lost stripes, sized so that its per-stripe work takes at most
+--rebuild-budget of a step's time (see `_resize`). Survivors answer with their current data rows
+and parity rows; the lost rank decodes and writes its units back. Every
 member's data and parity are consistent at that point (all folds of the previous step are in,
 none of this step's), so the decoded units are exact: a chunk is locked for exactly the span of one
 round, and updates of this step land after it, the synchronous form of ECRM's lock and buffer.
@@ -22,6 +23,7 @@ import torch
 from mpickpt.parity.exchange import exchange_counts, exchange_rows
 
 FIRST_CHUNK_STRIPES = 4096
+MAX_CHUNK_STRIPES = 1 << 22
 
 
 class Rebuild:
@@ -44,6 +46,7 @@ class Rebuild:
         self.active = True
         self.rounds = self.degraded_rows = self.received_bytes = 0
         self.seconds = 0.0
+        self.fixed: float | None = None
         self.started = time.perf_counter()
         self.finished_at = None
 
@@ -88,68 +91,95 @@ class Rebuild:
             self.round(None, None, everything=True)
 
     def _request(self, needed_rows, everything: bool) -> np.ndarray:
+        """Sorted stripes this round decodes: lost ones among `needed_rows` (degraded reads)
+        and the next chunk. Local."""
         if not self.mine:
             return np.empty(0, dtype=np.int64)
         L = self.store.layout
-        parts = []
+        want = np.zeros(L.stripes, dtype=bool)
         if needed_rows is not None and len(needed_rows):
             s = L.stripe_of_row(self.store.pos, needed_rows.cpu().numpy())
             s = s[self.lost[s]]
             self.degraded_rows += len(s)
-            parts.append(s)
+            want[s] = True
         todo = np.flatnonzero(self.lost[self.cursor:]) + self.cursor
         take = todo if everything else todo[:self.chunk]
         if len(take):
             self.cursor = int(take[-1]) + 1
-        parts.append(take)
-        return np.unique(np.concatenate(parts)).astype(np.int64)
+            want[take] = True
+        return np.flatnonzero(want)
 
     def _units(self, stripes: np.ndarray) -> torch.Tensor:
         """This member's units (data row or parity row; zeros for padding) of `stripes`."""
         st, L = self.store, self.store.layout
-        out = torch.zeros(len(stripes), st.words.width, dtype=torch.int32, device=st.words.device)
+        dev = st.words.device
+        out = torch.zeros(len(stripes), st.words.width, dtype=torch.int32, device=dev)
         if len(stripes) == 0:
             return out
         rows = L.row_of_stripe(st.pos, stripes)
         data = np.flatnonzero(rows >= 0)
-        out[torch.as_tensor(data)] = st.words.gather(torch.as_tensor(rows[data],
-                                                                     device=st.words.device))
+        out.index_copy_(0, torch.as_tensor(data, device=dev),
+                        st.words.gather(torch.as_tensor(rows[data], device=dev)))
         prow = L.parity_row(st.pos, stripes)
         par = np.flatnonzero(prow >= 0)
-        out[torch.as_tensor(par)] = st.parity[torch.as_tensor(prow[par], device=st.words.device)]
+        out.index_copy_(0, torch.as_tensor(par, device=dev),
+                        st.parity.index_select(0, torch.as_tensor(prow[par], device=dev)))
         return out
 
     def _decode(self, stripes: np.ndarray, units: dict[int, torch.Tensor]) -> None:
         """Decode this rank's units of `stripes` from the survivors' `units` (by position)."""
         st, L = self.store, self.store.layout
+        self.lost[stripes] = False
+        if L.r == 1:  # XOR code: a lost unit, data or parity, is the XOR of the other g - 1
+            lost = None
+            for u in units.values():
+                lost = u.clone() if lost is None else lost.bitwise_xor_(u)
+            self._store_units(stripes, lost)
+            return
         offsets = stripes % L.g
         for o in np.unique(offsets):
-            sel = np.flatnonzero(offsets == o)
-            idx = torch.as_tensor(sel, device=st.words.device)
+            sel = torch.as_tensor(np.flatnonzero(offsets == o), device=st.words.device)
             dpos = L.data_positions(int(o))
             ppos = L.parity_positions(int(o))
-            data = {j: units[int(p)][idx] for j, p in enumerate(dpos)
+            data = {j: units[int(p)].index_select(0, sel) for j, p in enumerate(dpos)
                     if int(p) not in self.group_failed}
-            parity = {q: units[int(p)][idx] for q, p in enumerate(ppos)
+            parity = {q: units[int(p)].index_select(0, sel) for q, p in enumerate(ppos)
                       if int(p) not in self.group_failed}
             erased = [j for j, p in enumerate(dpos) if int(p) in self.group_failed]
             data.update(st.code.decode(data, parity, erased))
-            s = stripes[sel]
+            s = stripes[sel.cpu().numpy()]
             if st.pos in dpos:
-                rows = L.row_of_stripe(st.pos, s)
-                keep = np.flatnonzero(rows >= 0)
-                j = int(np.flatnonzero(dpos == st.pos)[0])
-                st.words.scatter(torch.as_tensor(rows[keep], device=st.words.device),
-                                 data[j][torch.as_tensor(keep, device=st.words.device)])
+                self._store_units(s, data[int(np.flatnonzero(dpos == st.pos)[0])])
             else:
                 q = int(np.flatnonzero(ppos == st.pos)[0])
-                prow = torch.as_tensor(L.parity_row(st.pos, s), device=st.words.device)
-                st.parity[prow] = st.code.encode(q, [data[j] for j in range(L.k)])
-            self.lost[s] = False
+                self._store_units(s, st.code.encode(q, [data[j] for j in range(L.k)]))
+
+    def _store_units(self, stripes: np.ndarray, units: torch.Tensor) -> None:
+        """Write this rank's decoded `units` of `stripes`: data rows into the shard (padding
+        dropped), parity rows into the parity store."""
+        st, L = self.store, self.store.layout
+        dev = st.words.device
+        rows = L.row_of_stripe(st.pos, stripes)
+        keep = np.flatnonzero(rows >= 0)
+        if len(keep):
+            st.words.scatter(torch.as_tensor(rows[keep], device=dev),
+                             units.index_select(0, torch.as_tensor(keep, device=dev)))
+        prow = L.parity_row(st.pos, stripes)
+        par = np.flatnonzero(prow >= 0)
+        if len(par):
+            st.parity.index_copy_(0, torch.as_tensor(prow[par], device=dev),
+                                  units.index_select(0, torch.as_tensor(par, device=dev)))
 
     def _resize(self, requested: int, took: float, step_seconds: float | None) -> None:
-        """Chunk for the next round: `budget` of a step's time at the rate just measured."""
-        if not self.mine or step_seconds is None or requested == 0 or took <= 0:
+        """Chunk for the next round. A round costs a fixed part (its three exchanges, paid even
+        for an empty chunk) plus a part per stripe; the fixed part is estimated as the cheapest
+        round seen. While the per-stripe part stays within `budget` of a step's time the chunk
+        grows 4x; otherwise it is scaled to what the budget allows at the rate just measured."""
+        self.fixed = took if self.fixed is None else min(self.fixed, took)
+        if not self.mine or step_seconds is None or requested == 0:
             return
-        rate = requested / took
-        self.chunk = int(min(max(64, rate * self.budget * step_seconds), 4 * self.chunk + 64))
+        variable, allowed = took - self.fixed, self.budget * step_seconds
+        if variable <= allowed:
+            self.chunk = min(4 * max(self.chunk, 64), MAX_CHUNK_STRIPES)
+        else:
+            self.chunk = int(min(max(64, self.chunk * allowed / variable), MAX_CHUNK_STRIPES))
