@@ -40,7 +40,8 @@ class ParityConfig:
 
 
 class ParityGuard:
-    """Parity for one rank of a HybridDLRM. Construction is local; `encode`, `fail`, `settle`
+    """Parity for one rank of a HybridDLRM. Construction is collective the first time in a job
+    (it creates the upkeep process group), local after; `encode`, `fail`, `settle`
     and the hooks it installs are collective."""
 
     def __init__(self, topo, model, config: ParityConfig, say):
