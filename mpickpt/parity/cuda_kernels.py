@@ -11,21 +11,12 @@ from pathlib import Path
 
 import numpy as np
 
+from mpickpt.cupy_support import external_stream, gpu_available as available, is_torch
 from mpickpt.parity import gf256
 
 SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "parity_fold.cu"
 THREADS = 256
 _cache: dict = {}
-
-
-def available() -> bool:
-    """CuPy importable and at least one CUDA device. Local."""
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # ImportError, or a CUDA runtime error without a driver or device
-        return False
 
 
 def _kernel_and_tables(cupy):
@@ -39,11 +30,22 @@ def _kernel_and_tables(cupy):
 
 def fold_cuda(parity, prow, coef, delta) -> None:
     """parity[prow[i]] ^= coef[i] * delta[i] on the GPU, in place. `parity` (rows, W) and `delta`
-    (n, W) int32, `prow` (n) int64, `coef` (n) uint8; torch CUDA tensors or CuPy arrays. Local."""
+    (n, W) int32, `prow` (n) int64, `coef` (n) uint8; torch CUDA tensors (launched on torch's
+    current stream of their device) or CuPy arrays (on CuPy's current stream). Local."""
     import cupy
 
-    as_cupy = _as_cupy(cupy)
-    p, r, c, d = (as_cupy(t) for t in (parity, prow, coef, delta))
+    if is_torch(parity):
+        import torch
+
+        with cupy.cuda.Device(parity.device.index), \
+                external_stream(cupy, torch.cuda.current_stream(parity.device)):
+            _fold(cupy, *(cupy.from_dlpack(t.detach()) if is_torch(t) else cupy.asarray(t)
+                          for t in (parity, prow, coef, delta)))
+        return
+    _fold(cupy, *(cupy.asarray(t) for t in (parity, prow, coef, delta)))
+
+
+def _fold(cupy, p, r, c, d) -> None:
     if p.dtype != cupy.int32 or d.dtype != cupy.int32 or p.shape[1:] != d.shape[1:]:
         raise ValueError(f"parity and delta must be int32 with equal row width, got "
                          f"{p.dtype}{p.shape} and {d.dtype}{d.shape}")
@@ -57,11 +59,3 @@ def fold_cuda(parity, prow, coef, delta) -> None:
     c = cupy.ascontiguousarray(c, dtype=cupy.uint8)
     blocks = -(-n * words // THREADS)
     kernel((blocks,), (THREADS,), (p, r, c, d, np.int64(n), np.int32(words), gexp, glog))
-
-
-def _as_cupy(cupy):
-    def convert(t):
-        if type(t).__module__.split(".")[0] == "torch":
-            return cupy.from_dlpack(t.detach())
-        return cupy.asarray(t)
-    return convert

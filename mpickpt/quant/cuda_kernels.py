@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mpickpt.cupy_support import external_stream, gpu_available as available, is_torch
 from mpickpt.quant import search as rs
 
 SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "quant_rows.cu"
@@ -21,16 +22,6 @@ GROUP = 8
 THREADS = 256
 """Threads per block: 32 rows. A multiple of 32, as the kernel's warp shuffles need."""
 _module = None
-
-
-def available() -> bool:
-    """CuPy importable and at least one CUDA device. Local."""
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # ImportError, or a CUDA runtime error without a driver or device
-        return False
 
 
 def _kernel():
@@ -42,10 +33,6 @@ def _kernel():
         # __fmul_rn/__fadd_rn (and double twins) so that nothing is contracted into an FMA.
         _module = cupy.RawModule(code=SOURCE.read_text(), options=("-std=c++17", "--fmad=false"))
     return _module.get_function("search_rows")
-
-
-def _is_torch(x) -> bool:
-    return type(x).__module__.split(".")[0] == "torch"
 
 
 def search_rows_cuda(x, bits: int, search: str = "refined", num_bins: int | None = None,
@@ -70,13 +57,11 @@ def search_rows_cuda(x, bits: int, search: str = "refined", num_bins: int | None
             int(polish_rounds))
     import cupy
 
-    if _is_torch(x):
+    if is_torch(x):
         import torch
 
         t = x.detach()
         if t.is_cuda:
-            from mpickpt.track.cuda_kernels import external_stream
-
             with cupy.cuda.Device(t.device.index), \
                     external_stream(cupy, torch.cuda.current_stream(t.device)):
                 return _launch(cupy, cupy.from_dlpack(t), n, d, args)

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import torch
 
+from mpickpt.cupy_support import external_stream
+
 SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "row_tracking.cu"
 THREADS = 256
 
@@ -60,10 +62,3 @@ class RowTrackingKernels:
                               (words.data_ptr(), offsets.data_ptr(), rows.data_ptr(), nw))
         return rows
 
-
-def external_stream(cupy, stream: torch.cuda.Stream):
-    """A CuPy view of a torch stream (CuPy >= 14's `Stream.from_external` where available). Local."""
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is not None and hasattr(stream, "__cuda_stream__"):
-        return from_external(stream)
-    return cupy.cuda.ExternalStream(stream.cuda_stream)
