@@ -4,13 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-cupy = pytest.importorskip("cupy", reason="the CUDA parity fold needs CuPy")
-try:
-    _DEVICES = cupy.cuda.runtime.getDeviceCount()
-except Exception:  # no driver, or no device
-    _DEVICES = 0
-if _DEVICES == 0:
-    pytest.skip("the CUDA parity fold needs a CUDA GPU", allow_module_level=True)
+from tests.gpu import cupy_with_gpu
+
+cupy = cupy_with_gpu("the CUDA parity fold")
 
 from mpickpt.parity import cuda_kernels  # noqa: E402
 from mpickpt.parity.stripe_code import StripeCode  # noqa: E402

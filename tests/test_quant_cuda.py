@@ -3,13 +3,9 @@ CUDA GPU; skipped otherwise."""
 import numpy as np
 import pytest
 
-cupy = pytest.importorskip("cupy", reason="the CUDA range search needs CuPy")
-try:
-    _DEVICES = cupy.cuda.runtime.getDeviceCount()
-except Exception:  # no driver, or no device
-    _DEVICES = 0
-if _DEVICES == 0:
-    pytest.skip("the CUDA range search needs a CUDA GPU", allow_module_level=True)
+from tests.gpu import cupy_with_gpu
+
+cupy = cupy_with_gpu("the CUDA range search")
 
 from mpickpt.quant import cuda_kernels, search as rs  # noqa: E402
 
