@@ -20,8 +20,7 @@ def exchange_rows(pg, device, blocks: list[torch.Tensor], recv_rows: list[int], 
     """Send blocks[dst] ((n_dst, width) each) to every rank; receive recv_rows[src] rows from each.
     Returns the received blocks by source. Collective over `pg`."""
     send_rows = [len(b) for b in blocks]
-    send = torch.cat([b.reshape(-1, width).to(dtype) for b in blocks]) if blocks else \
-        torch.empty(0, width, dtype=dtype, device=device)
+    send = torch.cat([b.reshape(-1, width).to(dtype) for b in blocks])
     recv = torch.empty(sum(recv_rows), width, dtype=dtype, device=device)
     dist.all_to_all_single(recv, send.contiguous(), recv_rows, send_rows, group=pg)
     return list(torch.split(recv, recv_rows))

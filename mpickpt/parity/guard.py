@@ -46,6 +46,7 @@ class ParityGuard:
 
     def __init__(self, topo, model, config: ParityConfig, say):
         self.topo, self.config, self.say = topo, config, say
+        self.embeddings = model.embeddings
         self.store = ParityStore(topo, model.embeddings, config.k, config.r)
         model.embeddings.add_update_hook(self.store)
         model.embeddings.add_index_hook(self._on_lookup)
@@ -88,8 +89,8 @@ class ParityGuard:
     def fail(self, ranks) -> None:
         """The named ranks lose their rows, optimizer state and parity (NaN). Local to each rank;
         every rank calls it with the same `ranks`."""
+        self.embeddings.wipe_rows(ranks)
         if self.topo.rank in ranks:
-            self.store.words.wipe()
             self.store.parity.fill_(NAN_BITS)
 
     def start_rebuild(self, ranks, step: int) -> None:

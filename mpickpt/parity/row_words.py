@@ -5,7 +5,7 @@ import torch
 
 
 class RowWords:
-    """Gather, scatter and wipe the W words of local rows. Local."""
+    """Gather and scatter the W words of local rows. Local."""
 
     def __init__(self, embeddings):
         state = embeddings.optimizer.state
@@ -32,12 +32,6 @@ class RowWords:
             part = words[:, a:a + w].contiguous().view(torch.float32)
             t.index_copy_(0, rows, part.reshape((len(rows),) + tuple(t.shape[1:])))
             a += w
-
-    @torch.no_grad()
-    def wipe(self) -> None:
-        """Fill every row with NaN (what a lost rank has left)."""
-        for t in self.tensors:
-            t.fill_(float("nan"))
 
     def nbytes(self) -> int:
         return self.rows * self.width * 4
