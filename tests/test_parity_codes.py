@@ -74,6 +74,11 @@ def test_r1_parity_is_the_xor_and_nan_patterns_survive():
     assert torch.equal(p, units[0] ^ units[1] ^ units[2])
     back = code.decode({0: units[0], 2: units[2]}, {0: p}, [1])[1]
     assert torch.equal(back, units[1])  # bit patterns, not float values: NaN payloads included
+    # the rebuild's one-pass form: any one lost unit, data or parity, is the XOR of the others
+    assert torch.equal(code.recover_one([units[0], p, units[2]]), units[1])
+    assert torch.equal(code.recover_one(units), p)
+    with pytest.raises(ValueError, match="needs r = 1"):
+        StripeCode(3, 2, "cpu").recover_one(units)
 
 
 @settings(max_examples=40, deadline=None)

@@ -130,11 +130,8 @@ class Rebuild:
         """Decode this rank's units of `stripes` from the survivors' `units` (by position)."""
         st, L = self.store, self.store.layout
         self.lost[stripes] = False
-        if L.r == 1:  # XOR code: a lost unit, data or parity, is the XOR of the other g - 1
-            lost = None
-            for u in units.values():
-                lost = u.clone() if lost is None else lost.bitwise_xor_(u)
-            self._store_units(stripes, lost)
+        if L.r == 1:
+            self._store_units(stripes, st.code.recover_one(list(units.values())))
             return
         offsets = stripes % L.g
         for o in np.unique(offsets):

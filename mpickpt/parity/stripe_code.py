@@ -68,6 +68,17 @@ class StripeCode:
             out ^= self.scale(int(self.matrix[q, j]), d)
         return out
 
+    def recover_one(self, others: list[torch.Tensor]) -> torch.Tensor:
+        """r = 1 only: the one lost unit of stripes, data or parity alike, from the other k units
+        ((n, W) each): their XOR, since the parity is the XOR of the data."""
+        if self.r != 1 or len(others) != self.k:
+            raise ValueError(f"recover_one needs r = 1 and the other {self.k} units, got r={self.r} "
+                             f"and {len(others)} units")
+        out = others[0].clone()
+        for u in others[1:]:
+            out.bitwise_xor_(u)
+        return out
+
     def decode(self, data: dict[int, torch.Tensor], parity: dict[int, torch.Tensor],
                erased: list[int]) -> dict[int, torch.Tensor]:
         """The erased data units of stripes sharing one erasure pattern.
