@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from mpickpt.mpiexec import mpiexec
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 # bottom MLP hidden layers (the input 13 and the output D are added), top MLP
@@ -40,10 +42,8 @@ MLPS = {"dlrm": ("512-256-64", "512-256-1"), "small": ("32", "32-1")}
 
 def launch(ranks: int, args: list[str]) -> dict:
     """Run the trainer; returns {'lines': [(t, line)], 'digest': str}."""
-    mpiexec = Path(sys.executable).with_name("mpiexec")
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    cmd = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(ranks), sys.executable,
-           "-m", "mpickpt.train", *args]
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpickpt.train", *args]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=REPO)

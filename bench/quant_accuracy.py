@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 
+from mpickpt.mpiexec import mpiexec
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ("--arch-embedding-size", "20000-10000-5000-2000", "--arch-sparse-feature-size", "16",
          "--arch-mlp-bot", "13-32-16", "--arch-mlp-top", "32-16-1", "--mini-batch-size", "256",
@@ -38,11 +40,6 @@ def parse_args(argv=None):
     p.add_argument("--quant", default="adaptive")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     return p.parse_args(argv)
-
-
-def mpiexec() -> str:
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return here if os.path.exists(here) else "mpiexec"
 
 
 def launch(args, *flags) -> subprocess.CompletedProcess:

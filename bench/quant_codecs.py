@@ -42,6 +42,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from mpickpt.mpiexec import mpiexec
 from mpickpt.quant.codecs import Codec
 from mpickpt.quant.search import c_kernel
 
@@ -78,12 +79,6 @@ class Variant:
 def random_matrix(rows: int, dim: int, seed: int) -> np.ndarray:
     """Standard-normal rows (rows, dim) float32. Local."""
     return np.random.default_rng(seed).standard_normal((rows, dim)).astype(np.float32)
-
-
-def mpiexec() -> str:
-    """The mpiexec next to this Python (the venv's MPICH wheel) or on PATH. Local."""
-    local = Path(sys.executable).with_name("mpiexec")
-    return str(local) if local.exists() else "mpiexec"
 
 
 def run_checked(cmd: list[str], env: dict) -> str:

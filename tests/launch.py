@@ -6,14 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mpickpt.mpiexec import mpiexec
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_CRITEO = REPO.parent / "shared" / "data" / "criteo" / "sample_200.tsv"
-
-
-def mpiexec() -> str:
-    """The mpiexec next to this Python (the venv's MPICH wheel) or on PATH."""
-    local = Path(sys.executable).with_name("mpiexec")
-    return str(local) if local.exists() else "mpiexec"
 
 
 def run_ranks(n: int, module: str, *args: str, timeout: float = 180, cwd=None) -> subprocess.CompletedProcess:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mpickpt.cupy_support import external_stream, gpu_available as available, is_torch
+from mpickpt.cupy_support import external_stream, is_torch
+from mpickpt.cupy_support import gpu_available as available  # noqa: F401 (re-exported)
 from mpickpt.parity import gf256
 
 SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "parity_fold.cu"
