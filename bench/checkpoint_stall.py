@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from mpickpt.mpiexec import mpiexec
+
 HERE = Path(__file__).resolve().parent
 ROW_BYTES = 64 * 4 + 4  # float32 row of D=64 plus the rowwise-Adagrad accumulator
 NUM_TABLES = 8
@@ -533,7 +535,7 @@ def main() -> None:
     created = not os.path.exists(args.dir)
     os.makedirs(args.dir, exist_ok=True)
     tmp = HERE / "results" / ".checkpoint_stall.tmp"
-    cmd = ["mpiexec", "-n", str(args.ranks), sys.executable, __file__, "--worker", "--out", str(tmp),
+    cmd = [mpiexec(), "-n", str(args.ranks), sys.executable, __file__, "--worker", "--out", str(tmp),
            "--sizes-mb", args.sizes_mb, "--repeats", str(args.repeats), "--writers",
            str(args.writers), "--dir", os.path.abspath(args.dir)]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.ranks)))

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from mpickpt.mpiexec import mpiexec
+
 HERE = Path(__file__).resolve().parent
 PHASES = ("route", "alltoall", "lookup", "dense", "allreduce", "optimizer", "data")
 MODEL_FLAGS = ["--arch-embedding-size", "criteo-kaggle", "--embedding-scale-down", "100",
@@ -68,7 +70,7 @@ def worker(args) -> None:
 
 def launch(n: int, args) -> dict:
     out = HERE / "results" / f".phases-{n}.tmp"
-    cmd = ["mpiexec", "-n", str(n), sys.executable, __file__, "--worker", "--out", str(out),
+    cmd = [mpiexec(), "-n", str(n), sys.executable, __file__, "--worker", "--out", str(out),
            "--batch", str(args.batch), "--num-batches", str(args.num_batches),
            "--warmup", str(args.warmup), "--backend", args.backend]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // n)))
