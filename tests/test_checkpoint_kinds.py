@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from mpickpt.engine.kinds import KINDS
 from mpickpt.engine.local_store import LocalChain
-from mpickpt.incrcp.extraction import Extractor
+from mpickpt.incrcp.extraction import Extractor, remove_orphans
 from mpickpt.incrcp.extractor_process import column_refs
 from mpickpt.incrcp.index import generations, index_dir, load_index
 from mpickpt.model.shard_plan import ShardPlan
@@ -154,6 +154,21 @@ def test_crash_before_index_commit_keeps_every_checkpoint_restorable(tmp_path):
 
 def _boom():
     raise RuntimeError("injected crash before the index commit")
+
+
+def test_orphan_sweep_spares_column_files_a_writer_is_still_writing(tmp_path):
+    """A restarted extractor sweeps its own crash debris, never a checkpoint writer's column file
+    in flight (deleting that one made the writer's rename fail and abandoned a checkpoint)."""
+    index = load_index(str(tmp_path), "chain-x", 0)
+    folder = index_dir(str(tmp_path), "chain-x", 0)
+    os.makedirs(folder)
+    debris = ["bundle-000000000008-0.h5", "bundle-000000000008-1.h5.tmp",
+              "index-00000003.json.tmp-4242"]
+    spared = ["col-000000000012-part-0.h5.tmp", "col-000000000008-part-0.h5", "notes.txt"]
+    for name in debris + spared:
+        open(os.path.join(folder, name), "w").close()
+    assert remove_orphans(str(tmp_path), index) == len(debris)
+    assert sorted(os.listdir(folder)) == sorted(spared)
 
 
 

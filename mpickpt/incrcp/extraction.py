@@ -225,15 +225,18 @@ def keeps(ref: ChunkRef, retained: list[int]) -> bool:
 
 
 def remove_orphans(root: str, index: ChunkIndex) -> int:
-    """Delete bundle and temporary files the committed index does not name (left by a crash in
-    the middle of an extraction). Column files are kept: they may await ingestion. Local."""
+    """Delete the extractor's own debris the committed index does not name: bundles and bundle or
+    index temporaries left by a crash in the middle of an extraction. Column files, finished or
+    still being written by a checkpoint writer (`col-*.h5.tmp`), are never touched: they belong
+    to checkpoints, and may await ingestion. Local."""
     folder = index_dir(root, index.chain, index.rank)
     if not os.path.isdir(folder):
         return 0
     live = {os.path.basename(f) for f in index.refcounts()}
     removed = 0
     for name in os.listdir(folder):
-        if (name.startswith("bundle-") and name not in live) or ".tmp" in name:
+        ours = name.startswith(("bundle-", "index-"))
+        if ours and (".tmp" in name or (name.startswith("bundle-") and name not in live)):
             os.remove(os.path.join(folder, name))
             removed += 1
     return removed
