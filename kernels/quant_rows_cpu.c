@@ -5,7 +5,10 @@
  * (mode 0), optionally with a least-squares polish of the candidate each step takes and `rounds` LS
  * rounds from the best (mode 1). Every candidate's parameters are rounded to float16 before evaluation; a row
  * keeps the lowest loss seen. One pass over the row per candidate accumulates the loss and the sums
- * the polish needs (in double). The call releases the GIL, so Python threads can split the rows.
+ * the polish needs (in double); the walk's two moves share one pass (evaluate2), with the same
+ * arithmetic per candidate. The same call can pack each row's codes right after its search, while
+ * the row is in cache, and flags rows float16 parameters cannot cover (NaN, inf, |x| > 65504). The
+ * call releases the GIL, so Python threads can split the rows.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -71,45 +74,90 @@ static inline float code_of(float xv, float inv, float noi, float top) {
     return (v + MAGIC) - MAGIC;
 }
 
-CLONES static Eval evaluate(const Row *r, float s, float o) {
-    float inv = s > 0.0f ? 1.0f / s : 0.0f;
-    float noi = -o * inv, top = r->levels;
-    v8f vinv = {0}, vnoi = {0}, vtop = {0}, vs = {0}, vo = {0}, zero = {0}, magic = {0}, vm = {0};
-    vinv += inv; vnoi += noi; vtop += top; vs += s; vo += o; magic += MAGIC; vm += r->mean;
-    v8f al = zero, ac = zero, acc = zero, axc = zero;
-    const float *x = r->x;
+/* One candidate's broadcast parameters and its four lane accumulators. */
+typedef struct {
+    float s, o, inv, noi;
+    v8f vs, vo, vinv, vnoi;
+    v8f al, ac, acc, axc;
+} Cand;
+
+static inline void cand_init(Cand *c, float s, float o) {
+    v8f zero = {0};
+    c->s = s;
+    c->o = o;
+    c->inv = s > 0.0f ? 1.0f / s : 0.0f;
+    c->noi = -o * c->inv;
+    c->vs = zero + s;
+    c->vo = zero + o;
+    c->vinv = zero + c->inv;
+    c->vnoi = zero + c->noi;
+    c->al = c->ac = c->acc = c->axc = zero;
+}
+
+/* Eight elements xv (xm = xv - mean) into the candidate's lane accumulators. */
+static inline __attribute__((always_inline)) void cand_lanes(Cand *c, v8f xv, v8f xm, v8f vtop) {
+    v8f zero = {0}, magic = zero + MAGIC;
+    v8f v = xv * c->vinv + c->vnoi;
+    v8i pos = v > zero;
+    v = (v8f)((v8i)v & pos);
+    v8i below = v < vtop;
+    v = (v8f)(((v8i)v & below) | ((v8i)vtop & ~below));
+    v8f q = (v + magic) - magic;
+    v8f err = q * c->vs + c->vo - xv;
+    c->al += err * err;
+    c->ac += q;
+    c->acc += q * q;
+    c->axc += q * xm;
+}
+
+/* The lanes summed in order in double, then the elements past the last full group of eight. */
+static inline Eval cand_finish(const Cand *c, const Row *r, int j) {
+    Eval e = {0.0, 0.0, 0.0, 0.0};
+    for (int k = 0; k < 8; k++) {
+        e.loss += c->al[k];
+        e.sc += c->ac[k];
+        e.scc += c->acc[k];
+        e.sxc += c->axc[k];
+    }
+    for (; j < r->d; j++) {
+        float q = code_of(r->x[j], c->inv, c->noi, r->levels);
+        float err = q * c->s + c->o - r->x[j];
+        e.loss += err * err;
+        e.sc += q;
+        e.scc += q * q;
+        e.sxc += q * (r->x[j] - r->mean);
+    }
+    return e;
+}
+
+/* One pass over the row for the n candidates `c` (n is a constant where this is inlined). */
+static inline __attribute__((always_inline)) void pass(const Row *r, Cand *c, int n, Eval *e) {
+    v8f zero = {0}, vtop = zero + r->levels, vm = zero + r->mean;
     int j = 0;
     for (; j + 8 <= r->d; j += 8) {
         v8f xv;
-        memcpy(&xv, x + j, sizeof xv);
-        v8f v = xv * vinv + vnoi;
-        v8i pos = v > zero;
-        v = (v8f)((v8i)v & pos);
-        v8i below = v < vtop;
-        v = (v8f)(((v8i)v & below) | ((v8i)vtop & ~below));
-        v8f c = (v + magic) - magic;
-        v8f err = c * vs + vo - xv;
-        al += err * err;
-        ac += c;
-        acc += c * c;
-        axc += c * (xv - vm);
+        memcpy(&xv, r->x + j, sizeof xv);
+        v8f xm = xv - vm;
+        for (int i = 0; i < n; i++) cand_lanes(&c[i], xv, xm, vtop);
     }
-    Eval e = {0.0, 0.0, 0.0, 0.0};
-    for (int k = 0; k < 8; k++) {
-        e.loss += al[k];
-        e.sc += ac[k];
-        e.scc += acc[k];
-        e.sxc += axc[k];
-    }
-    for (; j < r->d; j++) {
-        float c = code_of(x[j], inv, noi, top);
-        float err = c * s + o - x[j];
-        e.loss += err * err;
-        e.sc += c;
-        e.scc += c * c;
-        e.sxc += c * (x[j] - r->mean);
-    }
+    for (int i = 0; i < n; i++) e[i] = cand_finish(&c[i], r, j);
+}
+
+CLONES static Eval evaluate(const Row *r, float s, float o) {
+    Cand c;
+    Eval e;
+    cand_init(&c, s, o);
+    pass(r, &c, 1, &e);
     return e;
+}
+
+/* Two candidates in one pass over the row (the walk's two moves): the same arithmetic per
+ * candidate as evaluate(), so the same results, with twice the independent work per load. */
+CLONES static void evaluate2(const Row *r, float s0, float o0, float s1, float o1, Eval *e) {
+    Cand c[2];
+    cand_init(&c[0], s0, o0);
+    cand_init(&c[1], s1, o1);
+    pass(r, c, 2, e);
 }
 
 /* Least-squares (s, o) for the codes behind `e`, rounded to float16, and their loss (closed form). */
@@ -140,16 +188,23 @@ static void offer(Best *b, double loss, float s, float o) {
     }
 }
 
-static void search_row(const float *x, int d, int bits, int refine, int steps, int bins,
-                       int rounds, float *scale, float *offset) {
+#define FP16_MAX 65504.0f
+
+/* Search one row; returns 1 (and leaves scale/offset alone) when the row holds a value float16
+ * parameters cannot cover (NaN, inf or |x| > 65504), else 0. */
+static int search_row(const float *x, int d, int bits, int refine, int steps, int bins,
+                      int rounds, float *scale, float *offset) {
     Row r = {x, d, (float)((1 << bits) - 1), 0.0f, 0.0, 0.0};
     float lo = x[0], hi = x[0];
     double sum = 0.0;
+    int bad = 0;
     for (int j = 0; j < d; j++) {
+        bad |= !(fabsf(x[j]) <= FP16_MAX);
         lo = x[j] < lo ? x[j] : lo;
         hi = x[j] > hi ? x[j] : hi;
         sum += x[j];
     }
+    if (bad) return 1;
     r.mean = (float)(sum / d);
     for (int j = 0; j < d; j++) {
         double xc = (double)x[j] - r.mean;
@@ -164,12 +219,11 @@ static void search_row(const float *x, int d, int bits, int refine, int steps, i
     Best start = b;
     for (int k = 0; k < steps; k++) {
         Eval walk[2];
-        for (int side = 0; side < 2; side++) {
-            float nlo = side == 0 ? lo + step : lo, nhi = side == 0 ? hi : hi - step;
-            float s = round_fp16((nhi - nlo) / r.levels), o = round_fp16(nlo);
-            walk[side] = evaluate(&r, s, o);
-            offer(&b, walk[side].loss, s, o);
-        }
+        float s0 = round_fp16((hi - (lo + step)) / r.levels), o0 = round_fp16(lo + step);
+        float s1 = round_fp16(((hi - step) - lo) / r.levels), o1 = round_fp16(lo);
+        evaluate2(&r, s0, o0, s1, o1, walk);
+        offer(&b, walk[0].loss, s0, o0);
+        offer(&b, walk[1].loss, s1, o1);
         int up = walk[0].loss < walk[1].loss;
         if (refine) { /* polish the candidate the walk takes */
             float ps, po;
@@ -179,58 +233,49 @@ static void search_row(const float *x, int d, int bits, int refine, int steps, i
         if (up) lo += step;
         else hi -= step;
     }
+    Best measured = start; /* the last candidate whose loss was measured by a pass */
     for (int k = 0; refine && k < rounds; k++) {
         Eval e = evaluate(&r, b.s, b.o);
+        measured = (Best){e.loss, b.s, b.o};
         float ps, po;
         double pl = polish(&r, &e, &ps, &po);
         offer(&b, pl, ps, po);
     }
     /* A polished candidate's loss is a closed form; measure the winner directly so a rounding
-     * error there can never make a row worse than [min, max]. */
-    if (refine && (b.s != start.s || b.o != start.o) && evaluate(&r, b.s, b.o).loss > start.loss)
-        b = start;
+     * error there can never make a row worse than [min, max] (no pass when it was just measured). */
+    if (refine && (b.s != start.s || b.o != start.o)) {
+        double loss = (b.s == measured.s && b.o == measured.o) ? measured.loss
+                                                                : evaluate(&r, b.s, b.o).loss;
+        if (loss > start.loss) b = start;
+    }
     *scale = b.s;
     *offset = b.o;
-}
-
-/* search_rows(x: float32 buffer (n*d), n, d, bits, refine, steps, bins, rounds,
- *             scale_out: float32 buffer (n), offset_out: float32 buffer (n)) */
-static PyObject *search_rows(PyObject *self, PyObject *args) {
-    Py_buffer xb, sb, ob;
-    Py_ssize_t n;
-    int d, bits, refine, steps, bins, rounds;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "y*niiiiiiw*w*", &xb, &n, &d, &bits, &refine, &steps, &bins,
-                          &rounds, &sb, &ob))
-        return NULL;
-    PyObject *result = NULL;
-    if (xb.len < (Py_ssize_t)(n * d * sizeof(float)) || sb.len < (Py_ssize_t)(n * sizeof(float))
-        || ob.len < (Py_ssize_t)(n * sizeof(float)) || d < 1 || bins < 1) {
-        PyErr_SetString(PyExc_ValueError, "search_rows: buffer sizes do not match n and d");
-    } else {
-        const float *x = (const float *)xb.buf;
-        float *scale = (float *)sb.buf, *offset = (float *)ob.buf;
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++)
-            search_row(x + i * d, d, bits, refine, steps, bins, rounds, scale + i, offset + i);
-        Py_END_ALLOW_THREADS
-        result = Py_None;
-        Py_INCREF(result);
-    }
-    PyBuffer_Release(&xb);
-    PyBuffer_Release(&sb);
-    PyBuffer_Release(&ob);
-    return result;
+    return 0;
 }
 
 /* Codes of one row for (s, o), packed little-endian into ceil(d * bits / 8) bytes: the same
  * arithmetic as evaluate() and mpickpt.quant.search.encode_codes. */
-static void encode_row(const float *x, int d, int bits, float s, float o, uint8_t *out) {
+CLONES static void encode_row(const float *x, int d, int bits, float s, float o, uint8_t *out) {
     float inv = s > 0.0f ? 1.0f / s : 0.0f;
     float noi = -o * inv, top = (float)((1 << bits) - 1);
+    v8f zero = {0}, magic = zero + MAGIC, vinv = zero + inv, vnoi = zero + noi, vtop = zero + top;
+    int j = 0;
+    for (; j + 8 <= d; j += 8, out += bits) { /* eight codes fill exactly `bits` bytes */
+        v8f v;
+        memcpy(&v, x + j, sizeof v);
+        v = v * vinv + vnoi;
+        v8i pos = v > zero;
+        v = (v8f)((v8i)v & pos);
+        v8i below = v < vtop;
+        v = (v8f)(((v8i)v & below) | ((v8i)vtop & ~below));
+        v8i c = __builtin_convertvector((v + magic) - magic, v8i);
+        uint64_t w = 0;
+        for (int k = 0; k < 8; k++) w |= (uint64_t)c[k] << (k * bits);
+        for (int b = 0; b < bits; b++) out[b] = (uint8_t)(w >> (8 * b));
+    }
     uint64_t acc = 0;
     int held = 0;
-    for (int j = 0; j < d; j++) {
+    for (; j < d; j++) {
         acc |= (uint64_t)code_of(x[j], inv, noi, top) << held;
         held += bits;
         while (held >= 8) {
@@ -240,6 +285,57 @@ static void encode_row(const float *x, int d, int bits, float s, float o, uint8_
         }
     }
     if (held > 0) *out = (uint8_t)(acc & 0xffu);
+}
+
+/* Search rows [0, n) and, where `codes` is given, pack each row's codes right after its search
+ * (the row is still in cache). Returns the first row float16 parameters cannot cover, or -1; its
+ * scale and offset are set to 0 and the other rows are still done. */
+static Py_ssize_t search_block(const float *x, Py_ssize_t n, int d, int bits, int refine,
+                               int steps, int bins, int rounds, float *scale, float *offset,
+                               uint8_t *codes) {
+    Py_ssize_t first_bad = -1, row_bytes = ((Py_ssize_t)d * bits + 7) / 8;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (search_row(x + i * d, d, bits, refine, steps, bins, rounds, scale + i, offset + i)) {
+            scale[i] = offset[i] = 0.0f;
+            if (first_bad < 0) first_bad = i;
+        }
+        if (codes) encode_row(x + i * d, d, bits, scale[i], offset[i], codes + i * row_bytes);
+    }
+    return first_bad;
+}
+
+/* search_rows(x: float32 buffer (n*d), n, d, bits, refine, steps, bins, rounds,
+ *             scale_out: float32 buffer (n), offset_out: float32 buffer (n)[, codes_out: uint8
+ *             buffer (n * ceil(d*bits/8))]) -> first row out of float16's range, or -1 */
+static PyObject *search_rows(PyObject *self, PyObject *args) {
+    Py_buffer xb, sb, ob, cb = {0};
+    Py_ssize_t n;
+    int d, bits, refine, steps, bins, rounds;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*niiiiiiw*w*|w*", &xb, &n, &d, &bits, &refine, &steps, &bins,
+                          &rounds, &sb, &ob, &cb))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t row_bytes = ((Py_ssize_t)d * bits + 7) / 8;
+    if (xb.len < (Py_ssize_t)(n * d * sizeof(float)) || sb.len < (Py_ssize_t)(n * sizeof(float))
+        || ob.len < (Py_ssize_t)(n * sizeof(float)) || d < 1 || bins < 1 || bits < 1 || bits > 8
+        || (cb.buf && cb.len < n * row_bytes)) {
+        PyErr_SetString(PyExc_ValueError, "search_rows: buffer sizes do not match n, d and bits");
+    } else {
+        const float *x = (const float *)xb.buf;
+        float *scale = (float *)sb.buf, *offset = (float *)ob.buf;
+        Py_ssize_t bad;
+        Py_BEGIN_ALLOW_THREADS
+        bad = search_block(x, n, d, bits, refine, steps, bins, rounds, scale, offset,
+                           (uint8_t *)cb.buf);
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromSsize_t(bad);
+    }
+    PyBuffer_Release(&xb);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&ob);
+    if (cb.buf) PyBuffer_Release(&cb);
+    return result;
 }
 
 /* encode_rows(x: float32 buffer (n*d), n, d, bits, scale: float32 (n), offset: float32 (n),
@@ -278,7 +374,8 @@ static PyMethodDef methods[] = {
     {"encode_rows", encode_rows, METH_VARARGS,
      "Nearest codes of every row for float32 scale/offset, packed little-endian per row."},
     {"search_rows", search_rows, METH_VARARGS,
-     "Per-row float16 scale and offset by the greedy walk (refine=0) or the refined search."},
+     "Per-row float16 scale and offset by the greedy walk (refine=0) or the refined search, and "
+     "optionally the packed codes; returns the first row out of float16's range, or -1."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_quant_cpu",

@@ -93,6 +93,26 @@ def test_threads_do_not_change_the_result():
     assert np.array_equal(one[0], two[0]) and np.array_equal(one[1], two[1])
 
 
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), bits=st.sampled_from([2, 3, 4]), dim=st.integers(1, 70),
+       search=st.sampled_from(rs.SEARCHES), threads=st.sampled_from([1, 2]))
+def test_fused_search_and_encode_equals_search_then_encode(seed, bits, dim, search, threads):
+    x = _rows(seed, 2 * rs.C_BLOCK_ROWS + 37, dim, 1.0, 0.5)
+    scale, offset, codes = rs.search_encode(x, bits, search, threads=threads)
+    want_s, want_o = rs.search(x, bits, search)
+    assert np.array_equal(scale, want_s) and np.array_equal(offset, want_o)
+    assert np.array_equal(codes, pack(rs.encode_codes(x, want_s, want_o, bits), bits))
+
+
+@pytest.mark.parametrize("bad", [np.nan, -np.inf, 70000.0])
+def test_fused_search_names_the_first_row_out_of_float16_range(bad):
+    x = _rows(5, 3 * rs.C_BLOCK_ROWS, 9, 1.0, 0.0)
+    x[2 * rs.C_BLOCK_ROWS + 5, 3] = bad  # in a later block, done by the other thread
+    x[rs.C_BLOCK_ROWS + 1, 8] = bad
+    with pytest.raises(ValueError, match=rf"row {rs.C_BLOCK_ROWS + 1} .*--ckpt-bits 32"):
+        rs.search_encode(x, 4, threads=2)
+
+
 FBGEMM = {2: (torch.ops.quantized.embedding_bag_2bit_prepack, torch.ops.quantized.embedding_bag_2bit_unpack),
           4: (torch.ops.quantized.embedding_bag_4bit_prepack, torch.ops.quantized.embedding_bag_4bit_unpack)}
 

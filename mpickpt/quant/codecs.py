@@ -89,6 +89,10 @@ class Codec:
         x = np.ascontiguousarray(x, dtype=np.float32)
         if self.name == "fp32":
             return {"values": x}
+        if self.name == "adaptive" and self.bits != 8:  # checks the range in the same pass
+            scale, offset, codes = rs.search_encode(x, self.bits, self.search, self.bins,
+                                                    self.range_ratio, threads=self.threads)
+            return {"codes": codes, "scale": scale, "offset": offset}
         rs.check_finite_range(x)
         if self.name == "fp16":
             return {"values": x.astype(np.float16)}

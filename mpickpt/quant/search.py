@@ -64,10 +64,14 @@ def check_finite_range(x: np.ndarray, what: str = "rows") -> None:
     if x.size == 0 or bool((np.abs(x) <= FP16_MAX).all()):  # one pass; NaN fails the test
         return
     bad = ~(np.abs(x) <= FP16_MAX)
-    r = int(np.nonzero(bad.any(axis=-1) if x.ndim > 1 else bad)[0][0])
-    raise ValueError(f"{what}: row {r} holds a value that is not finite or exceeds float16's "
-                     f"range (|x| > {FP16_MAX:g}); quantized checkpoints cannot store it, "
-                     f"use --ckpt-bits 32")
+    raise range_error(int(np.nonzero(bad.any(axis=-1) if x.ndim > 1 else bad)[0][0]), what)
+
+
+def range_error(row: int, what: str = "rows") -> ValueError:
+    """The error for a row float16 parameters cannot cover. Local."""
+    return ValueError(f"{what}: row {row} holds a value that is not finite or exceeds float16's "
+                      f"range (|x| > {FP16_MAX:g}); quantized checkpoints cannot store it, "
+                      f"use --ckpt-bits 32")
 
 
 def c_kernel():
@@ -94,31 +98,60 @@ def search(x: np.ndarray, bits: int, search: str = "refined", num_bins: int | No
         raise RuntimeError("the CPU quantization kernel mpickpt._quant_cpu is not built "
                            "(reinstall mpickpt with a C compiler)")
     if kernel is not None:
-        return _search_c(kernel, x, bits, search == "refined", int(num_bins * ratio), num_bins,
-                         polish_rounds, threads)
+        scale, offset, _ = _search_c(kernel, x, bits, search == "refined", int(num_bins * ratio),
+                                     num_bins, polish_rounds, threads, packed=False)
+        return scale, offset
     return _search_torch(x, bits, search, num_bins, ratio, polish_rounds, threads)
+
+
+def search_encode(x: np.ndarray, bits: int, search: str = "refined", num_bins: int | None = None,
+                  ratio: float | None = None, polish_rounds: int = 2, threads: int = 1,
+                  what: str = "rows") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float16 (scale, offset) per row and the packed codes (n, ceil(D*bits/8)) uint8: what
+    `search` then `encode_packed` give, in one pass per row through the compiled kernel where it
+    is built. Refuses a row float16 cannot cover with `check_finite_range`'s error. Local."""
+    num_bins = default_bins(bits) if num_bins is None else num_bins
+    ratio = default_ratio(bits) if ratio is None else ratio
+    check_search(search, num_bins, ratio)
+    kernel = c_kernel()
+    if kernel is None:
+        check_finite_range(x, what)
+        scale, offset = _search_torch(x, bits, search, num_bins, ratio, polish_rounds, threads)
+        return scale, offset, encode_packed(x, scale, offset, bits, threads)
+    scale, offset, codes = _search_c(kernel, x, bits, search == "refined", int(num_bins * ratio),
+                                     num_bins, polish_rounds, threads, packed=True)
+    if codes is None:
+        check_finite_range(x, what)  # raises, naming the first row out of range
+    return scale, offset, codes
 
 
 C_BLOCK_ROWS = 2048
 
 
-def _search_c(kernel, x, bits, refine, steps, bins, rounds, threads):
+def _search_c(kernel, x, bits, refine, steps, bins, rounds, threads, packed: bool):
+    """The compiled search over blocks of rows on `threads` threads, with the packed codes when
+    `packed` (None instead when a row is out of float16's range). Local."""
+    from mpickpt.quant.packing import packed_bytes
+
     x = np.ascontiguousarray(x, dtype=np.float32)
     n, d = x.shape
     scale, offset = np.empty(n, np.float32), np.empty(n, np.float32)
+    codes = np.empty((n, packed_bytes(d, bits)), np.uint8) if packed else None
 
-    def run(a: int) -> None:
-        b = min(n, a + C_BLOCK_ROWS)
-        kernel.search_rows(x[a:b], b - a, d, bits, int(refine), steps, bins, rounds,
-                           scale[a:b], offset[a:b])
+    def run(a: int, b: int) -> int:
+        out = (codes[a:b],) if packed else ()
+        return kernel.search_rows(x[a:b], b - a, d, bits, int(refine), steps, bins, rounds,
+                                  scale[a:b], offset[a:b], *out)
 
-    starts = range(0, n, C_BLOCK_ROWS)
-    if threads > 1 and n > C_BLOCK_ROWS:
+    blocks = [(a, min(n, a + C_BLOCK_ROWS)) for a in range(0, n, C_BLOCK_ROWS)]
+    if threads > 1 and len(blocks) > 1:
         with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(run, starts))
-    elif n:
-        kernel.search_rows(x, n, d, bits, int(refine), steps, bins, rounds, scale, offset)
-    return scale.astype(np.float16), offset.astype(np.float16)
+            bad = list(pool.map(lambda ab: run(*ab), blocks))
+    else:
+        bad = [run(0, n)] if n else []
+    if packed and any(b >= 0 for b in bad):
+        codes = None
+    return scale.astype(np.float16), offset.astype(np.float16), codes
 
 
 def _search_torch(x, bits, search, num_bins, ratio, polish_rounds, threads):
