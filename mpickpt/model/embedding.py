@@ -95,15 +95,21 @@ class ShardedEmbeddingBags:
                 t.fill_(float("nan"))
 
     def add_update_hook(self, hook) -> Callable[[], None]:
-        """Bracket every sparse update: `token = hook.before_update(rows)` before the optimizer
-        changes `rows`, `hook.after_update(rows, token)` after, and `hook.step_done()` from
-        `finish_step` at the end of the training step. Local to register; the calls run on every
-        rank in every step and may be collective. Returns a remover."""
+        """Bracket every sparse update: `hook.rows_known(rows)` in the training lookup, as soon as
+        the rows the update will touch are known (optional method), `token =
+        hook.before_update(rows)` before the optimizer changes `rows`, `hook.after_update(rows,
+        token)` after, and `hook.step_done()` from `finish_step` at the end of the training step.
+        Local to register; the calls run on every rank in every step and may be collective.
+        Returns a remover."""
         self.update_hooks.append(hook)
         return lambda: self.update_hooks.remove(hook)
 
-    def lookup(self, sparse: torch.Tensor) -> tuple[torch.Tensor, LookupContext]:
-        """Pooled (sum) embeddings (B, T, dim) of this rank's batch. Collective over `topo.pg`."""
+    def lookup(self, sparse: torch.Tensor, update: bool = False) -> tuple[torch.Tensor, LookupContext]:
+        """Pooled (sum) embeddings (B, T, dim) of this rank's batch. Collective over `topo.pg`
+        (and over the update hooks' groups when `update`).
+
+        `update`: `apply_gradients` with this lookup's context follows in the same step, so the
+        update hooks hear the rows it will touch now (`rows_known`)."""
         B, T, L = sparse.shape
         with self.timer.phase("route"):
             gid = (sparse.to(self.device) + self._offsets[:T].view(1, T, 1)).reshape(-1)
@@ -119,6 +125,10 @@ class ShardedEmbeddingBags:
             rows, inverse = torch.unique(recv_rows, return_inverse=True)
         for hook in self.index_hooks:
             hook(rows)
+        with self.timer.phase("update_hooks"):
+            for hook in self.update_hooks if update else ():
+                if hasattr(hook, "rows_known"):
+                    hook.rows_known(rows)
         with self.timer.phase("lookup"):
             pooled = F.embedding_bag(recv_rows, self.weight, _bag_offsets(recv_seg), mode="sum")
         with self.timer.phase("alltoall"):
@@ -138,16 +148,20 @@ class ShardedEmbeddingBags:
         with self.timer.phase("optimizer"):
             row_grad = torch.zeros(len(ctx.rows), self.dim, device=self.device)
             row_grad.index_add_(0, ctx.inverse, owner_grad[ctx.recv_seg])
+        with self.timer.phase("update_hooks"):
             tokens = [h.before_update(ctx.rows) for h in self.update_hooks]
+        with self.timer.phase("optimizer"):
             self.optimizer.step(self.weight, ctx.rows, row_grad)
-        for hook, token in zip(self.update_hooks, tokens):
-            hook.after_update(ctx.rows, token)
+        with self.timer.phase("update_hooks"):
+            for hook, token in zip(self.update_hooks, tokens):
+                hook.after_update(ctx.rows, token)
 
     def finish_step(self) -> None:
         """End of a training step: update hooks complete their work (parity upkeep folds the
         deltas it exchanged beside the dense allreduce). Collective if a hook is."""
-        for hook in self.update_hooks:
-            hook.step_done()
+        with self.timer.phase("update_hooks"):
+            for hook in self.update_hooks:
+                hook.step_done()
 
     def _exchange_counts(self, counts: torch.Tensor) -> list[int]:
         out = torch.empty_like(counts)

@@ -41,7 +41,7 @@ class HybridDLRM:
         """One synchronous step on this rank's slice of the global batch; returns the global mean
         loss. Collective: all-to-alls on the embeddings, one allreduce for dense gradients + loss."""
         batch = batch.to(self.topo.device)
-        pooled, ctx = self.embeddings.lookup(batch.sparse)
+        pooled, ctx = self.embeddings.lookup(batch.sparse, update=True)
         leaf = pooled.detach().requires_grad_()
         global_batch = batch.size * self.topo.world_size
         with self.timer.phase("dense"):

@@ -3,15 +3,16 @@
 After the owner applies a step's sparse update to rows R, it sends (R, old XOR new) of their words
 to each parity holder of their stripes in one all-to-all; holders fold C[q, j] * (old XOR new) into
 their parity rows before the step ends. The exchange runs on a process group of its own, beside
-the training data plane, in three non-blocking parts of the step:
+the training data plane, in non-blocking parts of the step:
 
-    before_update  routes R (known once the indices reach their owner) and posts the row counts
+    rows_known     (in the lookup, once the indices reach their owner) routes R and posts the
+                   row counts, which travel during the dense forward and backward
+    before_update  gathers the old words (and posts the counts if rows_known was not called)
     after_update   XORs old and new words, waits for the counts, posts the deltas
     step_done      (after the dense allreduce) waits for the deltas and folds them
 
-so the counts travel during the sparse optimizer step and the deltas during the dense gradient
-allreduce. A full encode is the same exchange with old = 0, in bounded rounds. Dense state has no
-parity: it is replicated.
+so the deltas travel during the dense gradient allreduce. A full encode is the same exchange with
+old = 0, in bounded rounds. Dense state has no parity: it is replicated.
 """
 from __future__ import annotations
 
@@ -74,10 +75,16 @@ class ParityStore:
             rows = torch.arange(min(a, b), b, device=self.words.device)
             self.propagate(rows, self.words.gather(rows))
 
-    def before_update(self, rows: torch.Tensor) -> torch.Tensor:
-        """Words of `rows` before the optimizer changes them; posts this step's row counts.
-        Collective, non-blocking."""
+    def rows_known(self, rows: torch.Tensor) -> None:
+        """The training lookup found the rows this step updates: post their counts now, so they
+        travel during the dense forward and backward. Collective, non-blocking."""
         self._post_counts(rows)
+
+    def before_update(self, rows: torch.Tensor) -> torch.Tensor:
+        """Words of `rows` before the optimizer changes them; posts this step's row counts unless
+        `rows_known` did. Collective, non-blocking."""
+        if self._flight is None:
+            self._post_counts(rows)
         return self.words.gather(rows)
 
     def after_update(self, rows: torch.Tensor, old: torch.Tensor) -> None:

@@ -49,7 +49,16 @@ def test_propagated_parity_equals_a_fresh_encode(topology, optimizer):
         model = _model(topology, optimizer)
         guard = ParityGuard(topology, model, ParityConfig(k=k, r=r), say=lambda line: None)
         guard.encode()
-        _train(topology, model, 6)
+        state = _train(topology, model, 3)
+        batch, _ = SyntheticStream(SyntheticConfig(table_sizes=SIZES, pooling=2, seed=6)).read_slice(
+            SyntheticPosition(), 32 * topology.world_size, topology.rank, topology.world_size)
+        model.predict(batch)  # an evaluation lookup posts nothing
+        assert _all_ok(topology, guard.store._flight is None)
+        pooled, ctx = model.embeddings.lookup(batch.sparse, update=True)
+        assert _all_ok(topology, guard.store._flight is not None)  # counts left in the lookup
+        model.embeddings.apply_gradients(torch.ones_like(pooled), ctx)
+        model.embeddings.finish_step()
+        _train(topology, model, 3, state)
         kept = guard.store.parity.clone()
         assert _all_ok(topology, kept.abs().sum() > 0)
         guard.store.encode_all()
