@@ -6,7 +6,10 @@ Real 4-rank jobs (mpiexec, gloo), the same model and data in each, k=3 r=1 by de
 
 - ``none``: no parity; ``parity``: parity kept up to date every step, --repeats runs of each,
   alternating. Step time: the median over a run of the intervals between rank 0's per-step
-  progress lines, averaged over the repeats; their ratio is the upkeep overhead.
+  progress lines, averaged over the repeats; their ratio is the upkeep overhead. The same cost is
+  also measured inside each parity run (--phase-times): rank 0's time in the update hooks per step
+  (the foreground part, immune to drift between runs; the exchanges' background threads are not in
+  it, and on an oversubscribed machine they take CPU from training too).
 - ``rebuild@B``: parity, and rank --fail-rank loses its shard, optimizer state and parity after
   step --fail-step; it is rebuilt while training continues, with --rebuild-budget B for each B of
   --budgets. Rebuild time = failure to last rebuilt unit (the time ECRM calls full recovery);
@@ -69,6 +72,13 @@ def median_step(steps, lo: int, hi: int) -> float:
     return float(np.median([seen[s] - seen[s - 1] for s in range(lo + 1, hi + 1)]))
 
 
+def phase_ms(lines) -> dict[str, float]:
+    """Rank 0's per-step phase times (ms) from the run's --phase-times line."""
+    line = next(l for _, l in lines if l.startswith("phase times per step"))
+    parts = line.split(": ", 1)[1].split()
+    return {name: float(ms[:-2]) for name, ms in zip(parts[0::2], parts[1::2])}
+
+
 def first_line(lines, prefix: str) -> float:
     return next(t for t, l in lines if prefix in l)
 
@@ -89,7 +99,7 @@ def parse_args(argv=None):
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--budgets", default="0.1,0.3,1",
                    help="--rebuild-budget values to run; the first is the one held to the targets")
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--repeats", type=int, default=5,
                    help="runs of none and of parity, alternating; the overhead compares the "
                         "medians of their per-run median step times")
     p.add_argument("--out", default=str(RESULTS))
@@ -117,7 +127,7 @@ def main(argv=None) -> int:
     model = ["--arch-embedding-size", a.tables, "--arch-sparse-feature-size", str(a.dim),
              "--arch-mlp-bot", f"13-{MLPS[a.mlp][0]}-{a.dim}", "--arch-mlp-top", MLPS[a.mlp][1],
              "--mini-batch-size", str(a.batch), "--num-batches", str(a.steps), "--print-freq",
-             "1", "--test-num-batches", "0", "--digest"]
+             "1", "--test-num-batches", "0", "--digest", "--phase-times"]
     parity = ["--parity-k", str(a.k), "--parity-r", str(a.r)]
     fail = ["--inject-failure", f"{a.fail_step}:{a.fail_rank}"]
     runs = {}
@@ -171,11 +181,16 @@ def summarize(a, budgets, runs) -> dict:
     encode_line = next(l for _, l in runs["parity"]["lines"] if l.startswith("parity: groups"))
     main_rb = rebuilds[f"{budgets[0]:g}"]
     overhead = with_parity / base - 1
+    # the foreground part of the cost, measured inside each parity run: time in the update hooks
+    # (rows_known, before/after_update, step_done) on rank 0, immune to drift between runs
+    hooks_ms = float(np.mean([phase_ms(runs[f"parity#{i}"]["lines"]).get("update_hooks", 0.0)
+                              for i in range(a.repeats)]))
     return {
         "config": vars(a), "digests": digests, "digests_agree": len(set(digests.values())) == 1,
         "step_s_none": base, "step_s_parity": with_parity, "overhead": overhead,
         "memory_overhead": float(encode_line.split("(")[1].split("%")[0]) / 100,
         "encode_log": encode_line, "rebuilds": rebuilds, "repeat_step_s": repeats,
+        "upkeep_hooks_ms": hooks_ms, "upkeep_hooks_share": hooks_ms / (with_parity * 1e3),
         "overhead_by_pair": [p / n - 1 for n, p in zip(repeats["none"], repeats["parity"])],
         "restore_s": first_line(rs_lines, "resumed from checkpoint step") - t_fail_ck,
         "restore_replay_s": restore_replay,
@@ -197,6 +212,8 @@ def report(a, budgets, result) -> None:
             ("parity upkeep overhead", f"{result['overhead']:+.1%}"),
             ("  overhead in each pair of runs",
              " ".join(f"{o:+.1%}" for o in result["overhead_by_pair"])),
+            ("foreground upkeep (update hooks, rank 0, ms)",
+             f"{result['upkeep_hooks_ms']:.2f} ({result['upkeep_hooks_share']:.1%} of a step)"),
             ("median step of each run, none (ms)",
              " ".join(f"{t * 1e3:.1f}" for t in result["repeat_step_s"]["none"])),
             ("median step of each run, parity (ms)",
