@@ -117,6 +117,22 @@ class Topology:
             self._side_groups[name] = dist.new_group(backend=self.backend)
         return self._side_groups[name]
 
+    def part_group(self, name: str, parts: list[list[int]]):
+        """A process group over the part of `parts` (disjoint lists of ranks covering the world)
+        that holds this rank, for traffic among those ranks only (parity groups). Created on the
+        first call for `name` (collective then: every rank creates every part, in the same
+        order), cached after (local)."""
+        if name not in self._side_groups:
+            mine = None
+            for part in parts:
+                group = dist.new_group(ranks=part, backend=self.backend)
+                if self.rank in part:
+                    mine = group
+            if mine is None:
+                raise ValueError(f"rank {self.rank} is in none of the parts {parts}")
+            self._side_groups[name] = mine
+        return self._side_groups[name]
+
     def barrier(self) -> None:
         """Barrier on the control channel. Collective."""
         self.control.Barrier()

@@ -119,10 +119,12 @@ class ParityGuard:
         wall = rb.finished_at - rb.started
         record = {"ranks": sorted(rb.failed), "after_step": self.rebuild_step,
                   "units": totals[0], "degraded_rows": totals[1], "received_bytes": totals[2],
-                  "rounds": rb.rounds, "seconds": wall, "round_seconds": rb.seconds}
+                  "rounds": rb.rounds, "seconds": wall,
+                  "round_seconds": max(self.topo.control.allgather(rb.seconds))}
         self.history.append(record)
         self.say(f"parity: rebuilt ranks {record['ranks']} ({record['units']} units, "
                  f"{record['degraded_rows']} rows by degraded reads, "
                  f"{record['received_bytes'] / 1e6:.1f} MB received, "
                  f"{record['received_bytes'] / 1e6 / max(wall, 1e-9):.0f} MB/s) in "
-                 f"{rb.rounds} rounds, {wall:.2f} s while training went on")
+                 f"{rb.rounds} rounds, {wall:.2f} s while training went on "
+                 f"({record['round_seconds']:.2f} s of round work, slowest rank)")

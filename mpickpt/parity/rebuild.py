@@ -6,7 +6,9 @@ rows are pooled or updated): a lost rank asks its surviving group members for th
 stripes of rows this step reads that are not rebuilt yet, decoded on demand (degraded reads), and
 (b) the next chunk of its lost stripes, sized so that its per-stripe work takes at most
 --rebuild-budget of a step's time (see `_resize`). Survivors answer with their current data rows
-and parity rows; the lost rank decodes and writes its units back. Every
+and parity rows; the lost rank decodes and writes its units back. With r = 1 on gloo the answers
+are XOR-reduced onto the lost rank (`ReduceOp.BXOR` over the parity group), which is the decode
+itself; otherwise (r >= 2, or NCCL, which has no BXOR) they all travel to the lost rank. Every
 member's data and parity are consistent at that point (all folds of the previous step are in,
 none of this step's), so the decoded units are exact: a chunk is locked for exactly the span of one
 round, and updates of this step land after it, the synchronous form of ECRM's lock and buffer.
@@ -19,6 +21,7 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from mpickpt.parity.exchange import exchange_counts, exchange_rows
 
@@ -71,12 +74,15 @@ class Rebuild:
                               [req if c[0] else req[:0] for c in counts],
                               [c[0] for c in got], 1, torch.int64)
         answers = [self._units(a.view(-1).cpu().numpy()) for a in asked]
-        replies = exchange_rows(st.topo.pg, st.words.device, answers,
-                                [len(request) if s in survivors and self.mine else 0
-                                 for s in range(world)], st.words.width, torch.int32)
-        if self.mine and len(request):
-            self._decode(request, {s - st.layout.base: replies[s] for s in survivors})
-            self.received_bytes += len(request) * len(survivors) * st.words.width * 4
+        if st.group_pg is not None:
+            self._xor_onto_lost(request, answers, got)
+        else:
+            replies = exchange_rows(st.topo.pg, st.words.device, answers,
+                                    [len(request) if s in survivors and self.mine else 0
+                                     for s in range(world)], st.words.width, torch.int32)
+            if self.mine and len(request):
+                self._decode(request, {s - st.layout.base: replies[s] for s in survivors})
+                self.received_bytes += len(request) * len(survivors) * st.words.width * 4
         self.rounds += 1
         self.active = any(c[1] for c in got)
         took = time.perf_counter() - start
@@ -108,6 +114,26 @@ class Rebuild:
             self.cursor = int(take[-1]) + 1
             want[take] = True
         return np.flatnonzero(want)
+
+    def _xor_onto_lost(self, request: np.ndarray, answers: list[torch.Tensor], got) -> None:
+        """r = 1: the lost unit of a stripe is the XOR of the survivors' units, so the group
+        reduces them with BXOR onto the lost rank instead of sending them all there (the XORs run
+        on the way, and the lost rank receives one unit per stripe). Collective over the parity
+        group of a group that lost a rank; nothing elsewhere."""
+        if not self.group_failed:
+            return
+        st = self.store
+        lost = st.layout.base + next(iter(self.group_failed))
+        n = len(request) if self.mine else got[lost][0]
+        if n == 0:
+            return
+        units = (torch.zeros(n, st.words.width, dtype=torch.int32, device=st.words.device)
+                 if self.mine else answers[lost].contiguous())
+        dist.reduce(units, dst=lost, op=dist.ReduceOp.BXOR, group=st.group_pg)
+        if self.mine:
+            self.lost[request] = False
+            self._store_units(request, units)
+            self.received_bytes += n * st.words.width * 4
 
     def _units(self, stripes: np.ndarray) -> torch.Tensor:
         """This member's units (data row or parity row; zeros for padding) of `stripes`."""

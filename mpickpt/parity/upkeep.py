@@ -62,6 +62,12 @@ class ParityStore:
                                   device=self.words.device)
         self.max_rows = max(plan.local_rows(i) for i in range(world))
         self.sent_bytes = 0
+        # r = 1 rebuilds XOR-reduce the survivors' units onto the lost rank (gloo has BXOR;
+        # NCCL has not, and sends them all to the lost rank instead)
+        self.group_pg = None
+        if r == 1 and topo.backend == "gloo":
+            self.group_pg = topo.part_group("parity-groups", [
+                list(range(L.base, L.base + L.g)) for L in self.layouts])
 
     def nbytes(self) -> int:
         """Bytes of parity held here."""

@@ -66,11 +66,15 @@ def test_propagated_parity_equals_a_fresh_encode(topology, optimizer):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_degraded_reads_and_rebuild_are_exact(topology):
+@pytest.mark.parametrize("xor_reduce", [True, False], ids=["bxor-reduce", "all-to-lost"])
+def test_degraded_reads_and_rebuild_are_exact(topology, xor_reduce):
     rank = topology.rank
     for k, r, failed in _shapes(topology.world_size):
         model = _model(topology, "adagrad")
         guard = ParityGuard(topology, model, ParityConfig(k=k, r=r), say=lambda line: None)
+        assert (guard.store.group_pg is not None) == (r == 1 and topology.backend == "gloo")
+        if not xor_reduce:  # the path NCCL takes: every survivor's units travel to the lost rank
+            guard.store.group_pg = None
         guard.encode()
         state = _train(topology, model, 4)
         words = guard.store.words
