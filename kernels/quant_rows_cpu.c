@@ -94,15 +94,21 @@ static inline void cand_init(Cand *c, float s, float o) {
     c->al = c->ac = c->acc = c->axc = zero;
 }
 
-/* Eight elements xv (xm = xv - mean) into the candidate's lane accumulators. */
-static inline __attribute__((always_inline)) void cand_lanes(Cand *c, v8f xv, v8f xm, v8f vtop) {
+/* Nearest codes of eight elements for (inv, noi): clamped to [0, top], rounded to nearest-even.
+ * The one vector form of code_of(), shared by the search and the packing. */
+static inline __attribute__((always_inline)) v8f codes8(v8f xv, v8f vinv, v8f vnoi, v8f vtop) {
     v8f zero = {0}, magic = zero + MAGIC;
-    v8f v = xv * c->vinv + c->vnoi;
+    v8f v = xv * vinv + vnoi;
     v8i pos = v > zero;
     v = (v8f)((v8i)v & pos);
     v8i below = v < vtop;
     v = (v8f)(((v8i)v & below) | ((v8i)vtop & ~below));
-    v8f q = (v + magic) - magic;
+    return (v + magic) - magic;
+}
+
+/* Eight elements xv (xm = xv - mean) into the candidate's lane accumulators. */
+static inline __attribute__((always_inline)) void cand_lanes(Cand *c, v8f xv, v8f xm, v8f vtop) {
+    v8f q = codes8(xv, c->vinv, c->vnoi, vtop);
     v8f err = q * c->vs + c->vo - xv;
     c->al += err * err;
     c->ac += q;
@@ -258,17 +264,12 @@ static int search_row(const float *x, int d, int bits, int refine, int steps, in
 CLONES static void encode_row(const float *x, int d, int bits, float s, float o, uint8_t *out) {
     float inv = s > 0.0f ? 1.0f / s : 0.0f;
     float noi = -o * inv, top = (float)((1 << bits) - 1);
-    v8f zero = {0}, magic = zero + MAGIC, vinv = zero + inv, vnoi = zero + noi, vtop = zero + top;
+    v8f zero = {0}, vinv = zero + inv, vnoi = zero + noi, vtop = zero + top;
     int j = 0;
     for (; j + 8 <= d; j += 8, out += bits) { /* eight codes fill exactly `bits` bytes */
-        v8f v;
-        memcpy(&v, x + j, sizeof v);
-        v = v * vinv + vnoi;
-        v8i pos = v > zero;
-        v = (v8f)((v8i)v & pos);
-        v8i below = v < vtop;
-        v = (v8f)(((v8i)v & below) | ((v8i)vtop & ~below));
-        v8i c = __builtin_convertvector((v + magic) - magic, v8i);
+        v8f xv;
+        memcpy(&xv, x + j, sizeof xv);
+        v8i c = __builtin_convertvector(codes8(xv, vinv, vnoi, vtop), v8i);
         uint64_t w = 0;
         for (int k = 0; k < 8; k++) w |= (uint64_t)c[k] << (k * bits);
         for (int b = 0; b < bits; b++) out[b] = (uint8_t)(w >> (8 * b));
