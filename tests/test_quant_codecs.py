@@ -104,13 +104,14 @@ def test_fused_search_and_encode_equals_search_then_encode(seed, bits, dim, sear
     assert np.array_equal(codes, pack(rs.encode_codes(x, want_s, want_o, bits), bits))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bad", [np.nan, -np.inf, 70000.0])
-def test_fused_search_names_the_first_row_out_of_float16_range(bad):
+def test_fused_search_names_the_first_row_out_of_float16_range(bad, threads):
     x = _rows(5, 3 * rs.C_BLOCK_ROWS, 9, 1.0, 0.0)
-    x[2 * rs.C_BLOCK_ROWS + 5, 3] = bad  # in a later block, done by the other thread
+    x[2 * rs.C_BLOCK_ROWS + 5, 3] = bad  # in a later block (done by the other thread with 2)
     x[rs.C_BLOCK_ROWS + 1, 8] = bad
     with pytest.raises(ValueError, match=rf"row {rs.C_BLOCK_ROWS + 1} .*--ckpt-bits 32"):
-        rs.search_encode(x, 4, threads=2)
+        rs.search_encode(x, 4, threads=threads)
 
 
 FBGEMM = {2: (torch.ops.quantized.embedding_bag_2bit_prepack, torch.ops.quantized.embedding_bag_2bit_unpack),

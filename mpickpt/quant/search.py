@@ -90,16 +90,15 @@ def search(x: np.ndarray, bits: int, search: str = "refined", num_bins: int | No
 
     `backend`: "c" (the compiled kernel), "torch", or "auto" (c where built). `threads` > 1 splits
     the rows across that many threads."""
-    num_bins = default_bins(bits) if num_bins is None else num_bins
-    ratio = default_ratio(bits) if ratio is None else ratio
-    check_search(search, num_bins, ratio)
+    num_bins, ratio = _walk(bits, search, num_bins, ratio)
     kernel = c_kernel() if backend in ("auto", "c") else None
     if backend == "c" and kernel is None:
         raise RuntimeError("the CPU quantization kernel mpickpt._quant_cpu is not built "
                            "(reinstall mpickpt with a C compiler)")
     if kernel is not None:
-        scale, offset, _ = _search_c(kernel, x, bits, search == "refined", int(num_bins * ratio),
-                                     num_bins, polish_rounds, threads, packed=False)
+        scale, offset, _, _ = _search_c(kernel, x, bits, search == "refined",
+                                        int(num_bins * ratio), num_bins, polish_rounds, threads,
+                                        packed=False)
         return scale, offset
     return _search_torch(x, bits, search, num_bins, ratio, polish_rounds, threads)
 
@@ -110,27 +109,35 @@ def search_encode(x: np.ndarray, bits: int, search: str = "refined", num_bins: i
     """float16 (scale, offset) per row and the packed codes (n, ceil(D*bits/8)) uint8: what
     `search` then `encode_packed` give, in one pass per row through the compiled kernel where it
     is built. Refuses a row float16 cannot cover with `check_finite_range`'s error. Local."""
-    num_bins = default_bins(bits) if num_bins is None else num_bins
-    ratio = default_ratio(bits) if ratio is None else ratio
-    check_search(search, num_bins, ratio)
+    num_bins, ratio = _walk(bits, search, num_bins, ratio)
     kernel = c_kernel()
     if kernel is None:
         check_finite_range(x, what)
         scale, offset = _search_torch(x, bits, search, num_bins, ratio, polish_rounds, threads)
         return scale, offset, encode_packed(x, scale, offset, bits, threads)
-    scale, offset, codes = _search_c(kernel, x, bits, search == "refined", int(num_bins * ratio),
-                                     num_bins, polish_rounds, threads, packed=True)
-    if codes is None:
-        check_finite_range(x, what)  # raises, naming the first row out of range
+    scale, offset, codes, bad = _search_c(kernel, x, bits, search == "refined",
+                                          int(num_bins * ratio), num_bins, polish_rounds, threads,
+                                          packed=True)
+    if bad is not None:
+        raise range_error(bad, what)
     return scale, offset, codes
+
+
+def _walk(bits: int, search: str, num_bins: int | None, ratio: float | None) -> tuple[int, float]:
+    """The walk's bins and ratio (the paper's defaults for `bits` where None), checked. Local."""
+    num_bins = default_bins(bits) if num_bins is None else num_bins
+    ratio = default_ratio(bits) if ratio is None else ratio
+    check_search(search, num_bins, ratio)
+    return num_bins, ratio
 
 
 C_BLOCK_ROWS = 2048
 
 
 def _search_c(kernel, x, bits, refine, steps, bins, rounds, threads, packed: bool):
-    """The compiled search over blocks of rows on `threads` threads, with the packed codes when
-    `packed` (None instead when a row is out of float16's range). Local."""
+    """The compiled search over blocks of rows on `threads` threads: float16 scale and offset,
+    the packed codes when `packed` (else None), and the first row out of float16's range (None
+    when every row is in range). Local."""
     from mpickpt.quant.packing import packed_bytes
 
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -138,10 +145,11 @@ def _search_c(kernel, x, bits, refine, steps, bins, rounds, threads, packed: boo
     scale, offset = np.empty(n, np.float32), np.empty(n, np.float32)
     codes = np.empty((n, packed_bytes(d, bits)), np.uint8) if packed else None
 
-    def run(a: int, b: int) -> int:
+    def run(a: int, b: int) -> int | None:
         out = (codes[a:b],) if packed else ()
-        return kernel.search_rows(x[a:b], b - a, d, bits, int(refine), steps, bins, rounds,
-                                  scale[a:b], offset[a:b], *out)
+        bad = kernel.search_rows(x[a:b], b - a, d, bits, int(refine), steps, bins, rounds,
+                                 scale[a:b], offset[a:b], *out)
+        return a + bad if bad >= 0 else None
 
     blocks = [(a, min(n, a + C_BLOCK_ROWS)) for a in range(0, n, C_BLOCK_ROWS)]
     if threads > 1 and len(blocks) > 1:
@@ -149,9 +157,8 @@ def _search_c(kernel, x, bits, refine, steps, bins, rounds, threads, packed: boo
             bad = list(pool.map(lambda ab: run(*ab), blocks))
     else:
         bad = [run(0, n)] if n else []
-    if packed and any(b >= 0 for b in bad):
-        codes = None
-    return scale.astype(np.float16), offset.astype(np.float16), codes
+    first_bad = min((b for b in bad if b is not None), default=None)
+    return scale.astype(np.float16), offset.astype(np.float16), codes, first_bad
 
 
 def _search_torch(x, bits, search, num_bins, ratio, polish_rounds, threads):
