@@ -89,8 +89,8 @@ class ParityStore:
     def before_update(self, rows: torch.Tensor) -> torch.Tensor:
         """Words of `rows` before the optimizer changes them; posts this step's row counts unless
         `rows_known` did. Collective, non-blocking."""
-        if self._flight is None:
-            self._post_counts(rows)
+        if self._flight is None or self._flight.recv is not None:
+            self._post_counts(rows)  # refuses an exchange whose deltas were never folded
         return self.words.gather(rows)
 
     def after_update(self, rows: torch.Tensor, old: torch.Tensor) -> None:

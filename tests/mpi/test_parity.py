@@ -58,6 +58,11 @@ def test_propagated_parity_equals_a_fresh_encode(topology, optimizer):
         assert _all_ok(topology, guard.store._flight is not None)  # counts left in the lookup
         model.embeddings.apply_gradients(torch.ones_like(pooled), ctx)
         model.embeddings.finish_step()
+        st = guard.store  # an exchange whose deltas were never folded is refused, not reused
+        st.after_update(ctx.rows, st.before_update(ctx.rows))
+        with pytest.raises(RuntimeError, match="step_done was not called"):
+            st.before_update(ctx.rows)
+        st.step_done()
         _train(topology, model, 3, state)
         kept = guard.store.parity.clone()
         assert _all_ok(topology, kept.abs().sum() > 0)
