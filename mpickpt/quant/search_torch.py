@@ -20,15 +20,19 @@ def _h(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Rows:
-    """One transposed block of rows, centred, with its per-row sums. Local."""
+    """One transposed block of rows, centred, with its per-row sums. Codes are computed in
+    float32 like the kernels'; the sums and closed-form losses accumulate in float64 like the
+    kernels', since a loss far below the row's energy cancels catastrophically in float32 and the
+    search would keep the wrong candidate. Local."""
 
     def __init__(self, xt: torch.Tensor, bits: int):
         self.levels = float((1 << bits) - 1)
         self.dim = xt.shape[0]
         self.mean = xt.mean(0)
         self.x = xt - self.mean
-        self.sx = self.x.sum(0)
-        self.sxx = torch.linalg.vecdot(self.x, self.x, dim=0)
+        self.xd = self.x.double()
+        self.sx = self.xd.sum(0)
+        self.sxx = torch.linalg.vecdot(self.xd, self.xd, dim=0)
         self.buf = torch.empty_like(self.x)
 
     def codes(self, s16: torch.Tensor, o16: torch.Tensor) -> torch.Tensor:
@@ -39,14 +43,14 @@ class _Rows:
         return self.buf.round_().clamp_(0.0, self.levels)
 
     def sums(self, s16, o16):
-        c = self.codes(s16, o16)
-        return c.sum(0), torch.linalg.vecdot(c, c, dim=0), torch.linalg.vecdot(self.x, c, dim=0)
+        c = self.codes(s16, o16).double()
+        return c.sum(0), torch.linalg.vecdot(c, c, dim=0), torch.linalg.vecdot(self.xd, c, dim=0)
 
     def loss(self, s16, o16, sc, scc, sxc) -> torch.Tensor:
-        o = o16 - self.mean
+        o, s = o16.double() - self.mean.double(), s16.double()
         d = float(self.dim)
-        return (self.sxx - 2 * o * self.sx - 2 * s16 * sxc + d * o * o + 2 * s16 * o * sc
-                + s16 * s16 * scc).clamp_(min=0.0)
+        return (self.sxx - 2 * o * self.sx - 2 * s * sxc + d * o * o + 2 * s * o * sc
+                + s * s * scc).clamp_(min=0.0)
 
     def polish(self, sc, scc, sxc) -> tuple[torch.Tensor, torch.Tensor]:
         """float16 LS (scale, offset) for codes with these sums. Local."""
@@ -54,7 +58,7 @@ class _Rows:
         var = scc - sc * sc / d
         cov = sxc - sc * self.sx / d
         s = torch.where(var > 0, cov / torch.where(var > 0, var, 1.0), 0.0).clamp_(min=0.0)
-        return _h(s), _h((self.sx - s * sc) / d + self.mean)
+        return _h(s.float()), _h(((self.sx - s * sc) / d + self.mean.double()).float())
 
 
 class _Best:
