@@ -4,7 +4,7 @@ time of every checkpoint id (naive incremental vs differential vs IncrCP).
     python bench/incremental_kinds.py --checkpoints 100
 
 One process writes the checkpoints of every kind through the production writer, planner, extraction
-and restore code (`mpickpt.engine.local_store.LocalChain`) for the same update stream: the rows that
+and restore code (`tests/local_chain.py`, LocalChain) for the same update stream: the rows that
 the Zipf batches of each interval touch get an Adagrad-like update. Every checkpoint is retained, so
 every id can be restored afterwards. Restores read cold files (POSIX_FADV_DONTNEED on every file
 first) and are timed twice: the whole checkpoint, and its increments only (IncrCP's metric, which
@@ -17,19 +17,22 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from mpickpt.data.position import SyntheticPosition
-from mpickpt.data.synthetic import SyntheticConfig, SyntheticStream, criteo_kaggle_sizes
-from mpickpt.engine.local_store import LocalChain
-from mpickpt.model.shard_plan import ShardPlan
-from mpickpt.store.layers import checkpoint_segments, parent_manifests
-from mpickpt.store.manifest import list_manifests
-from mpickpt.store.restore import load_rows
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for tests/
+
+from mpickpt.data.position import SyntheticPosition  # noqa: E402
+from mpickpt.data.synthetic import SyntheticConfig, SyntheticStream, criteo_kaggle_sizes  # noqa: E402
+from mpickpt.kinds.registry import checkpoint_segments  # noqa: E402
+from mpickpt.model.shard_plan import ShardPlan  # noqa: E402
+from mpickpt.store.manifest import list_manifests, parent_manifests  # noqa: E402
+from mpickpt.store.segments import load_rows  # noqa: E402
+from tests.local_chain import LocalChain  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KINDS = ("full", "differential", "consecutive", "intermittent", "incrcp", "incrcp-chain")

@@ -16,11 +16,11 @@ import json
 import os
 import sys
 
+from mpickpt.checkpoint.describe import describe, format_text
+from mpickpt.checkpoint.export import export_checkpoint
+from mpickpt.checkpoint.verify import verify_checkpoint
 from mpickpt.store.catalog import NoSuchCheckpoint, listing, scan, select
-from mpickpt.store.describe import describe, format_text
 from mpickpt.store.errors import CheckpointError
-from mpickpt.store.export import export_checkpoint
-from mpickpt.store.verify import verify_checkpoint
 
 PROG = "mpickpt"
 

@@ -26,10 +26,11 @@ def main(argv=None) -> int:
     from mpi4py import MPI
 
     from mpickpt.data.criteo_tsv import CriteoFormatError
+    from mpickpt.recovery.base import Unrecoverable
     from mpickpt.store.errors import CheckpointError
     from mpickpt.topology import Topology
     from mpickpt.train_flags import TrainConfig
-    from mpickpt.trainer import ParityLost, Trainer
+    from mpickpt.trainer import Trainer
 
     comm = MPI.COMM_WORLD
     error, config = None, None
@@ -41,7 +42,7 @@ def main(argv=None) -> int:
     error = _agree_on_error(comm, error)
     if error:
         return _fail(comm, error)
-    topo = Topology.from_mpi(comm, backend=config.backend)
+    topo = Topology.from_mpi(comm, backend=config.run.backend)
     try:
         trainer = Trainer(topo, config)
     except CheckpointError as e:  # every rank agreed on it inside restore()
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
     status = 0
     try:
         trainer.run()
-    except (CriteoFormatError, ParityLost, CheckpointError) as e:
+    except (CriteoFormatError, Unrecoverable, CheckpointError) as e:
         # found mid-stream, on every rank at the same step (the same lines, the same injected
         # failure, an agreed restore), so this exit is collective
         status = _fail(comm, str(e))

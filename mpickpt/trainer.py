@@ -9,10 +9,13 @@ from mpickpt.data.position import SyntheticPosition, TSVPosition, position_from_
 from mpickpt.data.prefetch import PrefetchReader
 from mpickpt.data.synthetic import SyntheticConfig, SyntheticStream
 from mpickpt.engine.manager import CheckpointManager
+from mpickpt.engine.restorer import Restorer
 from mpickpt.evaluation import evaluate
 from mpickpt.model.hybrid import HybridDLRM
 from mpickpt.parity.guard import ParityGuard
 from mpickpt.progress import ProgressLog
+from mpickpt.recovery.base import Loss
+from mpickpt.recovery.build import build_recovery
 from mpickpt.timing import PhaseTimer
 
 # The synthetic test set is the same planted stream far beyond any training index.
@@ -21,25 +24,20 @@ SYNTHETIC_TEST_OFFSET = 1 << 48
 
 def make_sources(config):
     """(train source, its start state, test source, its start state). Local."""
-    if config.data_generation == "synthetic":
+    data = config.data
+    if data.data_generation == "synthetic":
         stream = SyntheticStream(SyntheticConfig(
-            table_sizes=config.table_sizes, pooling=config.pooling,
-            zipf_alpha=config.zipf_alpha, seed=config.seed))
+            table_sizes=config.table_sizes, pooling=data.num_indices_per_lookup,
+            zipf_alpha=data.zipf_alpha, seed=config.model.seed))
         return (stream, SyntheticPosition(sample_index=0),
                 stream, SyntheticPosition(sample_index=SYNTHETIC_TEST_OFFSET))
-    train = CriteoTSVSource(CriteoTSVConfig(paths=config.raw_data_files,
-                                            table_sizes=config.table_sizes,
-                                            skip_bad_lines=config.skip_bad_lines))
-    test = train
-    if config.raw_test_files:
-        test = CriteoTSVSource(CriteoTSVConfig(paths=config.raw_test_files,
-                                               table_sizes=config.table_sizes,
-                                               skip_bad_lines=config.skip_bad_lines))
+
+    def source(files):
+        return CriteoTSVSource(CriteoTSVConfig(paths=files, table_sizes=config.table_sizes,
+                                               skip_bad_lines=data.skip_bad_lines))
+    train = source(data.files(train=True))
+    test = source(data.files(train=False)) if data.files(train=False) else train
     return train, TSVPosition(), test, TSVPosition()
-
-
-class ParityLost(RuntimeError):
-    """Lost shards that neither parity nor a checkpoint can bring back."""
 
 
 class Trainer:
@@ -47,23 +45,27 @@ class Trainer:
 
     def __init__(self, topo, config, log: ProgressLog | None = None):
         self.topo, self.config = topo, config
-        self.timer = PhaseTimer(topo.device, enabled=config.phase_times)
-        self.model = HybridDLRM(topo, config.arch, config.table_sizes, config.optim, config.seed,
-                                config.plan_options, self.timer)
-        self.log = log or ProgressLog(topo.is_root, config.num_batches, config.print_freq)
+        self.timer = PhaseTimer(topo.device, enabled=config.run.phase_times)
+        self.model = HybridDLRM(topo, config.arch, config.table_sizes, config.optim,
+                                config.model.seed, config.plan_options, self.timer)
+        self.log = log or ProgressLog(topo.is_root, config.num_batches, config.run.print_freq)
         self.source, start, self.test_source, self.test_start = make_sources(config)
-        self.ckpt = None
+        self.ckpt = self.restorer = None
         self.step = 0
         if config.checkpoint is not None:
             self.ckpt = CheckpointManager(topo, config.checkpoint, self.model, self.log.say)
-            restored = self.ckpt.restore()  # collective
+            self.restorer = Restorer(topo, config.checkpoint.directory, self.model, self.ckpt.say,
+                                     config.checkpoint.resume)
+            restored = self.restorer.restore()  # collective
             if restored is not None:
+                self.ckpt.restored(restored)
                 self.step, start = restored.step, position_from_dict(restored.reader_state)
         self.parity = None
         self.failure_injected = False
         if config.parity is not None:
             self.parity = ParityGuard(topo, self.model, config.parity, self.log.say)
             self.parity.encode()  # collective
+        self.recovery = build_recovery(topo, self.parity, self.ckpt, self.restorer, self.log.say)
         self.reader = self._make_reader(start)
         self.log.restart_at(self.step)
 
@@ -71,7 +73,8 @@ class Trainer:
         cfg = self.config
         allowance = self.ckpt.allowance(self.step, cfg.num_batches) if self.ckpt else None
         return PrefetchReader(self.source, global_batch=cfg.global_batch, rank=self.topo.rank,
-                              world=self.topo.world_size, state=start, depth=cfg.prefetch_depth,
+                              world=self.topo.world_size, state=start,
+                              depth=cfg.data.prefetch_depth,
                               allowance=allowance)
 
     def run(self) -> None:
@@ -93,65 +96,52 @@ class Trainer:
                 if self.parity is not None and self.ckpt.due(self.step):
                     self.parity.settle()  # a snapshot must not copy rows still being rebuilt
                 self.ckpt.after_step(self.step, self.reader, cfg.num_batches)
-            if cfg.inject_kill is not None:
-                cfg.inject_kill.maybe_kill(self.step, self.topo.rank)
-            if (cfg.inject_failure is not None and cfg.inject_failure.due(self.step)
+            faults = cfg.faults
+            if faults.inject_kill is not None:
+                faults.inject_kill.maybe_kill(self.step, self.topo.rank)
+            if (faults.inject_failure is not None and faults.inject_failure.due(self.step)
                     and not self.failure_injected):  # once: a rollback replays the step
                 self.failure_injected = True
-                self._lose(cfg.inject_failure.ranks)
-            if cfg.test_freq and self.step % cfg.test_freq == 0 and self.step < cfg.num_batches:
+                self._lose(faults.inject_failure.ranks)
+            if cfg.run.test_freq and self.step % cfg.run.test_freq == 0 \
+                    and self.step < cfg.num_batches:
                 self.test()
         if self.parity is not None:
             self.parity.settle()
         if self.ckpt is not None:
             self.ckpt.close()
         self.test()
-        if cfg.phase_times:
+        if cfg.run.phase_times:
             self._print_phases()
-        if cfg.digest:
+        if cfg.run.digest:
             self.log.say(f"digest {self.model.digest()}")
 
     def _lose(self, ranks) -> None:
-        """Emulated loss of `ranks`' shards after this step, and its recovery: parity rebuild
-        when parity covers it (training continues), else rollback of every rank to the latest
-        checkpoint. Collective."""
-        why = self.parity.uncovered(ranks) if self.parity is not None else "no parity (--parity-k)"
-        if self.parity is not None:
-            self.parity.fail(ranks)
-        else:
-            self.model.embeddings.wipe_rows(ranks)
-        if why is None:
-            self.parity.start_rebuild(ranks, self.step)
-            return
-        if self.ckpt is None:
-            raise ParityLost(f"ranks {sorted(ranks)} lost their shards after step {self.step}: "
-                             f"{why}, and there is no checkpoint to fall back to (--ckpt-dir)")
-        self.log.say(f"ranks {sorted(ranks)} lost their shards after step {self.step}: {why}; "
-                     f"falling back to the latest checkpoint")
-        restored = self.ckpt.restore_latest()  # collective
-        if restored is None:
-            raise ParityLost(f"ranks {sorted(ranks)} lost their shards after step {self.step}: "
-                             f"{why}, and no checkpoint is committed yet")
-        self.reader.close()
-        self.step = restored.step
-        self.reader = self._make_reader(position_from_dict(restored.reader_state))
-        self.log.restart_at(self.step)
-        if self.parity is not None:
-            self.parity.rebuild = None
-            self.parity.encode()
+        """Emulated loss of `ranks`' shards after this step (their rows and optimizer state become
+        NaN, and whatever the recovery policies keep for them), and its recovery. Collective."""
+        loss = Loss(frozenset(ranks), self.step)
+        self.model.embeddings.wipe_rows(loss.ranks)
+        self.recovery.lose(loss)
+        outcome = self.recovery.recover(loss)
+        if outcome.reader_state is not None:
+            self.reader.close()
+            self.step = outcome.step
+            self.reader = self._make_reader(position_from_dict(outcome.reader_state))
+            self.log.restart_at(self.step)
 
     def _trace(self) -> None:
-        if self.config.trace_samples and self.topo.is_root:
-            with open(self.config.trace_samples, "a") as f:
+        path = self.config.faults.trace_samples
+        if path and self.topo.is_root:
+            with open(path, "a") as f:
                 f.write(f"{self.step + 1} {json.dumps(self.reader.state().to_dict(), sort_keys=True)}\n")
 
     def test(self) -> None:
         """Evaluate on the test set and print AUC and log loss. Collective."""
-        if not self.config.test_num_batches:
+        if not self.config.run.test_num_batches:
             return
         result = evaluate(self.model, self.test_source, self.test_start,
                           global_batch=self.config.global_batch,
-                          num_batches=self.config.test_num_batches)
+                          num_batches=self.config.run.test_num_batches)
         if result is None:
             self.log.say(f"test @ step {self.step}: no test samples with both labels")
         else:

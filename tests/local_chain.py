@@ -1,4 +1,5 @@
-"""LocalChain: the checkpoint pipeline of every kind driven in one process, without MPI or a model.
+"""LocalChain: the checkpoint pipeline of every kind driven in one process, without MPI or a model
+(a test and benchmark harness; not part of the package).
 
 It writes exactly what the trainer's ranks would write (the same file specs through the same writer
 code, the same planner, the same extraction and commit records), but synchronously and for all
@@ -9,40 +10,32 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
-from mpickpt.engine.kinds import KindPlanner, SavePlan
-from mpickpt.engine.snapshot import shard_file_specs
+from mpickpt.checkpoint.load import load_checkpoint
 from mpickpt.engine.writer_process import write_file
 from mpickpt.incrcp.extraction import Extractor
 from mpickpt.incrcp.extractor_process import column_refs, time_restore
-from mpickpt.incrcp.index import load_index
+from mpickpt.kinds.base import SavePlan
+from mpickpt.engine.config import CheckpointConfig
+from mpickpt.kinds.planner import KindPlanner
+from mpickpt.kinds.registry import kind_named
+from mpickpt.store.chunk_index import load_index
+from mpickpt.store.file_spec import FileSpec, dense_relpath, extra_spec, shard_attrs, shard_specs
 from mpickpt.store.manifest import Manifest, apply_retention, list_manifests, write_manifest
-from mpickpt.store.restore import load_checkpoint
-
-
-@dataclass
-class _Topo:
-    rank: int
-
-
-@dataclass
-class _Embeddings:
-    local_gids: np.ndarray
 
 
 class RankState:
     """One rank's row state (numpy arrays) shaped like a model's `row_state()`. Local."""
 
     def __init__(self, plan, rank: int, dim: int, seed: int):
-        self.plan, self.topo = plan, _Topo(rank)
+        self.plan, self.rank = plan, rank
         n = plan.local_rows(rank)
         rng = np.random.default_rng(seed + rank)
         self.arrays = {"weight": rng.standard_normal((n, dim)).astype(np.float32),
                        "state/sum": np.zeros(n, dtype=np.float32)}
-        self.embeddings = _Embeddings(plan.local_to_global(rank, np.arange(n)))
+        self.gids = plan.local_to_global(rank, np.arange(n))
 
     def row_state(self) -> dict:
         return self.arrays
@@ -63,9 +56,11 @@ class LocalChain:
         self.keep, self.parts = keep, parts
         self.ranks = [RankState(plan, r, dim, seed) for r in range(plan.world_size)]
         self.changed = [set() for _ in self.ranks]
-        self.planners = [KindPlanner(policy, plan.local_rows(r), int(sum(plan.table_sizes)),
-                                     self._sum, self._max, incrcp_reset)
-                         for r in range(plan.world_size)]
+        config = CheckpointConfig(directory=root, kind=policy, incrcp_ratio=ratio,
+                                  incrcp_reset=incrcp_reset)
+        total = int(sum(plan.table_sizes))
+        self.planners = [KindPlanner(kind_named(policy, total, config), plan.local_rows(r),
+                                     self._sum, self._max) for r in range(plan.world_size)]
         self.extractors = [Extractor(root, ratio) for _ in self.ranks]
         self.indexes: dict = {}
         self.history: list[dict] = []
@@ -88,7 +83,8 @@ class LocalChain:
         """Checkpoint every rank at `step` (write, commit, ingest). Returns what was written."""
         changed = [np.array(sorted(c), dtype=np.int64) for c in self.changed]
         self.changed = [set() for _ in self.ranks]
-        since = [p.since_base | _mask(len(p.since_base), c) for p, c in zip(self.planners, changed)]
+        since = [p.state.since_base | _mask(len(p.state.since_base), c)
+                 for p, c in zip(self.planners, changed)]
         self._global = np.array([sum(len(c) for c in changed), sum(int(s.sum()) for s in since)],
                                 dtype=np.int64)
         plans = [p.plan(step, c, "local") for p, c in zip(self.planners, changed)]
@@ -122,23 +118,34 @@ class LocalChain:
         return record
 
     def _write_rank(self, state: RankState, step: int, save: SavePlan):
-        arrays = {"gids": state.embeddings.local_gids, **state.arrays}
-        specs = shard_file_specs(state, self.root, _ckpt_id(step), step, self.parts, {}, save)
+        arrays = {"gids": state.gids, **state.arrays}
+        specs = self._specs(state, step, save)
         files, nbytes = {}, 0
         for spec in specs:
             size, payload = write_file(spec, arrays)
             nbytes += size
-            if spec["meta"]["role"] != "chunk":
-                files[spec["relpath"]] = {**spec["meta"], "size": size}
+            if spec.role != "chunk":
+                files[spec.relpath] = {**spec.meta, "size": size}
         return files, nbytes
 
+    def _specs(self, state: RankState, step: int, save: SavePlan) -> list[FileSpec]:
+        """The files a trainer rank writes for `save` (the same functions it uses). Local."""
+        ckpt_id, fmt, rank = _ckpt_id(step), save.format, state.rank
+        located = [fmt.shard_location(save, ckpt_id, rank, step, j) for j in range(self.parts)]
+        specs = shard_specs(self.root, self.plan, rank, state.gids, list(state.arrays),
+                            relpath_of=lambda j: located[j][0], role=located[0][1],
+                            attrs_of=lambda j: shard_attrs(step, save.kind, "fp32", rank, j,
+                                                           self.parts, self.plan.world_size),
+                            selected=save.rows, parts=self.parts)
+        if fmt.rng_in_extra_file:
+            specs.insert(0, extra_spec(self.root, ckpt_id, rank, step, save.kind, {}))
+        return specs
+
     def _write_dense(self, step: int) -> dict:
-        rel = f"{_ckpt_id(step)}/dense.h5"
-        spec = {"path": os.path.join(self.root, rel), "relpath": rel, "group_attrs": {},
-                "datasets": [("dense/param/w", "dense/param/w", None)], "blobs": {},
-                "meta": {"role": "dense", "rank": 0, "part": 0}, "attrs": {"step": step}}
+        spec = FileSpec(self.root, dense_relpath(_ckpt_id(step)), "dense", 0, 0,
+                        {"step": step}, datasets=[("dense/param/w", "dense/param/w", None)])
         size, _ = write_file(spec, {"dense/param/w": np.full(4, step, dtype=np.float32)})
-        return {rel: {**spec["meta"], "size": size}}
+        return {spec.relpath: {**spec.meta, "size": size}}
 
     def _ingest(self, step: int, save: SavePlan) -> float:
         start = time.perf_counter()

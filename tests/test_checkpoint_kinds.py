@@ -8,15 +8,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mpickpt.engine.kinds import KINDS
-from mpickpt.engine.local_store import LocalChain
+from mpickpt.kinds.registry import KINDS
+from tests.local_chain import LocalChain
 from mpickpt.incrcp.extraction import Extractor, remove_orphans
 from mpickpt.incrcp.extractor_process import column_refs
-from mpickpt.incrcp.index import generations, index_dir, load_index
+from mpickpt.store.chunk_index import generations, index_dir, load_index
 from mpickpt.model.shard_plan import ShardPlan
-from mpickpt.store.export import export_checkpoint
+from mpickpt.checkpoint.export import export_checkpoint
 from mpickpt.store.manifest import list_manifests
-from mpickpt.store.verify import verify_checkpoint
+from mpickpt.checkpoint.verify import verify_checkpoint
 
 PLAN = ShardPlan.build((300, 200, 150, 40), 2)
 
@@ -224,11 +224,13 @@ def test_bloom_filter_has_no_false_negatives_and_few_false_positives():
 
 
 def test_intermittent_predictor_and_incrcp_cost_model():
-    from mpickpt.engine.kinds import KindPlanner
+    from mpickpt.kinds.planner import KindPlanner
+    from mpickpt.kinds.registry import kind_named
 
     def planner(policy):
         counts = {}
-        p = KindPlanner(policy, 100, 100, lambda v: counts["sums"], lambda v: v)
+        p = KindPlanner(kind_named(policy, total_rows=100), 100, lambda v: counts["sums"],
+                        lambda v: v)
         return p, counts
 
     p, counts = planner("intermittent")
@@ -249,6 +251,6 @@ def test_intermittent_predictor_and_incrcp_cost_model():
     assert p.plan(2, np.arange(10), "a").kind == "incrcp"
     p.record_restore(p.chain, 2, 0.3)
     p.record_restore(p.chain, 3, 0.7)
-    assert p.cost.predicted_restore() == pytest.approx(1.1)  # linear in the last two restores
+    assert p.kind.cost.predicted_restore() == pytest.approx(1.1)  # linear in the last two restores
     assert p.plan(3, np.arange(10), "a").kind == "full"  # C_base 1.0 < 0.1 + 1.1
     assert "cost model" in p.decisions[-1]["reason"]

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from mpickpt.quant import search as rs
 from mpickpt.quant.bitwidth import BitWidthPolicy, bits_for, expected_restores
+from mpickpt.quant.config import QuantConfig
 from mpickpt.quant.codecs import Codec, codec_for, from_attrs
 from mpickpt.quant.packing import WIDTHS, pack, packed_bytes, unpack
 from mpickpt.store.errors import CheckpointCorruptError
@@ -182,7 +183,7 @@ def test_encoded_arrays_span_blocks_copy_raw_and_catch_corruption(tmp_path):
 def test_bit_width_policy_table_and_fallback():
     assert [bits_for(e) for e in (0, 0.5, 1, 1.01, 3, 3.5, 20, 20.5, 100)] == [2, 2, 2, 3, 3, 4, 4, 8, 8]
     assert expected_restores(0.001, 16, 150) == pytest.approx(2.4)
-    p = BitWidthPolicy(requested="auto", failure_rate=0.001, nodes=16, hours=150)
+    p = BitWidthPolicy(QuantConfig(bits="auto", failure_rate=0.001, hours=150), nodes=16)
     assert p.bits() == 3 and p.weight_codec() == Codec("adaptive", 3)
     assert "expected restores 2.40" in p.explain() and "16 nodes" in p.explain()
     assert p.note_restore(2) is None and p.bits() == 3
@@ -190,39 +191,40 @@ def test_bit_width_policy_table_and_fallback():
     assert "fall back to 8 bits" in line and p.bits() == 8
     assert p.note_restore(4) is None and p.bits() == 8  # logged once
     assert "restores so far 4" in p.explain()
-    assert BitWidthPolicy(requested="auto", failure_rate=0.01, nodes=8, hours=300).bits() == 8
-    assert BitWidthPolicy(requested="auto", failure_rate=0.0, nodes=8, hours=300).bits() == 2
-    fixed = BitWidthPolicy(requested="4")
+    assert BitWidthPolicy(QuantConfig(bits="auto", failure_rate=0.01, hours=300), nodes=8).bits() == 8
+    assert BitWidthPolicy(QuantConfig(bits="auto", failure_rate=0.0, hours=300), nodes=8).bits() == 2
+    fixed = BitWidthPolicy(QuantConfig(bits="4"))
     assert fixed.bits() == 4 and fixed.note_restore(50) is None and fixed.bits() == 4
     with pytest.raises(ValueError, match="needs --node-failure-rate"):
-        BitWidthPolicy(requested="auto")
+        QuantConfig(bits="auto")
     with pytest.raises(ValueError, match="--ckpt-bits must be one of"):
-        BitWidthPolicy(requested="5")
+        QuantConfig(bits="5")
 
 
 def test_optimizer_state_keeps_16_bits_unless_asked():
     state = {"weight": torch.zeros(4, 8), "state/adagrad_sum": torch.zeros(4),
              "state/momentum": torch.zeros(4, 8)}
-    codecs = BitWidthPolicy(requested="2").row_codecs(state)
+    codecs = BitWidthPolicy(QuantConfig(bits="2")).row_codecs(state)
     assert codecs["weight"] == Codec("adaptive", 2)
     assert codecs["state/adagrad_sum"].name == codecs["state/momentum"].name == "fp16"
-    assert BitWidthPolicy(requested="32").row_codecs(state) == {}
-    asked = BitWidthPolicy(requested="4", state_bits=8).row_codecs(state)
+    assert BitWidthPolicy(QuantConfig(bits="32")).row_codecs(state) == {}
+    asked = BitWidthPolicy(QuantConfig(bits="4", state_bits=8)).row_codecs(state)
     assert asked["state/momentum"] == Codec("asym", 8) and asked["state/adagrad_sum"].name == "fp16"
-    assert "state/adagrad_sum" not in BitWidthPolicy(requested="4", state_bits=32).row_codecs(state)
+    assert "state/adagrad_sum" not in BitWidthPolicy(QuantConfig(bits="4", state_bits=32)).row_codecs(state)
 
 
 def test_a_row_out_of_float16_range_fails_the_write_naming_the_row(tmp_path):
     from dataclasses import asdict
 
     from mpickpt.engine.writer_process import write_file
+    from mpickpt.store.file_spec import FileSpec
 
     w = np.ones((10, 4), np.float32)
     w[7, 2] = np.inf
     path = tmp_path / "rank-00000-part-0.h5"
-    spec = {"path": str(path), "relpath": path.name, "group_attrs": {}, "blobs": {}, "meta": {},
-            "attrs": {}, "datasets": [("tables/0/weight", "weight", None)],
-            "codecs": {"weight": asdict(Codec("adaptive", 4))}}
+    spec = FileSpec(str(tmp_path), path.name, "shard", 0, datasets=[("tables/0/weight", "weight",
+                                                                      None)],
+                    codecs={"weight": asdict(Codec("adaptive", 4))})
     with pytest.raises(ValueError, match=r"row 7 .*--ckpt-bits 32"):
         write_file(spec, {"weight": w})
     assert not path.exists()  # never renamed into place; the previous checkpoint is untouched

@@ -9,7 +9,9 @@ import datetime
 import os
 import re
 
+from mpickpt.kinds.registry import format_of
 from mpickpt.store.catalog import status
+from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import Manifest
 from mpickpt.store.shard_file import open_shard
 from mpickpt.store.tables import (READ_ERRORS, dataset_shape, error_text, group_datasets,
@@ -37,7 +39,7 @@ def describe(root: str, manifest: Manifest) -> dict:
         "table_sizes": sizes,
         "parents": list(manifest.parents),
         "chain": manifest.chain,
-        "chunk_store": chunk_store(root, manifest) if manifest.kind == "incrcp" else None,
+        "chunk_store": _format_facts(root, manifest),
         "layout": {str(r): v for r, v in sorted(rows_per_rank(manifest).items())},
         "reader_state": manifest.reader_state,
         "stats": manifest.stats,
@@ -49,23 +51,11 @@ def describe(root: str, manifest: Manifest) -> dict:
     }
 
 
-def chunk_store(root: str, manifest: Manifest) -> dict:
-    """incrcp: per writer rank, the 2-D lists and this checkpoint's rectangle in them. Local."""
-    from mpickpt.incrcp.index import load_index
-
-    ranks = {}
-    for rank in range(manifest.world_size):
-        index = load_index(root, manifest.chain, rank)
-        rect = index.rectangle(manifest.step)
-        ranks[str(rank)] = {
-            "generation": index.generation, "columns": len(index.columns),
-            "depth": {str(t): index.depth(t) for t in sorted(index.cells)},
-            "files": len(index.refcounts()),
-            "rectangle": {"chunks": len(rect), "rows": sum(r.rows for r in rect),
-                          "files": len({r.file for r in rect})},
-            "pending_columns": [c for c in manifest.stats.get("columns", [])
-                                if c not in index.columns]}
-    return {"chain": manifest.chain, "ranks": ranks}
+def _format_facts(root: str, manifest: Manifest) -> dict | None:
+    try:
+        return format_of(manifest).describe(root, manifest)
+    except CheckpointError:
+        return None
 
 
 def iso_time(timestamp: float) -> str:

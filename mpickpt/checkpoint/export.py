@@ -20,16 +20,15 @@ import os
 import h5py
 import numpy as np
 
+from mpickpt.checkpoint.load import check_files
+from mpickpt.checkpoint.verify import id_ranges
+from mpickpt.kinds.registry import checkpoint_segments, format_of
 from mpickpt.store.errors import CheckpointError
-from mpickpt.store.layers import (GAP, SegmentReader, checkpoint_segments, newest_rows,
-                                   parent_manifests)
-from mpickpt.store.manifest import Manifest, list_manifests
-from mpickpt.store.restore import check_files
-from mpickpt.store.shard_file import BLOCK_ROWS, open_shard, read_all, read_rows
+from mpickpt.store.manifest import Manifest, list_manifests, parent_manifests
+from mpickpt.store.segments import GAP, SegmentReader, newest_rows
+from mpickpt.store.shard_file import BLOCK_ROWS, open_shard, read_all
 from mpickpt.store.tables import (READ_ERRORS, error_text, group_datasets, row_array_names,
-                                  stored_row_arrays,
-                                  shard_index, table_offsets)
-from mpickpt.store.verify import id_ranges
+                                  shard_index, stored_row_arrays, table_offsets)
 
 EXPORT_FORMAT = "mpickpt-export-1"
 
@@ -46,7 +45,7 @@ def export_checkpoint(root: str, manifest: Manifest, out: str, with_optimizer: b
     by_step[manifest.step] = manifest
     for m in [*parent_manifests(manifest, by_step), manifest]:
         check_files(root, m)
-    if manifest.kind == "full":
+    if not format_of(manifest).layered:
         index, errors = shard_index(root, manifest)
         if errors:
             raise CheckpointError(next(iter(errors.values())))

@@ -1,6 +1,6 @@
-"""Restore: find the newest valid checkpoint (or a chosen step) and load this rank's rows.
+"""Load: one rank's part of a committed checkpoint of any kind (rows, dense state, RNG states).
 
-Incremental kinds are restored by applying their layers (`mpickpt.store.layers`) in order.
+Incremental kinds are restored by applying their segments (`mpickpt.kinds`) in order.
 Shards are keyed by global row id, so a checkpoint written by N ranks loads onto M ranks: every rank
 computes the global-id ranges it owns under the *current* plan and reads, from each shard file, only
 the rows in those ranges (plus the checksum blocks around them).
@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mpickpt.kinds.registry import checkpoint_segments
 from mpickpt.store.errors import CheckpointError
-from mpickpt.store.layers import (GAP, Segment, SegmentReader, checkpoint_segments, newest_rows,
-                                   parent_manifests)
-from mpickpt.store.manifest import Manifest, list_manifests, torn_dirs
+from mpickpt.store.manifest import Manifest, list_manifests, parent_manifests, torn_dirs
+from mpickpt.store.segments import load_rows
 from mpickpt.store.shard_file import open_shard, read_all
 
 
@@ -54,73 +54,6 @@ def check_compatible(manifest: Manifest, plan, dim: int, row_names) -> None:
     if saved and saved != sorted(row_names):
         raise CheckpointError(f"checkpoint step {manifest.step} saved {saved} per row "
                               f"(optimizer {manifest.optimizer}); the model needs {sorted(row_names)}")
-
-
-def owned_ranges(plan, rank: int) -> list[tuple[int, int, int, int]]:
-    """(table, first global id, end global id, first local row) of each shard of `rank`. Local."""
-    off = plan.table_offsets
-    return [(s.table, int(off[s.table] + s.row_start), int(off[s.table] + s.row_end), s.local_start)
-            for s in plan.shards_of(rank)]
-
-
-def load_rows(root: str, segments: list[Segment], plan, rank: int, templates: dict,
-              step: int, complete: bool = True) -> dict:
-    """This rank's rows under `plan` from `segments`; where several hold a row, the highest
-    order (newest step) wins. Local.
-
-    `templates` maps row-array names to (shape tail, dtype). With `complete`, every row must come
-    from some segment (benchmarks read an incremental checkpoint's increments alone)."""
-    n = plan.local_rows(rank)
-    out = {k: np.empty((n, *tail), dtype=dt) for k, (tail, dt) in templates.items()}
-    newest = np.full(n, np.iinfo(np.int64).min, dtype=np.int64)
-    ranges = owned_ranges(plan, rank)
-    with SegmentReader(root) as reader:
-        for seg in segments:
-            for table, group, start, stop, gmin, gmax in reader.groups(seg):
-                mine = [r for r in ranges if table in (r[0], -1) and gmax >= r[1] and gmin < r[2]]
-                if not mine or stop <= start:
-                    continue
-                gids = reader.gids(seg, group, start, stop)
-                if seg.runs:
-                    _apply_merged(reader, seg, group, start, gids, mine, out, newest)
-                else:
-                    _apply_sorted(reader, seg, group, start, gids, mine, out, newest)
-    if complete and (newest == np.iinfo(np.int64).min).any():
-        missing = np.nonzero(newest == np.iinfo(np.int64).min)[0]
-        raise CheckpointError(f"checkpoint step {step} lacks {missing.size} rows of rank {rank}, "
-                              f"e.g. global ids {plan.local_to_global(rank, missing[:5]).tolist()}")
-    return out
-
-
-def _apply_sorted(reader, seg, group, start, gids, mine, out, newest) -> None:
-    """A segment with ascending gids: read only the owned ranges. Local."""
-    for _, g0, g1, local0 in mine:
-        i0, i1 = (int(i) for i in np.searchsorted(gids, [g0, g1]))
-        if i1 > i0:
-            local = local0 + gids[i0:i1] - g0
-            keep = seg.order >= newest[local]
-            if not keep.any():
-                continue
-            for name in out:
-                out[name][local[keep]] = reader.rows(seg, group, name, start + i0, start + i1)[keep]
-            newest[local[keep]] = seg.order
-
-
-def _apply_merged(reader, seg, group, start, gids, mine, out, newest) -> None:
-    """Adjacent chunks read in one go: select owned rows, newest value per row. Local."""
-    orders = seg.row_orders(len(gids))
-    local = np.full(len(gids), -1, dtype=np.int64)
-    for _, g0, g1, local0 in mine:
-        inside = (gids >= g0) & (gids < g1)
-        local[inside] = local0 + gids[inside] - g0
-    pos = np.nonzero((local >= 0) & (orders != GAP))[0]
-    pos = pos[newest_rows(gids[pos], orders[pos])]
-    pos = pos[orders[pos] >= newest[local[pos]]]
-    if pos.size == 0:
-        return
-    for name in out:
-        out[name][local[pos]] = reader.rows(seg, group, name, start, start + len(gids))[pos]
-    newest[local[pos]] = orders[pos]
 
 
 def load_dense(root: str, manifest: Manifest) -> dict[str, np.ndarray]:

@@ -15,8 +15,11 @@ import os
 
 import numpy as np
 
-from mpickpt.store.catalog import file_problems, file_problem_messages
-from mpickpt.store.manifest import Manifest
+from mpickpt.kinds.registry import checkpoint_segments, format_of
+from mpickpt.store.catalog import file_problem_messages, file_problems
+from mpickpt.store.errors import CheckpointError
+from mpickpt.store.manifest import Manifest, list_manifests, parent_manifests
+from mpickpt.store.segments import GAP, SegmentReader, segment_files
 from mpickpt.store.shard_file import open_shard, read_all, verify_file
 from mpickpt.store.tables import (READ_ERRORS, error_text, group_datasets, row_array_names,
                                   stored_row_arrays,
@@ -25,7 +28,11 @@ from mpickpt.store.tables import (READ_ERRORS, error_text, group_datasets, row_a
 
 def verify_checkpoint(root: str, manifest: Manifest) -> list[str]:
     """All problems of one checkpoint (files, checksums, structure, coverage). Local."""
-    if manifest.kind != "full":
+    try:
+        layered = format_of(manifest).layered
+    except CheckpointError as e:
+        return manifest_problems(root, manifest) + [str(e)]
+    if layered:
         return verify_layered(root, manifest)
     problems = manifest_problems(root, manifest) + file_problem_messages(root, manifest)
     bad = {rel for rel, _ in file_problems(root, manifest)}
@@ -196,10 +203,6 @@ def dedupe(problems: list[str]) -> list[str]:
 def verify_layered(root: str, manifest: Manifest) -> list[str]:
     """An incremental checkpoint: its own and its parents' files, checksums of every file its
     layers read (chunk and bundle files included), and coverage of every table by the layers. Local."""
-    from mpickpt.store.errors import CheckpointError
-    from mpickpt.store.layers import checkpoint_segments, parent_manifests, segment_files
-    from mpickpt.store.manifest import list_manifests
-
     by_step = {m.step: m for m in list_manifests(root)}
     by_step[manifest.step] = manifest
     problems = manifest_problems(root, manifest)
@@ -220,8 +223,6 @@ def verify_layered(root: str, manifest: Manifest) -> list[str]:
 
 def layered_coverage(root: str, manifest: Manifest, segments) -> list[str]:
     """Every global id of every table is in some layer. Local."""
-    from mpickpt.store.layers import GAP, SegmentReader
-
     offsets = table_offsets(manifest)
     seen = np.zeros(int(offsets[-1]), dtype=bool)
     with SegmentReader(root) as reader:

@@ -1,8 +1,14 @@
-"""Configuration of the checkpoint engine."""
+"""Configuration of the checkpoint engine (the `--ckpt-*` flags are declared here)."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from mpickpt.kinds.incrcp import RESETS as INCRCP_RESETS
+from mpickpt.kinds.registry import KINDS
+from mpickpt.options import int_at_least, option, ratio
+from mpickpt.quant.config import QuantConfig
 
 OVERLAP_POLICIES = ("wait", "skip")
 
@@ -11,74 +17,54 @@ OVERLAP_POLICIES = ("wait", "skip")
 class CheckpointConfig:
     """Where, how often and how checkpoints are written and restored."""
 
-    directory: str
-    """Checkpoint root (one per job; a parallel filesystem on clusters)."""
-    interval: int
-    """Batches between checkpoints (>= 1)."""
-    keep: int = 2
-    """Committed checkpoints to retain (>= 1); older ones are deleted after a newer commit."""
-    resume: str = "latest"
-    """'latest' (newest valid, falling back past corrupted ones), 'none', or a step number."""
-    writers: int = 1
-    """Background writer processes per rank (>= 1); each writes one part file of the shard."""
-    overlap: str = "wait"
-    """When the previous checkpoint is still being written: 'wait' for it, or 'skip' this one."""
-    kind: str = "full"
-    """'full', 'differential', 'consecutive', 'intermittent' or 'incrcp' (see engine.kinds)."""
-    incrcp_ratio: float = 0.02
-    """IncrCP's selective-extraction threshold R."""
-    incrcp_reset: str = "cost"
-    """incrcp: new baselines by IncrCP's cost model ('cost') or never ('never')."""
-    inject_extract_crash: int | None = None
-    """Testing: rank 0's extractor dies in its N-th ingestion, before the index commit."""
-    bits: str = "32"
-    """Embedding weight bits in checkpoints: '32', '16', '8', '4', '3', '2' or 'auto'."""
-    quant: str = "adaptive"
-    """Quantizer below 16 bits: 'sym', 'asym', 'adaptive' or 'kmeans'."""
-    quant_search: str = "refined"
-    """Adaptive range search: 'refined' or 'greedy' (the paper's walk)."""
-    quant_bins: int = 0
-    """Greedy walk bins (0: the paper's default for the width)."""
-    quant_ratio: float = -1.0
-    """Greedy walk ratio (< 0: the paper's default for the width)."""
-    state_bits: int | None = None
-    """Optimizer state bits (None: 32 with lossless weights, else 16)."""
-    failure_rate: float | None = None
-    """--ckpt-bits auto: failures per node per hour."""
-    train_hours: float | None = None
-    """--ckpt-bits auto: expected training hours."""
-    nodes: int | None = None
-    """--ckpt-bits auto: nodes of the job (None: counted from the ranks)."""
+    OPTION_GROUP: ClassVar[str] = "checkpoint"
+
+    directory: str | None = option(None, flag="--ckpt-dir")
+    """checkpoint root directory, one per job (a parallel filesystem on clusters); checkpointing
+    is on when it is given"""
+    interval: int = option(100, flag="--ckpt-interval", parse=int_at_least(1))
+    """batches between checkpoints"""
+    keep: int = option(2, flag="--ckpt-keep", parse=int_at_least(1))
+    """committed checkpoints to retain; older ones are deleted after a newer commit"""
+    resume: str = option("latest", flag="--resume")
+    """'latest' (newest valid, falling back past corrupted ones), 'none', or a step"""
+    writers: int = option(1, flag="--ckpt-writers", parse=int_at_least(1))
+    """background writer processes per rank (one part file each)"""
+    overlap: str = option("wait", flag="--ckpt-overlap", choices=OVERLAP_POLICIES)
+    """when the previous checkpoint is still being written: wait for it, or skip this one"""
+    kind: str = option("full", flag="--ckpt-kind", choices=KINDS)
+    """full; differential (one-shot baseline); consecutive; intermittent (differential with
+    Check-N-Run's baseline predictor); incrcp (consecutive increments in IncrCP's 2-D chunk
+    store)"""
+    incrcp_ratio: float = option(0.02, parse=ratio)
+    """IncrCP's selective-extraction threshold R (0..1)"""
+    incrcp_reset: str = option("cost", choices=INCRCP_RESETS)
+    """incrcp baselines: IncrCP's cost model (construction + extrapolated recovery time), or
+    never (one chain per run)"""
+    inject_extract_crash: int | None = option(None, parse=int_at_least(1), metavar="N",
+                                              group="faults")
+    """rank 0's extractor SIGKILLs itself in its N-th ingestion, after writing the bundles and
+    before committing the chunk index"""
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    """How checkpoints are quantized."""
 
     def __post_init__(self):
         if not self.directory:
-            raise ValueError("--ckpt-dir must name a directory, got an empty string")
+            raise ValueError(f"--ckpt-dir must name a directory, got {self.directory!r}")
         for name in ("interval", "keep", "writers"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--ckpt-{name} must be an integer >= 1, got {value!r}")
         if self.overlap not in OVERLAP_POLICIES:
             raise ValueError(f"--ckpt-overlap must be 'wait' or 'skip', got {self.overlap!r}")
-        from mpickpt.engine.kinds import KINDS
-
         if self.kind not in KINDS:
             raise ValueError(f"--ckpt-kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        if self.incrcp_reset not in ("cost", "never"):
+        if self.incrcp_reset not in INCRCP_RESETS:
             raise ValueError(f"--incrcp-reset must be 'cost' or 'never', got {self.incrcp_reset!r}")
         if not 0.0 <= self.incrcp_ratio <= 1.0:
             raise ValueError(f"--incrcp-ratio must lie in [0, 1], got {self.incrcp_ratio!r}")
-        self.bit_policy(1)  # refuse bad quantization flags before training starts
         if self.resume not in ("latest", "none") and not str(self.resume).isdigit():
             raise ValueError(f"--resume must be 'latest', 'none' or a step number, got {self.resume!r}")
-
-    def bit_policy(self, nodes: int):
-        """A fresh BitWidthPolicy from these settings (`nodes` unless --nodes was given). Local."""
-        from mpickpt.quant.bitwidth import BitWidthPolicy
-
-        return BitWidthPolicy(requested=str(self.bits), quant=self.quant, search=self.quant_search,
-                              num_bins=self.quant_bins, ratio=self.quant_ratio,
-                              state_bits=self.state_bits, failure_rate=self.failure_rate,
-                              nodes=self.nodes or nodes, hours=self.train_hours)
 
     @property
     def resume_step(self) -> int | None:

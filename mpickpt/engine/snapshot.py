@@ -1,13 +1,12 @@
 """Snapshot: copy a rank's state into the staging area, and describe the files to write from it."""
 from __future__ import annotations
 
-import os
 import time
 
-import numpy as np
 import torch
 
 from mpickpt.engine.staging import StagingArea
+from mpickpt.store.file_spec import FileSpec, dense_spec, extra_spec, shard_attrs, shard_specs
 
 
 def state_specs(model, with_dense: bool) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -75,85 +74,42 @@ class Snapshotter:
             self.area = None
 
 
-def part_bounds(n: int, parts: int) -> list[tuple[int, int]]:
-    """Split local rows [0, n) into `parts` contiguous ranges. Local."""
-    return [(n * j // parts, n * (j + 1) // parts) for j in range(parts)]
+def save_file_specs(model, root: str, ckpt_id: str, step: int, parts: int, save,
+                    codecs: dict, rng: dict) -> list[list[FileSpec]]:
+    """The files of one save, one list per writer part: each part's shard file (where the save's
+    kind puts it), and with the first part the RNG states, in the shard file or, for kinds whose
+    increments live in a chain, in a small extra file of the step directory. Local.
 
-
-def shard_file_specs(model, root: str, ckpt_id: str, step: int, parts: int, rng: dict,
-                     save=None, codecs: dict | None = None) -> list[dict]:
-    """One file spec per writer part: per table, the part's rows of every row array. Local.
-
-    `save` (a SavePlan) selects rows for incremental kinds; incrcp chunks go to the chain's
-    directory, and the RNG states then travel in a small per-rank ``extra`` file of the step.
     `codecs` maps row-array names to the lossy Codec the writer encodes them with."""
-    plan, rank = model.plan, model.topo.rank
-    names = ["gids", *model.row_state()]
-    kind = save.kind if save is not None else "full"
-    selected = save.rows if save is not None and not save.is_full else None
-    codecs = codecs or {}
-    encode = {name: {k: v for k, v in vars_of(c).items() if k != "threads"}
-              for name, c in codecs.items()}
+    plan, rank, fmt = model.plan, model.topo.rank, save.format
     label = codecs["weight"].label() if "weight" in codecs else "fp32"
-    specs = []
-    for j, (a, b) in enumerate(part_bounds(plan.local_rows(rank), parts)):
-        datasets, groups = [], {}
-        gids = model.embeddings.local_gids
-        for s in plan.shards_of(rank):
-            lo, hi = max(a, s.local_start), min(b, s.local_start + s.rows)
-            if lo >= hi:
-                continue
-            sel = [(lo, hi)] if selected is None else _rows_within(selected, lo, hi)
-            if selected is not None and len(sel) == 0:
-                continue
-            first, last = (lo, hi - 1) if selected is None else (int(sel[0]), int(sel[-1]))
-            group = f"tables/{s.table}"
-            groups[group] = {"gid_min": int(gids[first]), "gid_max": int(gids[last])}
-            datasets += [(f"{group}/{name}", name, sel) for name in names]
-        if kind == "incrcp":
-            from mpickpt.incrcp.index import column_relpath
-            rel = column_relpath(save.chain, rank, step, j)
-        else:
-            rel = f"{ckpt_id}/rank-{rank:05d}-part-{j}.h5"
-        specs.append({"path": os.path.join(root, rel), "relpath": rel, "datasets": datasets,
-                      "group_attrs": groups, "blobs": rng if j == 0 and kind != "incrcp" else {},
-                      "codecs": encode,
-                      "meta": {"role": "chunk" if kind == "incrcp" else "shard", "rank": rank,
-                               "part": j},
-                      "attrs": {"step": step, "kind": kind, "codec": label, "rank": rank,
-                                "part": j, "parts": parts, "world_size": plan.world_size}})
-    if kind == "incrcp":
-        rel = f"{ckpt_id}/rank-{rank:05d}-extra.h5"
-        specs[0:0] = [{"path": os.path.join(root, rel), "relpath": rel, "datasets": [],
-                       "group_attrs": {}, "blobs": rng,
-                       "meta": {"role": "extra", "rank": rank, "part": 0},
-                       "attrs": {"step": step, "kind": kind, "rank": rank}}]
-    return specs
+    located = [fmt.shard_location(save, ckpt_id, rank, step, j) for j in range(parts)]
+    specs = shard_specs(root, plan, rank, model.embeddings.local_gids, list(model.row_state()),
+                        relpath_of=lambda j: located[j][0], role=located[0][1],
+                        attrs_of=lambda j: shard_attrs(step, save.kind, label, rank, j, parts,
+                                                       plan.world_size),
+                        selected=save.rows, parts=parts,
+                        codecs={name: codec_fields(c) for name, c in codecs.items()})
+    groups = [[spec] for spec in specs]
+    if fmt.rng_in_extra_file:
+        groups[0].insert(0, extra_spec(root, ckpt_id, rank, step, save.kind, rng))
+    else:
+        specs[0].blobs = rng
+    return groups
 
 
-def vars_of(codec) -> dict:
-    """A Codec's fields as a plain dict (what the writer process rebuilds it from). Local."""
+def codec_fields(codec) -> dict:
+    """A Codec's fields as a plain dict, without its thread count (the writer process rebuilds
+    the Codec from it). Local."""
     from dataclasses import asdict
 
-    return asdict(codec)
+    return {k: v for k, v in asdict(codec).items() if k != "threads"}
 
 
-def _rows_within(rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """The sorted `rows` in [lo, hi). Local."""
-    i0, i1 = np.searchsorted(rows, [lo, hi])
-    return rows[i0:i1]
-
-
-def dense_file_spec(model, root: str, ckpt_id: str, step: int) -> dict:
+def dense_file_spec(model, root: str, ckpt_id: str, step: int) -> FileSpec:
     """The replicated dense state, written once (by rank 0's last writer). Local."""
-    rel = f"{ckpt_id}/dense.h5"
-    names = [f"dense/{k}" for k in model.dense_state()]
-    return {"path": os.path.join(root, rel), "relpath": rel, "group_attrs": {},
-            "datasets": [(name, name, None) for name in names], "blobs": {},
-            "meta": {"role": "dense", "rank": 0, "part": 0},
-            "attrs": {"step": step, "kind": "full", "codec": "fp32",
-                      # dense/opt/<i> is numbered in this parameter order
-                      "param_order": [n for n, _ in model.dense.named_parameters()]}}
+    return dense_spec(root, ckpt_id, step, list(model.dense_state()),
+                      [n for n, _ in model.dense.named_parameters()])
 
 
 def rng_blobs() -> dict[str, bytes]:

@@ -1,10 +1,9 @@
 """A rank's pool of background writer processes (spawned, no MPI inside)."""
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import time
 
+from mpickpt.background import start_worker
 from mpickpt.engine.writer_process import writer_main
 
 
@@ -12,7 +11,6 @@ class WriterPool:
     """`count` writer processes; one job (a list of per-writer jobs) in flight at a time. Local."""
 
     def __init__(self, count: int):
-        self._ctx = mp.get_context("spawn")
         self._procs: list = [None] * count
         self._conns: list = [None] * count
         for i in range(count):
@@ -22,12 +20,7 @@ class WriterPool:
         self._dirs: dict[int, str | None] = {}
 
     def _start(self, i: int) -> None:
-        parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=writer_main, args=(child, os.getpid()), daemon=True,
-                                 name=f"mpickpt-writer-{i}")
-        proc.start()
-        child.close()
-        self._procs[i], self._conns[i] = proc, parent
+        self._procs[i], self._conns[i] = start_worker(writer_main, f"mpickpt-writer-{i}")
 
     @property
     def size(self) -> int:

@@ -8,50 +8,26 @@ writer behind that could finish a stale file later.
 """
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import sys
 import time
 import traceback
 
 import numpy as np
 
+from mpickpt.background import die_with_parent, ignore_job_signals, serve
 from mpickpt.engine.staging import map_arrays
-
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 def writer_main(conn, parent_pid: int) -> None:
     """Serve write jobs until a None job or a closed pipe. Runs in the writer process."""
-    _die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent_pid)
+    ignore_job_signals()
     import h5py  # noqa: F401  (import now, not during the first checkpoint)
 
     sys.unraisablehook = lambda _: None  # h5py's dealloc noise after a failed write; reported below
     attached: dict[str, tuple] = {}
     serve(conn, lambda job: run_job(job, attached))
-
-
-def serve(conn, handle) -> None:
-    """Answer each job received on `conn` with `handle(job)` until None or a closed pipe. Local."""
-    while True:
-        try:
-            job = conn.recv()
-        except EOFError:
-            return
-        if job is None:
-            return
-        conn.send(handle(job))
 
 
 def run_job(job: dict, attached: dict) -> dict:
@@ -63,15 +39,15 @@ def run_job(job: dict, attached: dict) -> dict:
         arrays = _attach(job["staging"], attached)
         total = 0
         for spec in job["files"]:
-            current = spec["path"]
+            current = spec.path
             size, payload = write_file(spec, arrays)
-            written[spec["relpath"]] = {**spec["meta"], "size": size}
+            written[spec.relpath] = {**spec.meta, "size": size}
             total += payload
         return {"ok": True, "files": written, "bytes": total,
                 "seconds": time.perf_counter() - start, "step": job["step"]}
     except Exception as e:  # reported to the trainer, never raised there
         for spec in job["files"]:
-            _remove_quietly(spec["path"] + ".tmp")
+            _remove_quietly(spec.path + ".tmp")
         detail = traceback.format_exception_only(type(e), e)[-1].strip()
         return {"ok": False, "error": f"{current or job.get('dir')}: {detail}", "step": job["step"]}
 
@@ -84,24 +60,24 @@ def _attach(staging: dict, attached: dict) -> dict:
     return attached[path][1]
 
 
-def write_file(spec: dict, arrays: dict) -> tuple[int, int]:
+def write_file(spec, arrays: dict) -> tuple[int, int]:
     """Write one shard or dense file atomically and durably; returns (file size, payload). Local."""
     from mpickpt.store.shard_file import fsync_path
 
-    os.makedirs(os.path.dirname(spec["path"]), exist_ok=True)
-    tmp = spec["path"] + ".tmp"
-    reservation = Reservation(spec["path"], _payload_bytes(spec, arrays))
+    os.makedirs(os.path.dirname(spec.path), exist_ok=True)
+    tmp = spec.path + ".tmp"
+    reservation = Reservation(spec.path, _payload_bytes(spec, arrays))
     try:
         payload = _write_hdf5(tmp, spec, arrays, reservation)
     finally:
         reservation.close()
     fsync_path(tmp)
-    os.replace(tmp, spec["path"])
-    fsync_path(os.path.dirname(spec["path"]))
-    return os.path.getsize(spec["path"]), payload
+    os.replace(tmp, spec.path)
+    fsync_path(os.path.dirname(spec.path))
+    return os.path.getsize(spec.path), payload
 
 
-def _write_hdf5(tmp: str, spec: dict, arrays: dict, reservation: Reservation) -> int:
+def _write_hdf5(tmp: str, spec, arrays: dict, reservation: Reservation) -> int:
     import h5py
 
     from mpickpt.store.shard_file import FORMAT_VERSION
@@ -109,18 +85,18 @@ def _write_hdf5(tmp: str, spec: dict, arrays: dict, reservation: Reservation) ->
     payload = 0
     with h5py.File(tmp, "w") as f:
         f.attrs["format_version"] = FORMAT_VERSION
-        for key, value in spec["attrs"].items():
+        for key, value in spec.attrs.items():
             f.attrs[key] = value
-        for group, attrs in spec.get("group_attrs", {}).items():
+        for group, attrs in spec.group_attrs.items():
             f.require_group(group).attrs.update(attrs)
-        codecs = spec.get("codecs", {})
-        for name, source, ranges in spec["datasets"]:
+        codecs = spec.codecs
+        for name, source, ranges in spec.datasets:
             data = _gather(arrays[source], ranges)
             if source in codecs:  # quantized here, block by block, in the background
                 payload += _write_encoded(f, name, data, codecs[source], reservation.release)
             else:
                 payload += _write(f, name, data, reservation.release)
-        for name, raw in spec.get("blobs", {}).items():
+        for name, raw in spec.blobs.items():
             _write(f, name, np.frombuffer(raw, dtype=np.uint8), reservation.release)
         reservation.close()  # the rest covers HDF5's metadata, written at close
     return payload
@@ -130,9 +106,9 @@ RESERVE_SLACK = 1.05  # HDF5 metadata and checksum datasets
 RESERVE_EXTRA = 64 << 10
 
 
-def _payload_bytes(spec: dict, arrays: dict) -> int:
-    total = sum(len(raw) for raw in spec.get("blobs", {}).values())
-    for _, source, ranges in spec["datasets"]:
+def _payload_bytes(spec, arrays: dict) -> int:
+    total = sum(len(raw) for raw in spec.blobs.values())
+    for _, source, ranges in spec.datasets:
         a = arrays[source]
         if ranges is None:
             total += a.nbytes

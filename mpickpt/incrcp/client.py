@@ -1,10 +1,9 @@
 """The trainer's handle on its extractor process: submit, poll, restart, drain. Local."""
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import time
 
+from mpickpt.background import start_worker
 from mpickpt.incrcp.extractor_process import extractor_main
 
 
@@ -15,19 +14,14 @@ class ExtractorClient:
     def __init__(self, root: str, ratio: float, log=None):
         self.root, self.ratio = root, ratio
         self.log = log or (lambda line: None)
-        self._ctx = mp.get_context("spawn")
         self.pending: list[dict] = []
         self.results: list[dict] = []
         self.restarts = 0
         self._start()
 
     def _start(self) -> None:
-        parent, child = self._ctx.Pipe()
-        self.proc = self._ctx.Process(target=extractor_main, daemon=True, name="mpickpt-extractor",
-                                      args=(child, os.getpid(), self.root, self.ratio))
-        self.proc.start()
-        child.close()
-        self.conn = parent
+        self.proc, self.conn = start_worker(extractor_main, "mpickpt-extractor", self.root,
+                                            self.ratio)
 
     def submit(self, job: dict) -> None:
         """Queue one ingestion (after its column file is durable). Local."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpickpt.incrcp.bloom import BloomFilter
-from mpickpt.incrcp.index import ChunkIndex, ChunkRef, commit_index, index_dir
+from mpickpt.store.chunk_index import ChunkIndex, ChunkRef, commit_index, index_dir
 from mpickpt.store.row_arrays import EncodedRows, open_rows, write_raw
 from mpickpt.store.shard_file import FORMAT_VERSION, fsync_path, open_shard, read_rows, write_dataset
 

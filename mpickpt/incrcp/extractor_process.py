@@ -12,13 +12,13 @@ import signal
 import time
 import traceback
 
-from mpickpt.engine.writer_process import _die_with_parent, serve
+from mpickpt.background import die_with_parent, ignore_job_signals, serve
 
 
 def extractor_main(conn, parent_pid: int, root: str, ratio: float) -> None:
     """Serve ingestion jobs until a None job or a closed pipe. Runs in the extractor process."""
-    _die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent_pid)
+    ignore_job_signals()
     from mpickpt.incrcp.extraction import Extractor
 
     state = {"extractor": Extractor(root, ratio), "indexes": {}}
@@ -28,7 +28,7 @@ def extractor_main(conn, parent_pid: int, root: str, ratio: float) -> None:
 def run_ingest(job: dict, state: dict) -> dict:
     """Ingest one column and time a restore of its checkpoint's increments. Local."""
     from mpickpt.incrcp.extraction import remove_orphans
-    from mpickpt.incrcp.index import load_index
+    from mpickpt.store.chunk_index import load_index
     from mpickpt.store.manifest import list_manifests
 
     root, chain, rank, step = job["root"], job["chain"], job["rank"], job["step"]
@@ -53,7 +53,8 @@ def run_ingest(job: dict, state: dict) -> dict:
 
 def column_refs(root: str, chain: str, rank: int, step: int, parts: int) -> list:
     """ChunkRefs of every table group in the column files of checkpoint `step`. Local."""
-    from mpickpt.incrcp.index import ChunkRef, column_relpath
+    from mpickpt.store.chunk_index import ChunkRef
+    from mpickpt.store.file_spec import column_relpath
     from mpickpt.store.shard_file import open_shard
 
     refs = []
@@ -71,7 +72,7 @@ def column_refs(root: str, chain: str, rank: int, step: int, parts: int) -> list
 def time_restore(root: str, index, step: int, row_names: list[str]) -> float:
     """Seconds to read checkpoint `step`'s rectangle of this rank's lists the way restore reads it
     (nearby chunks of a file merged into one read). Local."""
-    from mpickpt.store.layers import SegmentReader, merge_refs
+    from mpickpt.store.segments import SegmentReader, merge_refs
 
     start = time.perf_counter()
     with SegmentReader(root) as reader:

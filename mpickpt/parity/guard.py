@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 
+from mpickpt.options import int_at_least, option, positive_float
 from mpickpt.parity.layout import check_parity_shape
 from mpickpt.parity.rebuild import Rebuild
 from mpickpt.parity.upkeep import ParityStore
@@ -22,14 +24,23 @@ NAN_BITS = 0x7FC00000
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParityConfig:
-    """--parity-k, --parity-r, --rebuild-budget."""
+    """In-memory parity (ECRM; level 1, below the checkpoints)."""
 
-    k: int
-    r: int = 1
-    budget: float = 0.1
-    """Fraction of a step's time a rebuild round may take for its chunk (degraded reads extra)."""
+    OPTION_GROUP: ClassVar[str] = "parity"
+
+    k: int | None = option(None, flag="--parity-k", parse=int_at_least(1), metavar="K")
+    """data ranks per parity group (groups of K + R consecutive ranks; the world size must be a
+    multiple of K + R); parity is on when it is given"""
+    r: int = option(1, flag="--parity-r", parse=int_at_least(1), metavar="R")
+    """parity units per stripe: 1 = XOR, 2 or more = Reed-Solomon over GF(2^8); R failed ranks
+    per group are rebuilt exactly"""
+    budget: float = option(0.1, flag="--rebuild-budget", parse=positive_float, metavar="F")
+    """fraction of a step's time each rebuild round may spend on its chunk (degraded reads
+    extra)"""
 
     def __post_init__(self):
+        if self.k is None:
+            raise ValueError("parity needs --parity-k (data ranks per parity group)")
         if self.k < 1 or self.r < 1:
             raise ValueError(f"--parity-k and --parity-r must be >= 1, got k={self.k}, r={self.r}")
         if not 0 < self.budget <= 10:
@@ -90,8 +101,20 @@ class ParityGuard:
         """The named ranks lose their rows, optimizer state and parity (NaN). Local to each rank;
         every rank calls it with the same `ranks`."""
         self.embeddings.wipe_rows(ranks)
+        self.lose_parity(ranks)
+
+    @torch.no_grad()
+    def lose_parity(self, ranks) -> None:
+        """The named ranks lose the parity they hold (NaN). Local; every rank calls it with the
+        same `ranks`."""
         if self.topo.rank in ranks:
             self.store.parity.fill_(NAN_BITS)
+
+    def resync(self) -> None:
+        """Rows were replaced by older values (a rollback): drop any rebuild in progress and
+        encode parity afresh. Collective."""
+        self.rebuild = None
+        self.encode()
 
     def start_rebuild(self, ranks, step: int) -> None:
         """Begin rebuilding `ranks` (their failure is covered). Local; rounds run in lookups."""

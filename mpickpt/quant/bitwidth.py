@@ -15,9 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mpickpt.quant.codecs import Codec, codec_for
+from mpickpt.quant.config import BIT_CHOICES, STATE_BIT_CHOICES, QuantConfig
 
-BIT_CHOICES = ("32", "16", "8", "4", "3", "2", "auto")
-STATE_BIT_CHOICES = (32, 16, 8)
 THRESHOLDS = ((1.0, 2), (3.0, 3), (20.0, 4))
 """(largest expected restores, bits), in order; above the last: `FALLBACK_BITS`."""
 FALLBACK_BITS = 8
@@ -40,47 +39,42 @@ def bits_for(expected: float) -> int:
 class BitWidthPolicy:
     """The weight codec's width over a job: fixed, or `auto` from the expected restores."""
 
-    requested: str = "32"
-    quant: str = "adaptive"
-    search: str = "refined"
-    num_bins: int = 0
-    ratio: float = -1.0
-    state_bits: int | None = None
-    failure_rate: float | None = None
+    config: QuantConfig = field(default_factory=QuantConfig)
     nodes: int = 1
-    hours: float | None = None
     restores: int = 0
     fell_back: bool = field(default=False, init=False)
 
     def __post_init__(self):
-        if str(self.requested) not in BIT_CHOICES:
+        c = self.config
+        if str(c.bits) not in BIT_CHOICES:
             raise ValueError(f"--ckpt-bits must be one of {', '.join(BIT_CHOICES)}, got "
-                             f"{self.requested!r}")
-        if self.state_bits is not None and self.state_bits not in STATE_BIT_CHOICES:
+                             f"{c.bits!r}")
+        if c.state_bits is not None and c.state_bits not in STATE_BIT_CHOICES:
             raise ValueError(f"--ckpt-state-bits must be one of {STATE_BIT_CHOICES}, got "
-                             f"{self.state_bits!r}")
+                             f"{c.state_bits!r}")
         if self.auto:
-            if self.failure_rate is None or self.hours is None:
+            if c.failure_rate is None or c.hours is None:
                 raise ValueError("--ckpt-bits auto needs --node-failure-rate (failures per node "
                                  "per hour) and --expected-train-hours")
-            if self.failure_rate < 0 or self.hours < 0 or self.nodes < 1:
+            if c.failure_rate < 0 or c.hours < 0 or self.nodes < 1:
                 raise ValueError(f"--node-failure-rate and --expected-train-hours must be >= 0 "
-                                 f"and nodes >= 1, got {self.failure_rate!r}, {self.hours!r}, "
+                                 f"and nodes >= 1, got {c.failure_rate!r}, {c.hours!r}, "
                                  f"{self.nodes!r}")
         self.weight_codec()  # refuse a bad --ckpt-quant / bins / ratio before training starts
 
     @property
     def auto(self) -> bool:
-        return str(self.requested) == "auto"
+        return str(self.config.bits) == "auto"
 
     @property
     def expected(self) -> float | None:
-        return expected_restores(self.failure_rate, self.nodes, self.hours) if self.auto else None
+        c = self.config
+        return expected_restores(c.failure_rate, self.nodes, c.hours) if self.auto else None
 
     def bits(self) -> int:
         """The weight width in force now. Local."""
         if not self.auto:
-            return int(self.requested)
+            return int(self.config.bits)
         if self.fell_back or self.restores > self.expected:
             return FALLBACK_BITS
         return bits_for(self.expected)
@@ -98,22 +92,24 @@ class BitWidthPolicy:
     def explain(self) -> str:
         """The choice and its inputs, for the log. Local."""
         codec = self.weight_codec()
+        c = self.config
         if not self.auto:
-            return f"quantization: --ckpt-bits {self.requested}: weights {codec.label()}"
+            return f"quantization: --ckpt-bits {c.bits}: weights {codec.label()}"
         why = (f"{self.restores} restores so far exceed the estimate" if self.bits() == FALLBACK_BITS
                and self.restores > self.expected else "thresholds <=1: 2, <=3: 3, <=20: 4, else 8")
         return (f"quantization: --ckpt-bits auto: expected restores {self.expected:.2f} = "
-                f"{self.failure_rate:g} failures/node-hour x {self.nodes} nodes x {self.hours:g} h "
+                f"{c.failure_rate:g} failures/node-hour x {self.nodes} nodes x {c.hours:g} h "
                 f"({why}; restores so far {self.restores}) -> weights {codec.label()}")
 
     def weight_codec(self) -> Codec:
-        kw = {"search": self.search, "num_bins": self.num_bins, "ratio": self.ratio} \
-            if self.quant == "adaptive" else {}
-        return codec_for(self.bits(), self.quant, **kw)
+        c = self.config
+        kw = {"search": c.search, "num_bins": c.bins, "ratio": c.ratio} \
+            if c.quant == "adaptive" else {}
+        return codec_for(self.bits(), c.quant, **kw)
 
     def state_codec(self, vector: bool) -> Codec:
         """Codec of optimizer state: float32 with lossless weights, else float16 by default. Local."""
-        bits = self.state_bits if self.state_bits is not None else (
+        bits = self.config.state_bits if self.config.state_bits is not None else (
             32 if self.weight_codec().lossless else 16)
         if bits == 8 and not vector:
             bits = 16  # 1-D per-row state: one value per row, float16 at least

@@ -20,6 +20,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 
+from mpickpt.store.file_spec import chain_relpath
 from mpickpt.store.shard_file import fsync_path
 
 INDEX_RE = re.compile(r"^index-(\d{8})\.json$")
@@ -137,12 +138,7 @@ class ChunkIndex:
 
 def index_dir(root: str, chain: str, rank: int) -> str:
     """Directory of one rank's chunk files and index generations. Local."""
-    return os.path.join(root, "chains", chain, f"rank-{rank:05d}")
-
-
-def column_relpath(chain: str, rank: int, step: int, part: int) -> str:
-    """Where the foreground writer puts the chunk of checkpoint `step` (writer part `part`). Local."""
-    return f"chains/{chain}/rank-{rank:05d}/col-{step:012d}-part-{part}.h5"
+    return os.path.join(root, chain_relpath(chain, rank))
 
 
 def commit_index(root: str, index: ChunkIndex, keep_generations: int = 2) -> str:

@@ -14,6 +14,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 
+from mpickpt.store.errors import CheckpointError
 from mpickpt.store.shard_file import fsync_path
 
 MANIFEST_RE = re.compile(r"^manifest-(\d{12})\.json$")
@@ -58,6 +59,18 @@ class Manifest:
 
     def total_bytes(self) -> int:
         return sum(v["size"] for v in self.files.values())
+
+
+def parent_manifests(manifest: Manifest, by_step: dict[int, Manifest]) -> list[Manifest]:
+    """The committed manifests `manifest` builds on, oldest first; CheckpointError if one is gone.
+    Local."""
+    out = []
+    for step in manifest.parents:
+        if step not in by_step:
+            raise CheckpointError(f"checkpoint step {manifest.step} ({manifest.kind}) needs step "
+                                  f"{step}, which is not committed (retired or deleted)")
+        out.append(by_step[step])
+    return out
 
 
 def manifest_path(root: str, step: int) -> str:

@@ -1,15 +1,9 @@
-"""Layers: the ordered pieces of files that make up one checkpoint, for every checkpoint kind.
+"""Segments: the ordered pieces of files that make up one checkpoint, and reading them.
 
-- ``full``: the checkpoint's own shard files.
-- ``differential``: its baseline's shard files, then its own (rows changed since the baseline).
-- ``consecutive``: its baseline, then every increment of the chain up to itself, oldest first
-  (the naive incremental restore: everything is read, newer rows overwrite older ones).
-- ``incrcp``: its baseline (its only parent), then the rectangle of the 2-D chunk lists of every writer rank
-  (`mpickpt.incrcp.index`), plus the chunk files of chain columns the index has not ingested yet.
-
-A Segment is rows [start, stop) of one table group (or every table group, `table=None`) of one file;
-applying segments in order, later rows overwriting earlier ones, gives the checkpoint's rows. Local:
-nothing here uses MPI.
+A Segment is rows [start, stop) of one table group (or every table group, `table=None`) of one
+file; a checkpoint kind (`mpickpt.kinds`) lists the segments of a checkpoint in the order to apply
+them, later rows overwriting earlier ones (or, within a merged segment, the newest step winning).
+`load_rows` applies them for one rank under any shard plan. Local: nothing here uses MPI.
 """
 from __future__ import annotations
 
@@ -18,13 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpickpt.incrcp.index import column_relpath, load_index
 from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import Manifest
 from mpickpt.store.row_arrays import open_rows
 from mpickpt.store.shard_file import open_shard, read_rows
-
-INCREMENTAL_KINDS = ("differential", "consecutive", "incrcp")
 
 
 @dataclass(frozen=True)
@@ -54,50 +45,9 @@ class Segment:
         return np.repeat([o for _, o in self.runs], [k for k, _ in self.runs]).astype(np.int64)
 
 
-def parent_manifests(manifest: Manifest, by_step: dict[int, Manifest]) -> list[Manifest]:
-    """The committed manifests `manifest` builds on, oldest first; CheckpointError if one is gone."""
-    out = []
-    for step in manifest.parents:
-        if step not in by_step:
-            raise CheckpointError(f"checkpoint step {manifest.step} ({manifest.kind}) needs step "
-                                  f"{step}, which is not committed (retired or deleted)")
-        out.append(by_step[step])
-    return out
-
-
-def checkpoint_segments(root: str, manifest: Manifest, by_step: dict[int, Manifest]) -> list[Segment]:
-    """Every segment of `manifest`'s checkpoint in the order to apply them. Local."""
-    if manifest.kind == "full":
-        return whole_files(manifest)
-    parents = parent_manifests(manifest, by_step)
-    if manifest.kind in ("differential", "consecutive"):
-        return [s for m in [*parents, manifest] for s in whole_files(m)]
-    if manifest.kind == "incrcp":
-        return whole_files(parents[0]) + chunk_segments(root, manifest)
-    raise CheckpointError(f"checkpoint step {manifest.step}: unknown kind {manifest.kind!r}")
-
-
 def whole_files(manifest: Manifest) -> list[Segment]:
+    """The shard files a checkpoint wrote itself, as segments ordered by its step. Local."""
     return [Segment(rel, order=manifest.step) for rel in manifest.shard_files()]
-
-
-def chain_columns(manifest: Manifest) -> list[int]:
-    """Steps of the incremental columns up to and including `manifest` (incrcp). Local."""
-    return [int(c) for c in manifest.stats.get("columns", [manifest.step])]
-
-
-def chunk_segments(root: str, manifest: Manifest) -> list[Segment]:
-    """The 2-D lists' rectangle of an incrcp checkpoint over all writer ranks, column order. Local."""
-    parts = int(manifest.stats.get("parts", 1))
-    pieces = []
-    for rank in range(manifest.world_size):
-        index = load_index(root, manifest.chain, rank)
-        pieces += merge_refs(index.rectangle(manifest.step))
-        for column in chain_columns(manifest):
-            if column not in index.columns:  # not ingested yet: its chunk file is intact
-                pieces += [Segment(column_relpath(manifest.chain, rank, column, j), order=column)
-                           for j in range(parts)]
-    return sorted(pieces, key=lambda s: s.order)
 
 
 GAP = np.iinfo(np.int64).min
@@ -215,3 +165,70 @@ class SegmentReader:
     def rows(self, seg: Segment, group, name: str, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) of row array `name`, decoded when quantized. Local."""
         return open_rows(group, name, self.path(seg)).rows(start, stop)
+
+
+def owned_ranges(plan, rank: int) -> list[tuple[int, int, int, int]]:
+    """(table, first global id, end global id, first local row) of each shard of `rank`. Local."""
+    off = plan.table_offsets
+    return [(s.table, int(off[s.table] + s.row_start), int(off[s.table] + s.row_end), s.local_start)
+            for s in plan.shards_of(rank)]
+
+
+def load_rows(root: str, segments: list[Segment], plan, rank: int, templates: dict,
+              step: int, complete: bool = True) -> dict:
+    """This rank's rows under `plan` from `segments`; where several hold a row, the highest
+    order (newest step) wins. Local.
+
+    `templates` maps row-array names to (shape tail, dtype). With `complete`, every row must come
+    from some segment (benchmarks read an incremental checkpoint's increments alone)."""
+    n = plan.local_rows(rank)
+    out = {k: np.empty((n, *tail), dtype=dt) for k, (tail, dt) in templates.items()}
+    newest = np.full(n, np.iinfo(np.int64).min, dtype=np.int64)
+    ranges = owned_ranges(plan, rank)
+    with SegmentReader(root) as reader:
+        for seg in segments:
+            for table, group, start, stop, gmin, gmax in reader.groups(seg):
+                mine = [r for r in ranges if table in (r[0], -1) and gmax >= r[1] and gmin < r[2]]
+                if not mine or stop <= start:
+                    continue
+                gids = reader.gids(seg, group, start, stop)
+                if seg.runs:
+                    _apply_merged(reader, seg, group, start, gids, mine, out, newest)
+                else:
+                    _apply_sorted(reader, seg, group, start, gids, mine, out, newest)
+    if complete and (newest == np.iinfo(np.int64).min).any():
+        missing = np.nonzero(newest == np.iinfo(np.int64).min)[0]
+        raise CheckpointError(f"checkpoint step {step} lacks {missing.size} rows of rank {rank}, "
+                              f"e.g. global ids {plan.local_to_global(rank, missing[:5]).tolist()}")
+    return out
+
+
+def _apply_sorted(reader, seg, group, start, gids, mine, out, newest) -> None:
+    """A segment with ascending gids: read only the owned ranges. Local."""
+    for _, g0, g1, local0 in mine:
+        i0, i1 = (int(i) for i in np.searchsorted(gids, [g0, g1]))
+        if i1 > i0:
+            local = local0 + gids[i0:i1] - g0
+            keep = seg.order >= newest[local]
+            if not keep.any():
+                continue
+            for name in out:
+                out[name][local[keep]] = reader.rows(seg, group, name, start + i0, start + i1)[keep]
+            newest[local[keep]] = seg.order
+
+
+def _apply_merged(reader, seg, group, start, gids, mine, out, newest) -> None:
+    """Adjacent chunks read in one go: select owned rows, newest value per row. Local."""
+    orders = seg.row_orders(len(gids))
+    local = np.full(len(gids), -1, dtype=np.int64)
+    for _, g0, g1, local0 in mine:
+        inside = (gids >= g0) & (gids < g1)
+        local[inside] = local0 + gids[inside] - g0
+    pos = np.nonzero((local >= 0) & (orders != GAP))[0]
+    pos = pos[newest_rows(gids[pos], orders[pos])]
+    pos = pos[orders[pos] >= newest[local[pos]]]
+    if pos.size == 0:
+        return
+    for name in out:
+        out[name][local[pos]] = reader.rows(seg, group, name, start, start + len(gids))[pos]
+    newest[local[pos]] = orders[pos]

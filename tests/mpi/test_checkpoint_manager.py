@@ -13,6 +13,7 @@ from mpickpt.data.prefetch import PrefetchReader
 from mpickpt.data.synthetic import SyntheticConfig, SyntheticStream
 from mpickpt.engine.config import CheckpointConfig
 from mpickpt.engine.manager import CheckpointManager
+from mpickpt.engine.restorer import Restorer
 from mpickpt.model.dense import DenseArch
 from mpickpt.model.hybrid import HybridDLRM
 from mpickpt.model.optimizers import OptimizerConfig
@@ -80,8 +81,8 @@ def test_gap_control_and_round_trip(topology, ckpt_dir):
     manifest = list_manifests(ckpt_dir)[-1]
     assert manifest.step == 6 and manifest.reader_state["sample_index"] == 6 * 8 * world
     fresh = make_model(topology, seed=99)
-    mgr2, _ = manager(topology, fresh, ckpt_dir, resume="latest")
-    restored = mgr2.restore()
+    mgr2, lines = manager(topology, fresh, ckpt_dir, resume="latest")
+    restored = Restorer(topology, ckpt_dir, fresh, lines.append, "latest").restore()
     mgr2.close()
     assert restored.step == 6 and restored.reader_state == manifest.reader_state
     for name, value in fresh.row_state().items():

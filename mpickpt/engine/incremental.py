@@ -1,0 +1,82 @@
+"""The incremental machinery behind one `CheckpointManager`: the kind planner, the modified-row
+tracker attached to the embeddings, and the kind's background companion (IncrCP's extractor).
+
+The manager calls `plan` for every save, `written` once a save is durable, `poll` whenever it
+polls, and `close` / `abort` when it stops; the tracker is detached from the embeddings then.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mpickpt.kinds.base import SavePlan
+from mpickpt.kinds.planner import KindPlanner
+from mpickpt.kinds.registry import kind_named
+from mpickpt.track.bitvector import RowBitVector
+
+
+class IncrementalSaves:
+    """One rank's kind planner, row tracker and companion. Construction is local; `plan` is
+    collective."""
+
+    def __init__(self, topo, config, model, root: str, say):
+        self.topo = topo
+        kind = kind_named(config.kind, int(sum(model.plan.table_sizes)), config)
+        self.planner = KindPlanner(kind, model.plan.local_rows(topo.rank), self._allreduce("SUM"),
+                                   self._allreduce("MAX"))
+        self.tracker: RowBitVector | None = None
+        self._detach = None
+        if self.planner.tracks_rows:
+            self.tracker = RowBitVector(model.plan.local_rows(topo.rank), device=topo.device)
+            self._detach = self.tracker.attach(model.embeddings)
+        self.companion = self.planner.kind.companion(root, config, say)
+
+    def _allreduce(self, op: str):
+        from mpi4py import MPI
+
+        comm, mpi_op = self.topo.control, getattr(MPI, op)
+
+        def reduce(values):
+            out = np.empty_like(values)
+            comm.Allreduce(values, out, op=mpi_op)
+            return out
+        return reduce
+
+    @property
+    def tracks_rows(self) -> bool:
+        return self.tracker is not None
+
+    def plan(self, step: int, attempt: str) -> SavePlan:
+        """What checkpoint `step` writes; clears the tracked rows. Collective."""
+        changed = self.tracker.extract().cpu().numpy() if self.tracker is not None else None
+        return self.planner.plan(step, changed, attempt)
+
+    def reset(self) -> None:
+        """The next save must be a full baseline (after a restore or an abandoned save). Local."""
+        self.planner.reset()
+
+    def written(self, save: SavePlan, step: int, seconds: float, parts: int, row_names) -> None:
+        """A save of this rank is durable: feed its write time to the kind and hand an increment
+        to the companion. Local."""
+        self.planner.record_write(save.kind, seconds)
+        if self.companion is not None and not save.is_full:
+            self.companion.written(self.topo.rank, step, save.chain, parts, row_names,
+                                   self.topo.is_root)
+
+    def poll(self, drain: bool = False) -> None:
+        """Take the companion's answers (every outstanding one with `drain`). Local."""
+        if self.companion is not None:
+            self.companion.poll(self.planner.kind, self.topo.rank, drain)
+
+    def close(self) -> None:
+        """Finish the companion's queue, stop it and detach the tracker. Local. Safe twice."""
+        self.poll(drain=True)
+        self.abort()
+
+    def abort(self) -> None:
+        """Stop the companion now and detach the tracker. Local. Safe twice."""
+        if self.companion is not None:
+            self.companion.close()
+            self.companion = None
+        if self._detach is not None:
+            self._detach()
+            self._detach = None

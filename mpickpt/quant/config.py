@@ -1,0 +1,52 @@
+"""QuantConfig: how checkpoints are quantized (the `--ckpt-bits` family of flags). Local."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from mpickpt.options import int_at_least, option, ratio
+from mpickpt.quant.codecs import QUANT_CHOICES
+from mpickpt.quant.search import SEARCHES
+
+BIT_CHOICES = ("32", "16", "8", "4", "3", "2", "auto")
+STATE_BIT_CHOICES = (32, 16, 8)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class QuantConfig:
+    """Checkpoint quantization (Check-N-Run §4.2; training stays float32)."""
+
+    OPTION_GROUP: ClassVar[str] = "quantization"
+
+    bits: str = option("32", flag="--ckpt-bits", choices=BIT_CHOICES)
+    """bits per embedding weight in checkpoints: 32 (lossless), 16 (float16), 8/4/3/2 (quantized
+    per row), or auto (from the expected restores)"""
+    quant: str = option("adaptive", flag="--ckpt-quant", choices=QUANT_CHOICES)
+    """quantizer below 16 bits: sym, asym, adaptive (Check-N-Run's adaptive asymmetric range
+    search) or kmeans (per-row k-means, a reference)"""
+    search: str = option("refined", flag="--quant-search", choices=SEARCHES)
+    """adaptive range search: refined (greedy walk + least-squares polish, never worse) or greedy
+    (the paper's walk)"""
+    bins: int = option(0, flag="--quant-bins", parse=int_at_least(1))
+    """greedy walk bins (0: the paper's 25 at 2 and 3 bits, 45 at 4 bits)"""
+    ratio: float = option(-1.0, flag="--quant-ratio", parse=ratio)
+    """greedy walk: fraction of the range it may clip (negative: the paper's 0.5 at 2 bits, 0.2
+    at 3 and 4 bits)"""
+    state_bits: int | None = option(None, flag="--ckpt-state-bits", parse=int,
+                                    choices=STATE_BIT_CHOICES)
+    """optimizer state bits (default: 32 with lossless weights, else 16)"""
+    failure_rate: float | None = option(None, flag="--node-failure-rate", parse=float)
+    """--ckpt-bits auto: failures per node per hour"""
+    hours: float | None = option(None, flag="--expected-train-hours", parse=float)
+    """--ckpt-bits auto: expected training time in hours"""
+    nodes: int | None = option(None, flag="--nodes", parse=int_at_least(1))
+    """--ckpt-bits auto: nodes of the job (default: counted from the ranks)"""
+
+    def __post_init__(self):
+        self.policy(1)  # refuse bad widths, codecs, bins or ratios before training starts
+
+    def policy(self, nodes: int):
+        """A fresh BitWidthPolicy for a job on `nodes` nodes (unless --nodes says). Local."""
+        from mpickpt.quant.bitwidth import BitWidthPolicy
+
+        return BitWidthPolicy(self, nodes=self.nodes or nodes)

@@ -1,0 +1,146 @@
+"""File specs: what goes into each file of a checkpoint and where it lies under the root.
+
+The one home of the shard format's names: relative paths of every file a checkpoint writes, the
+attributes stamped on them, and which staged rows go into which dataset. The writers (`engine`)
+build `FileSpec`s from here and write them; the readers (`checkpoint`, the extractor, `verify`)
+find files and check attributes with the same functions. Local: nothing here uses MPI or torch.
+
+Layout under the checkpoint root::
+
+    manifest-<step>.json                             the commit record (`store.manifest`)
+    step-<step>-<attempt>/rank-<r>-part-<j>.h5       shard files: /tables/<t>/{gids, weight, state/..}
+    step-<step>-<attempt>/rank-<r>-extra.h5          RNG states, when the shard lives in a chain
+    step-<step>-<attempt>/dense.h5                   replicated dense state
+    chains/<chain>/rank-<r>/col-<step>-part-<j>.h5   an IncrCP increment (a 2-D list column)
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SHARD_ROLES = ("shard", "dense", "extra", "chunk")
+"""'shard': a rank's rows in the step directory; 'dense': replicated state; 'extra': RNG states of
+a step whose rows live elsewhere; 'chunk': rows written into a chain (not listed in manifests)."""
+
+
+def checkpoint_id(step: int, attempt: str) -> str:
+    """Directory (relative to the root) of one attempt at checkpointing `step`. Local."""
+    return f"step-{step:012d}-{attempt}"
+
+
+def shard_relpath(ckpt_id: str, rank: int, part: int) -> str:
+    return f"{ckpt_id}/rank-{rank:05d}-part-{part}.h5"
+
+
+def extra_relpath(ckpt_id: str, rank: int) -> str:
+    return f"{ckpt_id}/rank-{rank:05d}-extra.h5"
+
+
+def dense_relpath(ckpt_id: str) -> str:
+    return f"{ckpt_id}/dense.h5"
+
+
+def chain_relpath(chain: str, rank: int) -> str:
+    """Directory of one rank's chunk files and chunk-index generations in a chain. Local."""
+    return f"chains/{chain}/rank-{rank:05d}"
+
+
+def column_relpath(chain: str, rank: int, step: int, part: int) -> str:
+    """Where the foreground writer puts the increment of checkpoint `step` (writer part `part`)."""
+    return f"{chain_relpath(chain, rank)}/col-{step:012d}-part-{part}.h5"
+
+
+def shard_attrs(step: int, kind: str, codec: str, rank: int, part: int, parts: int,
+                world_size: int) -> dict:
+    """Root attributes of a shard (or chunk) file. `verify` checks step, rank, part and world size
+    against the manifest. Local."""
+    return {"step": step, "kind": kind, "codec": codec, "rank": rank, "part": part,
+            "parts": parts, "world_size": world_size}
+
+
+@dataclass
+class FileSpec:
+    """One file for a writer: datasets gathered from the staged arrays, attributes, blobs."""
+
+    root: str
+    relpath: str
+    role: str
+    rank: int
+    part: int = 0
+    attrs: dict = field(default_factory=dict)
+    datasets: list = field(default_factory=list)
+    """(dataset name, staged array name, rows) triples; rows: None (all), [(a, b), ...] ranges,
+    or an array of selected local rows."""
+    group_attrs: dict = field(default_factory=dict)
+    blobs: dict = field(default_factory=dict)
+    """dataset name -> bytes (RNG states), written as uint8 arrays."""
+    codecs: dict = field(default_factory=dict)
+    """staged array name -> Codec fields (plain dict) it is encoded with."""
+
+    def __post_init__(self):
+        assert self.role in SHARD_ROLES, self.role
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.root, self.relpath)
+
+    @property
+    def meta(self) -> dict:
+        """What the manifest records of the file besides its size. Local."""
+        return {"role": self.role, "rank": self.rank, "part": self.part}
+
+
+def part_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """Split local rows [0, n) into `parts` contiguous ranges, one per writer. Local."""
+    return [(n * j // parts, n * (j + 1) // parts) for j in range(parts)]
+
+
+def shard_specs(root: str, plan, rank: int, gids: np.ndarray, row_names, relpath_of, role: str,
+                attrs_of, selected: np.ndarray | None = None, codecs: dict | None = None,
+                parts: int = 1) -> list[FileSpec]:
+    """One spec per writer part: per table shard of `rank`, that part's rows of `gids` and every
+    row array in `row_names`. Local.
+
+    `relpath_of(part)` and `attrs_of(part)` name and stamp each file; `selected` (sorted local
+    rows) restricts an incremental save to those rows; `codecs` maps row-array names to the Codec
+    fields the writer encodes them with."""
+    names = ["gids", *row_names]
+    specs = []
+    for j, (a, b) in enumerate(part_bounds(plan.local_rows(rank), parts)):
+        spec = FileSpec(root, relpath_of(j), role, rank, j, attrs_of(j), codecs=dict(codecs or {}))
+        for s in plan.shards_of(rank):
+            lo, hi = max(a, s.local_start), min(b, s.local_start + s.rows)
+            if lo >= hi:
+                continue
+            rows = [(lo, hi)] if selected is None else _rows_within(selected, lo, hi)
+            if selected is not None and len(rows) == 0:
+                continue
+            first, last = (lo, hi - 1) if selected is None else (int(rows[0]), int(rows[-1]))
+            group = f"tables/{s.table}"
+            spec.group_attrs[group] = {"gid_min": int(gids[first]), "gid_max": int(gids[last])}
+            spec.datasets += [(f"{group}/{name}", name, rows) for name in names]
+        specs.append(spec)
+    return specs
+
+
+def _rows_within(rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """The sorted `rows` in [lo, hi). Local."""
+    i0, i1 = np.searchsorted(rows, [lo, hi])
+    return rows[i0:i1]
+
+
+def dense_spec(root: str, ckpt_id: str, step: int, names, param_order) -> FileSpec:
+    """The replicated dense state, written once (by rank 0's last writer). `param_order` numbers
+    the dense optimizer state (``dense/opt/<i>``). Local."""
+    return FileSpec(root, dense_relpath(ckpt_id), "dense", 0, 0,
+                    {"step": step, "kind": "full", "codec": "fp32",
+                     "param_order": list(param_order)},
+                    datasets=[(f"dense/{k}", f"dense/{k}", None) for k in names])
+
+
+def extra_spec(root: str, ckpt_id: str, rank: int, step: int, kind: str, blobs: dict) -> FileSpec:
+    """RNG states of a step whose rows live in a chain column. Local."""
+    return FileSpec(root, extra_relpath(ckpt_id, rank), "extra", rank, 0,
+                    {"step": step, "kind": kind, "rank": rank}, blobs=blobs)
