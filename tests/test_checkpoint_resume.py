@@ -36,49 +36,60 @@ def test_sigkill_one_rank_then_resume_is_identical(tmp_path, straight):
     assert sorted(got) == list(range(1, STEPS + 1))
 
 
-def _kill_random_process(proc, rng, ckpt, delay):
-    """SIGKILL a random rank or background writer of the running job, `delay` seconds after its
-    first checkpoint was committed (so the kill lands in training and background writes)."""
-    deadline = time.monotonic() + 60
-    while not list(ckpt.glob("manifest-*.json")) and proc.poll() is None:
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(0.02)
-    time.sleep(delay)
-    procs = [(pid, cmd) for pid, cmd in descendants(proc.pid) if "python" in cmd]
-    ranks = [pid for pid, cmd in procs if "mpickpt.train" in cmd]
-    writers = [pid for pid, cmd in procs if "multiprocessing" in cmd]
-    pool = ranks + writers if rng.random() < 0.7 else (writers or ranks)
-    if proc.poll() is not None or not pool:
-        return None
-    victim = rng.choice(pool)
+def _alive(pid: int) -> bool:
+    """The process exists and has not exited (a zombie has)."""
     try:
-        os.kill(victim, signal.SIGKILL)
-    except ProcessLookupError:
-        return None
-    return "writer" if victim in writers else "rank"
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _kill_random_process(proc, rng, ckpt, trace, at_step):
+    """SIGKILL a random rank or background writer of the running job once its first checkpoint is
+    committed and rank 0 has reached step `at_step` (plus a random part of a step), so the kill
+    lands in training and background writes. Returns ("rank" | "writer", step reached); fails the
+    test if the job ended before anything could be killed."""
+    deadline = time.monotonic() + 90
+    reached = 0
+    while proc.poll() is None and time.monotonic() < deadline:
+        reached = max(read_trace(trace)) if trace.exists() and trace.read_text() else 0
+        if reached >= at_step and list(ckpt.glob("manifest-*.json")):
+            break
+        time.sleep(0.005)
+    time.sleep(rng.uniform(0.0, 0.05))
+    procs = [(pid, cmd) for pid, cmd in descendants(proc.pid) if "python" in cmd]
+    ranks = [pid for pid, cmd in procs if "mpickpt.train" in cmd and _alive(pid)]
+    writers = [pid for pid, cmd in procs if "spawn_main" in cmd and _alive(pid)]
+    pool = ranks + writers if rng.random() < 0.7 else (writers or ranks)
+    assert proc.poll() is None and pool, f"the job ended before step {at_step}: nothing was killed"
+    victim = rng.choice(pool)
+    os.kill(victim, signal.SIGKILL)  # alive a moment ago; a ProcessLookupError fails the test
+    return ("writer" if victim in writers else "rank"), reached
 
 
 def crash_trial(tmp_path, seed, straight_digest):
     rng = random.Random(seed)
-    ckpt = tmp_path / f"ckpt-{seed}"
+    ckpt, trace = tmp_path / f"ckpt-{seed}", tmp_path / f"trace-{seed}"
     args = ("--arch-embedding-size", "60000-40000-20000-500", "--arch-sparse-feature-size", "16",
             "--arch-mlp-bot", "13-16", "--arch-mlp-top", "8-1", "--mini-batch-size", "64",
             "--test-num-batches", "0", "--print-freq", "0", "--num-batches", "60",
             "--ckpt-dir", str(ckpt), "--ckpt-interval", "3", "--ckpt-keep", "2")
-    proc = start_ranks(2, "mpickpt.train", *args)
-    victim = _kill_random_process(proc, rng, ckpt, rng.uniform(0.0, 1.5))
+    proc = start_ranks(2, "mpickpt.train", *args, "--trace-samples", str(trace))
     try:
+        victim, reached = _kill_random_process(proc, rng, ckpt, trace, rng.randint(4, 50))
         proc.communicate(timeout=120)
-    except Exception:
+    except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
+    if victim == "rank":
+        assert proc.returncode != 0, "a rank was SIGKILLed but the job exited 0"
     resumed = run_ranks(2, "mpickpt.train", *args, "--digest")
     assert resumed.returncode == 0, (victim, resumed.stderr)
     assert digest_of(resumed) == straight_digest, (seed, victim, resumed.stdout)
     step = resumed_step(resumed.stdout)
     assert step is not None and step % 3 == 0, resumed.stdout  # a committed checkpoint was loaded
-    return victim, step
+    return victim, reached, step
 
 
 @pytest.fixture(scope="module")
@@ -91,12 +102,12 @@ def crash_reference():
 
 @pytest.mark.parametrize("seed", [11, 12, 13])
 def test_crash_at_random_moment_always_resumes_validly(tmp_path, crash_reference, seed):
-    victim, step = crash_trial(tmp_path, seed, crash_reference)
-    print(f"seed {seed}: killed a {victim}, relaunch resumed from step {step}")
+    victim, reached, step = crash_trial(tmp_path, seed, crash_reference)
+    print(f"seed {seed}: killed a {victim} at step {reached}, relaunch resumed from step {step}")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(100, 120))
 def test_crash_at_random_moment_many_trials(tmp_path, crash_reference, seed):
-    victim, step = crash_trial(tmp_path, seed, crash_reference)
-    print(f"seed {seed}: killed a {victim}, relaunch resumed from step {step}")
+    victim, reached, step = crash_trial(tmp_path, seed, crash_reference)
+    print(f"seed {seed}: killed a {victim} at step {reached}, relaunch resumed from step {step}")

@@ -1,0 +1,125 @@
+"""Flag parsing and validation in process: every bad value is refused before training with a
+message naming the flag (or file) and what was expected; `--help` lists every flag by concern with
+its default; each flag is declared once, on its config dataclass."""
+import argparse
+import dataclasses
+
+import pytest
+
+from mpickpt.engine.config import CheckpointConfig
+from mpickpt.faults import FaultConfig
+from mpickpt.options import field_docs, option_fields
+from mpickpt.parity.guard import ParityConfig
+from mpickpt.quant.config import QuantConfig
+from mpickpt.train_flags import DataConfig, ModelConfig, RunConfig, TrainConfig, build_parser
+from tests.launch import SHARED_CRITEO
+
+CONFIGS = (ModelConfig, DataConfig, RunConfig, CheckpointConfig, QuantConfig, ParityConfig,
+           FaultConfig)
+
+
+def config_error(argv, world: int = 2) -> str | None:
+    """What `mpickpt-train` would refuse `argv` with on `world` ranks (as train.main does)."""
+    try:
+        TrainConfig.from_args(argv).check_world(world)
+    except (ValueError, OSError) as e:
+        return str(e)
+    return None
+
+
+BAD_INPUTS = [
+    (2, ["--mini-batch-size", "0"], r"--mini-batch-size: expected an integer >= 1, got 0"),
+    (2, ["--learning-rate", "abc"], r"--learning-rate: expected a number > 0, got 'abc'"),
+    (2, ["--learning-rate", "nan"], r"expected a finite number > 0, got 'nan'"),
+    (2, ["--optimizer", "adam"], r"--optimizer: invalid choice: 'adam'"),
+    (2, ["--arch-mlp-bot", "13-64-8"], r"--arch-mlp-bot must end with the embedding dimension "
+                                       r"--arch-sparse-feature-size=16, got 13-64-8"),
+    (2, ["--arch-mlp-bot", "10-16"], r"must start with the 13 dense features"),
+    (2, ["--arch-mlp-top", "64-2"], r"--arch-mlp-top must end with 1 \(the logit\), got 64-2"),
+    (2, ["--arch-mlp-top", "64-x-1"], r"--arch-mlp-top must be dash-separated positive integers"),
+    (2, ["--arch-embedding-size", "10-x"], r"--arch-embedding-size must be dash-separated"),
+    (2, ["--mini-batch-size", "5"], r"--mini-batch-size 5 is not divisible by the world size 2"),
+    (2, ["--arch-embedding-size", "1000-1000", "--max-rows-per-rank", "100"],
+     r"rank 0 of 2 would hold 1000 embedding rows, more than max_rows_per_rank=100"),
+    (3, ["--arch-embedding-size", "2-1", "--row-wise-threshold", "1", "--mini-batch-size", "6"],
+     r"table 0 has 2 rows, .* fewer than the world size 3"),
+    (2, ["--data-generation", "criteo-tsv"], r"needs --raw-data-file"),
+    (2, ["--data-generation", "criteo-tsv", "--arch-embedding-size", "criteo-kaggle",
+         "--raw-data-file", "/nonexistent/day_0"], r"Criteo day file /nonexistent/day_0 does not exist"),
+    (2, ["--data-generation", "criteo-tsv", "--arch-embedding-size", "criteo-kaggle",
+         "--raw-data-file", "/tmp"], r"Criteo day file /tmp is not a regular file"),
+    (2, ["--data-generation", "criteo-tsv", "--raw-data-file", "x"], r"26 categorical features"),
+    (1, ["--ckpt-dir", "{tmp}", "--ckpt-kind", "weekly"], r"--ckpt-kind"),
+    (1, ["--ckpt-dir", "{tmp}", "--incrcp-ratio", "1.5"], r"--incrcp-ratio"),
+    (1, ["--ckpt-dir", "{tmp}", "--ckpt-bits", "5"], r"--ckpt-bits"),
+    (1, ["--ckpt-dir", "{tmp}", "--ckpt-bits", "auto"], r"needs --node-failure-rate"),
+    (2, ["--parity-k", "2"], r"multiple of 3, got 2 ranks"),
+    (2, ["--inject-failure", "3:1"], r"--inject-failure needs something to recover from"),
+    (2, ["--parity-k", "1", "--inject-failure", "3:2"], r"names ranks \[2\], but the world has 2 "
+                                                        r"ranks"),
+    (2, ["--inject-kill", "3"], r"--inject-kill must look like STEP:RANK\[,RANK...\], got '3'"),
+    (2, ["--ckpt-dir", "/proc/version"], r"--ckpt-dir /proc/version exists and is not a "
+                                         r"directory"),
+]
+
+
+@pytest.mark.parametrize("ranks, flags, message", BAD_INPUTS,
+                         ids=[" ".join(b[1]) for b in BAD_INPUTS])
+def test_bad_input_is_refused_naming_the_flag(tmp_path, ranks, flags, message):
+    import re
+
+    flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
+    error = config_error(["--num-batches", "3", *flags], ranks)
+    assert error is not None, flags
+    assert re.search(message, error), error
+
+
+def test_good_flags_build_every_config(tmp_path):
+    config = TrainConfig.from_args([
+        "--ckpt-dir", str(tmp_path), "--ckpt-kind", "incrcp", "--ckpt-bits", "4", "--parity-k",
+        "3", "--inject-failure", "5:1", "--mini-batch-size", "64", "--arch-embedding-size",
+        "50-40", "--arch-sparse-feature-size", "8", "--arch-mlp-bot", "13-8"])
+    assert config.check_world(4).world_size == 4
+    assert config.checkpoint.kind == "incrcp" and config.checkpoint.quant.bits == "4"
+    assert config.parity == ParityConfig(k=3) and config.faults.inject_failure.ranks == (1,)
+    assert config.table_sizes == (50, 40) and config.arch.dim == 8 and config.global_batch == 64
+    assert TrainConfig.from_args([]).checkpoint is None and TrainConfig.from_args([]).parity is None
+
+
+def test_every_option_has_help_and_a_default_shown(capsys):
+    parser = build_parser()
+    titles = [g.title for g in parser._action_groups]
+    for concern in ("model", "data", "training run", "checkpointing", "quantized", "in-memory parity",
+                    "fault"):
+        assert any(t.startswith(concern) for t in titles), (concern, titles)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "--ckpt-interval CKPT_INTERVAL" in text and "(default: 100)" in text
+    for cls in CONFIGS:
+        docs = field_docs(cls)
+        for f, meta in option_fields(cls):
+            assert docs.get(f.name), f"{cls.__name__}.{f.name} has no docstring (its --help text)"
+
+
+def test_each_flag_is_declared_once():
+    flags = [a.option_strings[0] for a in build_parser()._actions if a.option_strings]
+    assert len(flags) == len(set(flags))
+    declared = sum(len(option_fields(cls)) for cls in CONFIGS)
+    assert declared == len(flags) - 1  # every flag but --help comes from a config field
+
+
+def test_argparse_errors_keep_the_parsers_own_message():
+    from mpickpt.options import _reported
+
+    with pytest.raises(argparse.ArgumentTypeError, match="--inject-kill must look like"):
+        _reported(FaultConfig.__dataclass_fields__["inject_kill"].metadata[
+            "mpickpt.option"]["parse"])("x")
+    assert dataclasses.is_dataclass(TrainConfig)
+
+
+@pytest.mark.skipif(not SHARED_CRITEO.exists(), reason="shared Criteo sample not present")
+def test_criteo_files_are_checked_before_training():
+    config = TrainConfig.from_args(["--data-generation", "criteo-tsv", "--raw-data-file",
+                                    str(SHARED_CRITEO), "--arch-embedding-size", "criteo-kaggle"])
+    assert config.data.files(train=True) == (str(SHARED_CRITEO),)
