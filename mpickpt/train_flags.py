@@ -15,13 +15,14 @@ from typing import ClassVar
 
 from mpickpt.data.synthetic import criteo_kaggle_sizes
 from mpickpt.engine.config import CheckpointConfig
-from mpickpt.faults import FaultConfig
+from mpickpt.faults.config import FaultConfig
 from mpickpt.model.dense import DenseArch, parse_mlp
 from mpickpt.model.optimizers import OPTIMIZERS, OptimizerConfig
 from mpickpt.model.shard_plan import ShardPlan, ShardPlanOptions
 from mpickpt.options import add_options, int_at_least, option, positive_float, values_from
 from mpickpt.parity.guard import ParityConfig
 from mpickpt.quant.config import QuantConfig
+from mpickpt.recovery.config import RecoveryConfig, check_combination
 
 CRITEO_PRESET = "criteo-kaggle"
 
@@ -32,6 +33,8 @@ GROUPS = (
     ("checkpoint", "checkpointing (on when --ckpt-dir is given)", None),
     ("quantization", "quantized checkpoints (Check-N-Run; training stays float32)", None),
     ("parity", "in-memory parity (ECRM; level 1, below the checkpoints)", None),
+    ("recovery", "recovery of lost shards (CPR partial recovery, intervals from failure models)",
+     None),
     ("faults", "fault injection and tracing (tests)", None),
 )
 """Argument groups of `--help`, by concern: (key, title, description)."""
@@ -167,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="mpickpt-train", description="Hybrid-parallel DLRM training over MPI.")
     groups = {key: p.add_argument_group(title, text) for key, title, text in GROUPS}
     for cls in (ModelConfig, DataConfig, RunConfig, CheckpointConfig, QuantConfig, ParityConfig,
-                FaultConfig):
+                RecoveryConfig, FaultConfig):
         add_options(p, cls, groups)
     return p
 
@@ -181,6 +184,7 @@ class TrainConfig:
     run: RunConfig
     checkpoint: CheckpointConfig | None
     parity: ParityConfig | None
+    recovery: RecoveryConfig
     faults: FaultConfig
     # ---- derived from the flags
     table_sizes: tuple[int, ...]
@@ -197,9 +201,12 @@ class TrainConfig:
         sizes = model.table_sizes()
         arch = model.arch(len(sizes))
         data.check(sizes)
+        checkpoint, parity = _checkpoint(args), _parity(args)
+        recovery = RecoveryConfig(**values_from(RecoveryConfig, args))
+        faults = FaultConfig(**values_from(FaultConfig, args))
+        check_combination(recovery, checkpoint, parity, faults)
         return cls(model=model, data=data, run=RunConfig(**values_from(RunConfig, args)),
-                   checkpoint=_checkpoint(args), parity=_parity(args),
-                   faults=FaultConfig(**values_from(FaultConfig, args)),
+                   checkpoint=checkpoint, parity=parity, recovery=recovery, faults=faults,
                    table_sizes=sizes, arch=arch,
                    optim=OptimizerConfig(kind=model.optimizer, lr=model.learning_rate),
                    plan_options=ShardPlanOptions(row_wise_threshold=model.row_wise_threshold,
@@ -214,10 +221,9 @@ class TrainConfig:
         self.faults.check_world(world_size)
         if self.parity is not None:
             self.parity.check_world(world_size)
-        if self.faults.inject_failure is not None and self.parity is None \
-                and self.checkpoint is None:
-            raise ValueError("--inject-failure needs something to recover from: --parity-k "
-                             "or --ckpt-dir")
+        if self.faults.injects_losses and self.parity is None and self.checkpoint is None:
+            what = "--inject-failure" if self.faults.inject_failure else "--failure-model"
+            raise ValueError(f"{what} needs something to recover from: --parity-k or --ckpt-dir")
         return ShardPlan.build(self.table_sizes, world_size, self.plan_options)
 
     # ---- shorthands the loop uses every step

@@ -14,8 +14,7 @@ from mpickpt.evaluation import evaluate
 from mpickpt.model.hybrid import HybridDLRM
 from mpickpt.parity.guard import ParityGuard
 from mpickpt.progress import ProgressLog
-from mpickpt.recovery.base import Loss
-from mpickpt.recovery.build import build_recovery
+from mpickpt.recovery.tolerance import FaultTolerance
 from mpickpt.timing import PhaseTimer
 
 # The synthetic test set is the same planted stream far beyond any training index.
@@ -50,7 +49,7 @@ class Trainer:
                                 config.model.seed, config.plan_options, self.timer)
         self.log = log or ProgressLog(topo.is_root, config.num_batches, config.run.print_freq)
         self.source, start, self.test_source, self.test_start = make_sources(config)
-        self.ckpt = self.restorer = None
+        self.ckpt = self.restorer = restored = None
         self.step = 0
         if config.checkpoint is not None:
             self.ckpt = CheckpointManager(topo, config.checkpoint, self.model, self.log.say)
@@ -61,11 +60,11 @@ class Trainer:
                 self.ckpt.restored(restored)
                 self.step, start = restored.step, position_from_dict(restored.reader_state)
         self.parity = None
-        self.failure_injected = False
         if config.parity is not None:
             self.parity = ParityGuard(topo, self.model, config.parity, self.log.say)
             self.parity.encode()  # collective
-        self.recovery = build_recovery(topo, self.parity, self.ckpt, self.restorer, self.log.say)
+        self.faults = FaultTolerance(config, topo, self.model, self.ckpt, self.restorer,
+                                     self.parity, self.log.say, restored)
         self.reader = self._make_reader(start)
         self.log.restart_at(self.step)
 
@@ -90,19 +89,19 @@ class Trainer:
             loss = self.model.train_step(batch)
             self.step += 1
             self.log.step(self.step, loss, cfg.global_batch)
+            seconds = time.perf_counter() - started
+            self.faults.note_step(seconds)
             if self.parity is not None:
-                self.parity.note_step(time.perf_counter() - started)
+                self.parity.note_step(seconds)
             if self.ckpt is not None:
                 if self.parity is not None and self.ckpt.due(self.step):
                     self.parity.settle()  # a snapshot must not copy rows still being rebuilt
                 self.ckpt.after_step(self.step, self.reader, cfg.num_batches)
-            faults = cfg.faults
-            if faults.inject_kill is not None:
-                faults.inject_kill.maybe_kill(self.step, self.topo.rank)
-            if (faults.inject_failure is not None and faults.inject_failure.due(self.step)
-                    and not self.failure_injected):  # once: a rollback replays the step
-                self.failure_injected = True
-                self._lose(faults.inject_failure.ranks)
+            if cfg.faults.inject_kill is not None:
+                cfg.faults.inject_kill.maybe_kill(self.step, self.topo.rank)
+            lost = self.faults.loss_after(self.step)
+            if lost is not None:
+                self._recover(lost)
             if cfg.run.test_freq and self.step % cfg.run.test_freq == 0 \
                     and self.step < cfg.num_batches:
                 self.test()
@@ -110,19 +109,18 @@ class Trainer:
             self.parity.settle()
         if self.ckpt is not None:
             self.ckpt.close()
+        for line in self.faults.summary():
+            self.log.say(line)
         self.test()
         if cfg.run.phase_times:
             self._print_phases()
         if cfg.run.digest:
             self.log.say(f"digest {self.model.digest()}")
 
-    def _lose(self, ranks) -> None:
-        """Emulated loss of `ranks`' shards after this step (their rows and optimizer state become
-        NaN, and whatever the recovery policies keep for them), and its recovery. Collective."""
-        loss = Loss(frozenset(ranks), self.step)
-        self.model.embeddings.wipe_rows(loss.ranks)
-        self.recovery.lose(loss)
-        outcome = self.recovery.recover(loss)
+    def _recover(self, lost) -> None:
+        """Recover shards lost after this step; a rollback restarts the reader where the
+        checkpoint left it. Collective."""
+        outcome = self.faults.recover(lost)
         if outcome.reader_state is not None:
             self.reader.close()
             self.step = outcome.step

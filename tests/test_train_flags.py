@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from mpickpt.engine.config import CheckpointConfig
-from mpickpt.faults import FaultConfig
+from mpickpt.faults.config import FaultConfig
+from mpickpt.recovery.config import RecoveryConfig
 from mpickpt.options import field_docs, option_fields
 from mpickpt.parity.guard import ParityConfig
 from mpickpt.quant.config import QuantConfig
@@ -15,7 +16,7 @@ from mpickpt.train_flags import DataConfig, ModelConfig, RunConfig, TrainConfig,
 from tests.launch import SHARED_CRITEO
 
 CONFIGS = (ModelConfig, DataConfig, RunConfig, CheckpointConfig, QuantConfig, ParityConfig,
-           FaultConfig)
+           RecoveryConfig, FaultConfig)
 
 
 def config_error(argv, world: int = 2) -> str | None:
@@ -60,6 +61,41 @@ BAD_INPUTS = [
     (2, ["--inject-kill", "3"], r"--inject-kill must look like STEP:RANK\[,RANK...\], got '3'"),
     (2, ["--ckpt-dir", "/proc/version"], r"--ckpt-dir /proc/version exists and is not a "
                                          r"directory"),
+    # partial recovery, intervals, prioritized saves, the failure emulator (issue 13)
+    (2, ["--ckpt-dir", "{tmp}", "--recovery", "partial", "--target-pls", "1.5"],
+     r"--target-pls must lie in \(0, 1\), got '1.5'"),
+    (2, ["--ckpt-dir", "{tmp}", "--recovery", "partial", "--target-pls", "0"],
+     r"--target-pls must lie in \(0, 1\)"),
+    (2, ["--recovery", "partial"], r"--recovery partial needs --ckpt-dir"),
+    (2, ["--recovery", "auto", "--mtbf", "100"], r"--recovery auto needs --ckpt-dir"),
+    (2, ["--target-pls", "0.1", "--recovery", "partial"], r"needs --ckpt-dir"),
+    (2, ["--recovery", "parity"], r"--recovery parity needs --parity-k"),
+    (2, ["--ckpt-dir", "{tmp}", "--target-pls", "0.1"], r"--target-pls .* needs --recovery "
+                                                        r"partial or auto, not full"),
+    (2, ["--ckpt-dir", "{tmp}", "--ckpt-save-fraction", "0"], r"--ckpt-save-fraction must lie "
+                                                              r"in \(0, 1\], got '0'"),
+    (2, ["--ckpt-dir", "{tmp}", "--ckpt-save-fraction", "1.5"], r"--ckpt-save-fraction"),
+    (2, ["--failure-model", "weibull:3", "--ckpt-dir", "{tmp}"], r"--failure-model must be "
+                                                                 r"exponential:MTBF"),
+    (2, ["--failure-model", "gamma:2", "--ckpt-dir", "{tmp}"], r"--failure-model 'gamma:2'"),
+    (2, ["--failure-model", "exponential:14h", "--ckpt-dir", "{tmp}"],
+     r"--failure-model exponential in hours needs --emulated-hours"),
+    (2, ["--failure-fraction", "0.5", "--ckpt-dir", "{tmp}"], r"--failure-fraction .* needs "
+                                                              r"--failure-model"),
+    (2, ["--failure-fraction", "1.5"], r"--failure-fraction must lie in \(0, 1\]"),
+    (2, ["--failure-model", "exponential:100"], r"--failure-model needs something to recover "
+                                                r"from"),
+    (2, ["--ckpt-dir", "{tmp}", "--ckpt-interval", "auto"], r"need the job's mean time between "
+                                                            r"failures: --mtbf"),
+    (2, ["--ckpt-dir", "{tmp}", "--recovery", "partial", "--target-pls", "0.1", "--mtbf", "300",
+         "--ckpt-interval", "50"], r"drop --ckpt-interval 50"),
+    (2, ["--ckpt-dir", "{tmp}", "--ckpt-priority", "mfu", "--ckpt-kind", "incrcp"],
+     r"--ckpt-priority mfu .* cannot go with --ckpt-kind incrcp"),
+    (2, ["--ckpt-dir", "{tmp}", "--ckpt-priority", "lru"], r"--ckpt-priority: invalid choice"),
+    (2, ["--mtbf", "0h"], r"--mtbf must be a positive number"),
+    (2, ["--mtbf=-3h"], r"--mtbf must be a positive number"),
+    (2, ["--ckpt-dir", "{tmp}", "--ckpt-interval", "often"], r"--ckpt-interval: expected an "
+                                                             r"integer >= 1"),
 ]
 
 
@@ -107,6 +143,21 @@ def test_each_flag_is_declared_once():
     assert len(flags) == len(set(flags))
     declared = sum(len(option_fields(cls)) for cls in CONFIGS)
     assert declared == len(flags) - 1  # every flag but --help comes from a config field
+
+
+def test_recovery_flags_build_their_configs(tmp_path):
+    config = TrainConfig.from_args([
+        "--ckpt-dir", str(tmp_path), "--recovery", "auto", "--failure-model", "cpr:28h",
+        "--emulated-hours", "56", "--failure-fraction", "0.125", "--ckpt-interval", "auto",
+        "--ckpt-priority", "ssu", "--ckpt-save-fraction", "0.25", "--reschedule-time", "0.1h"])
+    assert config.recovery.mode == "auto" and config.recovery.mtbf is None
+    assert config.faults.failure_model.mean.value == pytest.approx(28.0)
+    assert config.faults.hours_per_step(config.num_batches) == pytest.approx(56 / 1000)
+    assert config.checkpoint.kind == "priority" and config.checkpoint.priority == "ssu"
+    assert config.checkpoint.auto_interval and config.checkpoint.fixed_interval is None
+    assert config.recovery.reschedule.value == 0.1 and config.recovery.pls_target == 0.1
+    assert TrainConfig.from_args([]).recovery.resolved_mode(parity=False) == "full"
+    assert TrainConfig.from_args([]).recovery.resolved_mode(parity=True) == "parity"
 
 
 def test_argparse_errors_keep_the_parsers_own_message():

@@ -1,7 +1,8 @@
 """Describe: a JSON-friendly summary of one checkpoint, for `mpickpt inspect`.
 
-Reads the manifest, file sizes and HDF5 metadata (group names, shapes, dtypes); no dataset is read
-and no checksum is computed. Local: nothing here uses MPI.
+Reads the manifest, file sizes and HDF5 metadata (group names, shapes, dtypes), and the global ids
+of every layer for the rows' staleness (checksum-verified); no row data is read. Local: nothing
+here uses MPI.
 """
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ import datetime
 import os
 import re
 
-from mpickpt.kinds.registry import format_of
+import numpy as np
+
+from mpickpt.kinds.registry import checkpoint_segments, format_of
 from mpickpt.store.catalog import status
 from mpickpt.store.errors import CheckpointError
-from mpickpt.store.manifest import Manifest
+from mpickpt.store.manifest import Manifest, list_manifests
+from mpickpt.store.segments import GAP, SegmentReader
 from mpickpt.store.shard_file import open_shard
 from mpickpt.store.tables import (READ_ERRORS, dataset_shape, error_text, group_datasets,
-                                  rows_per_rank, table_groups, table_sizes)
+                                  rows_per_rank, table_groups, table_offsets, table_sizes)
 
 
 def describe(root: str, manifest: Manifest) -> dict:
@@ -40,6 +44,7 @@ def describe(root: str, manifest: Manifest) -> dict:
         "parents": list(manifest.parents),
         "chain": manifest.chain,
         "chunk_store": _format_facts(root, manifest),
+        "staleness": staleness(root, manifest),
         "layout": {str(r): v for r, v in sorted(rows_per_rank(manifest).items())},
         "reader_state": manifest.reader_state,
         "stats": manifest.stats,
@@ -56,6 +61,33 @@ def _format_facts(root: str, manifest: Manifest) -> dict | None:
         return format_of(manifest).describe(root, manifest)
     except CheckpointError:
         return None
+
+
+def staleness(root: str, manifest: Manifest) -> dict:
+    """How old the checkpoint's rows are: per global row, the step of the newest layer that holds
+    it; min / median / max over all rows, how many are as of the checkpoint's step, and whether
+    the kind is exact (rows not written since did not change) or approximate (prioritized saves
+    skip changed rows). Local; reads the checksummed gids of every layer."""
+    fmt = format_of(manifest)
+    out = {"exact": fmt.exact}
+    try:
+        segments = checkpoint_segments(root, manifest, {m.step: m for m in list_manifests(root)})
+        steps = np.full(int(table_offsets(manifest)[-1]), -1, dtype=np.int64)
+        with SegmentReader(root) as reader:
+            for seg in segments:
+                for _, group, start, stop, _, _ in reader.groups(seg):
+                    gids = reader.gids(seg, group, start, stop)
+                    orders = seg.row_orders(len(gids))
+                    keep = orders != GAP
+                    np.maximum.at(steps, gids[keep], orders[keep])
+    except READ_ERRORS as e:
+        return {**out, "error": error_text(root, e)}
+    found = steps[steps >= 0]
+    if found.size:
+        out.update({"min": int(found.min()), "median": int(np.median(found)),
+                    "max": int(found.max()), "current": int((found == manifest.step).sum()),
+                    "rows": int(found.size)})
+    return out
 
 
 def iso_time(timestamp: float) -> str:
@@ -151,6 +183,13 @@ def format_text(info: dict) -> list[str]:
                          f"{rect['chunks']} chunks ({rect['rows']} rows) from {rect['files']} "
                          f"files" + (f"; not yet ingested: {v['pending_columns']}"
                                      if v["pending_columns"] else ""))
+    st = info.get("staleness") or {}
+    if "min" in st:
+        note = ("exact: rows not written since did not change" if st["exact"] else
+                "approximate: rows changed since they were last written keep older values")
+        lines.append(f"rows as of   step min {st['min']} / median {st['median']} / max "
+                     f"{st['max']}; {st['current']} of {st['rows']} rows written at step "
+                     f"{info['step']} ({note})")
     lines.append("layout (rows per rank):")
     lines += [f"  rank {r}: {v['rows']} rows, tables {' '.join(v['pieces']) or '-'}"
               for r, v in info["layout"].items()]

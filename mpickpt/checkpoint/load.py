@@ -96,6 +96,17 @@ def load_checkpoint(root: str, manifest: Manifest, plan, rank: int, dim: int,
                        load_rng(root, manifest, rank), manifest)
 
 
+def load_row_range(root: str, manifest: Manifest, plan, rank: int, dim: int, templates: dict,
+                   by_step: dict[int, Manifest], rows: tuple[int, int]) -> dict:
+    """Local rows [rows[0], rows[1]) of `rank` from one checkpoint of any kind (partial recovery);
+    CheckpointError on any problem. Local."""
+    check_compatible(manifest, plan, dim, templates)
+    for m in [*parent_manifests(manifest, by_step), manifest]:
+        check_files(root, m)
+    segments = checkpoint_segments(root, manifest, by_step)
+    return load_rows(root, segments, plan, rank, templates, manifest.step, rows=rows)
+
+
 def committed(root: str) -> tuple[list[Manifest], list[str]]:
     """(committed manifests oldest first, torn checkpoint directories). Local."""
     manifests = list_manifests(root)

@@ -6,11 +6,28 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from mpickpt.kinds.incrcp import RESETS as INCRCP_RESETS
+from mpickpt.kinds.priority import DEFAULT_FRACTION
 from mpickpt.kinds.registry import KINDS
+from mpickpt.track.priority import RULES as PRIORITY_RULES
 from mpickpt.options import int_at_least, option, ratio
 from mpickpt.quant.config import QuantConfig
 
 OVERLAP_POLICIES = ("wait", "skip")
+DEFAULT_INTERVAL = 100
+AUTO = "auto"
+
+
+def _interval(text: str) -> int | str:
+    if text == AUTO:
+        return AUTO
+    return int_at_least(1)(text)
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"--ckpt-save-fraction must lie in (0, 1], got {text!r}")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -22,8 +39,10 @@ class CheckpointConfig:
     directory: str | None = option(None, flag="--ckpt-dir")
     """checkpoint root directory, one per job (a parallel filesystem on clusters); checkpointing
     is on when it is given"""
-    interval: int = option(100, flag="--ckpt-interval", parse=int_at_least(1))
-    """batches between checkpoints"""
+    interval: int | str | None = option(None, flag="--ckpt-interval", parse=_interval)
+    """batches between checkpoints, or 'auto': Young's interval sqrt(2 O_save T_fail) from the
+    measured save cost and --mtbf, re-planned after every checkpoint (default: 100, or from
+    --target-pls / --recovery auto)"""
     keep: int = option(2, flag="--ckpt-keep", parse=int_at_least(1))
     """committed checkpoints to retain; older ones are deleted after a newer commit"""
     resume: str = option("latest", flag="--resume")
@@ -35,7 +54,16 @@ class CheckpointConfig:
     kind: str = option("full", flag="--ckpt-kind", choices=KINDS)
     """full; differential (one-shot baseline); consecutive; intermittent (differential with
     Check-N-Run's baseline predictor); incrcp (consecutive increments in IncrCP's 2-D chunk
-    store)"""
+    store); priority (prioritized partial saves, set by --ckpt-priority)"""
+    priority: str | None = option(None, flag="--ckpt-priority", choices=PRIORITY_RULES)
+    """prioritized partial saves (CPR, SCAR; implies --ckpt-kind priority): each save writes the
+    r N rows of each table most used since their last save (mfu), a subsampled list of used rows
+    (ssu), or the most changed since their last save (scar)"""
+    save_fraction: float = option(DEFAULT_FRACTION, flag="--ckpt-save-fraction", parse=_fraction,
+                                  metavar="R")
+    """prioritized saves: the fraction r of each table's rows one save may write"""
+    priority_baseline_every: int | None = option(None, parse=int_at_least(0), metavar="K")
+    """prioritized saves: a full baseline every K saves (0: only the first; default 4 / r)"""
     incrcp_ratio: float = option(0.02, parse=ratio)
     """IncrCP's selective-extraction threshold R (0..1)"""
     incrcp_reset: str = option("cost", choices=INCRCP_RESETS)
@@ -51,10 +79,22 @@ class CheckpointConfig:
     def __post_init__(self):
         if not self.directory:
             raise ValueError(f"--ckpt-dir must name a directory, got {self.directory!r}")
-        for name in ("interval", "keep", "writers"):
+        if self.priority is not None and self.kind == "full":
+            object.__setattr__(self, "kind", "priority")
+        if self.priority is not None and self.kind != "priority":
+            raise ValueError(f"--ckpt-priority {self.priority} makes prioritized partial saves, "
+                             f"a kind of its own; it cannot go with --ckpt-kind {self.kind}")
+        if self.interval is not None and self.interval != AUTO and (
+                not isinstance(self.interval, int) or self.interval < 1):
+            raise ValueError(f"--ckpt-interval must be an integer >= 1 or 'auto', got "
+                             f"{self.interval!r}")
+        for name in ("keep", "writers"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--ckpt-{name} must be an integer >= 1, got {value!r}")
+        if not 0.0 < self.save_fraction <= 1.0:
+            raise ValueError(f"--ckpt-save-fraction must lie in (0, 1], got "
+                             f"{self.save_fraction!r}")
         if self.overlap not in OVERLAP_POLICIES:
             raise ValueError(f"--ckpt-overlap must be 'wait' or 'skip', got {self.overlap!r}")
         if self.kind not in KINDS:
@@ -65,6 +105,15 @@ class CheckpointConfig:
             raise ValueError(f"--incrcp-ratio must lie in [0, 1], got {self.incrcp_ratio!r}")
         if self.resume not in ("latest", "none") and not str(self.resume).isdigit():
             raise ValueError(f"--resume must be 'latest', 'none' or a step number, got {self.resume!r}")
+
+    @property
+    def auto_interval(self) -> bool:
+        return self.interval == AUTO
+
+    @property
+    def fixed_interval(self) -> int | None:
+        """The interval given as a number, or None (default or planned). Local."""
+        return self.interval if isinstance(self.interval, int) else None
 
     @property
     def resume_step(self) -> int | None:

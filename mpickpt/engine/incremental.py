@@ -28,7 +28,10 @@ class IncrementalSaves:
         if self.planner.tracks_rows:
             self.tracker = RowBitVector(model.plan.local_rows(topo.rank), device=topo.device)
             self._detach = self.tracker.attach(model.embeddings)
-        self.companion = self.planner.kind.companion(root, config, say)
+        attached = kind.attach(model)
+        if attached:
+            say(attached)
+        self.companion = kind.companion(root, config, say)
 
     def _allreduce(self, op: str):
         from mpi4py import MPI
@@ -73,7 +76,8 @@ class IncrementalSaves:
         self.abort()
 
     def abort(self) -> None:
-        """Stop the companion now and detach the tracker. Local. Safe twice."""
+        """Stop the companion now and detach the trackers. Local. Safe twice."""
+        self.planner.kind.detach()
         if self.companion is not None:
             self.companion.close()
             self.companion = None

@@ -28,8 +28,9 @@ import uuid
 import numpy as np
 
 from mpickpt.engine.commit import CommitCoordinator, PendingCheckpoint
-from mpickpt.engine.config import CheckpointConfig
+from mpickpt.engine.config import DEFAULT_INTERVAL, CheckpointConfig
 from mpickpt.engine.incremental import IncrementalSaves
+from mpickpt.engine.schedule import CheckpointSchedule
 from mpickpt.engine.snapshot import Snapshotter, dense_file_spec, rng_blobs, save_file_specs
 from mpickpt.engine.staging import remove_stale_areas
 from mpickpt.engine.writer_pool import WriterPool
@@ -40,6 +41,7 @@ class CheckpointManager:
     """Snapshots, background writers and commit for one rank. Construction is collective."""
 
     def __init__(self, topo, config: CheckpointConfig, model, log=None):
+        """`on_saved(step)`, when set, may re-plan `schedule` after each save."""
         self.topo, self.config, self.model = topo, config, model
         self.log = log or (lambda line: print(line, flush=True) if topo.is_root else None)
         self.root = os.path.abspath(config.directory)
@@ -53,6 +55,14 @@ class CheckpointManager:
         self._in_flight: dict | None = None
         self.snapshots.prepare()  # allocate and pre-fault staging now, not in the first stall
         self.incremental = IncrementalSaves(topo, config, model, self.root, self.say)
+        self.schedule = CheckpointSchedule(config.fixed_interval or DEFAULT_INTERVAL)
+        self.on_saved = None
+        self.stats_sources: list = []
+        """Callables returning dicts merged into every manifest's stats (e.g. the running PLS)."""
+        self.save_seconds: list[float] = []
+        """Wall time of every save() on this rank: its stall and any wait (O_save)."""
+        self.write_seconds: list[float] = []
+        """Background write time of every finished checkpoint on this rank."""
         self._last_submitted: int | None = None
         self.bits = config.quant.policy(max(1, topo.world_size // max(1, topo.local_size)))
         self.say(self.bits.explain())
@@ -64,19 +74,22 @@ class CheckpointManager:
 
     # ---- training-loop hooks -------------------------------------------------------------
     def allowance(self, step: int, total: int) -> int:
-        """Batches the reader may deliver after `step`: up to the next checkpoint or the end. Local."""
-        interval = self.config.interval
-        return max(0, min((step // interval + 1) * interval, total) - step)
+        """Batches the reader may deliver after `step`: up to the next checkpoint or the end.
+        Local."""
+        return self.schedule.allowance(step, total)
 
     def due(self, step: int) -> bool:
         """A checkpoint is taken after `step`. Local."""
-        return step % self.config.interval == 0
+        return self.schedule.due(step)
 
     def after_step(self, step: int, reader, total: int) -> None:
         """Call after every training step. Collective when a checkpoint is due, else local."""
         self.poll()
         if self.due(step):
             self.save(step, reader.state().to_dict())
+            self.schedule.passed(step)
+            if self.on_saved is not None:
+                self.on_saved(step)  # may re-plan the interval (collective)
             reader.allow(self.allowance(step, total))
 
     def poll(self) -> None:
@@ -89,24 +102,42 @@ class CheckpointManager:
 
     def restored(self, restored) -> None:
         """The model was just loaded from a checkpoint (`Restorer`): count the restore for the
-        bit-width policy and start the next save with a new baseline. Local."""
+        bit-width policy, start the next save with a new baseline, and count the interval from
+        the restored step. Local."""
         self.incremental.reset()
+        self.schedule.restart(restored.step)
         fallback = self.bits.note_restore(restored.restores)
         if fallback:
             self.say(fallback)
         self.say(self.bits.explain())
 
+    def partially_restored(self, restored) -> None:
+        """Some rows were just reloaded from a checkpoint (partial recovery): count the restore
+        for the bit-width policy (those rows went through its codec once more). Local."""
+        fallback = self.bits.note_restore(restored.restores)
+        if fallback:
+            self.say(fallback)
+
     def settle(self) -> None:
-        """Let the checkpoint in flight finish and commit (before a rollback reads the newest
-        committed one). Collective."""
+        """Let the checkpoint in flight finish and commit. Collective."""
         results = self.writers.wait()
         if results is not None:
             self._report(results)
         self.commits.drain()
 
+    def quiesce(self) -> None:
+        """Settle, and let the background companion (IncrCP's extractor) finish what it was
+        handed, so that nothing changes under a restore that reads the newest checkpoint (a
+        chunk index generation read before an extraction commits can name a column file the
+        extraction then deletes). Collective."""
+        self.settle()
+        self.incremental.poll(drain=True)
+        self.topo.control.Barrier()
+
     # ---- saving ----------------------------------------------------------------------------
     def save(self, step: int, reader_state: dict) -> bool:
         """Snapshot now and write in the background; False if skipped. Collective."""
+        start = time.perf_counter()
         busy = self.topo.control.allreduce(int(self.writers.busy), op=_max_op())
         if busy and not self._make_room(step):
             return False  # tracked rows stay marked for the next checkpoint
@@ -120,6 +151,7 @@ class CheckpointManager:
         if self.topo.is_root:
             self.commits.expect(self._pending(step, ckpt_id, reader_state, save))
         self.counters["saved"] += 1
+        self.save_seconds.append(time.perf_counter() - start)
         what = "all rows" if save.rows is None else f"{len(save.rows)} changed rows on rank 0"
         self.say(f"checkpoint step {step} ({save.kind}; {what}; {save.reason or 'every row'}): "
                  f"staged {nbytes / 1e6:.1f} MB in {seconds * 1e3:.1f} ms "
@@ -178,7 +210,9 @@ class CheckpointManager:
                             "codecs": {k: c.attrs()["codec"] for k, c in codecs.items()},
                             "restores": self.bits.restores,
                             "policy": self.config.kind, "decision": save.reason,
-                            **({"columns": save.columns} if save.columns else {})}}
+                            **({"columns": save.columns} if save.columns else {}),
+                            **{k: v for source in self.stats_sources
+                               for k, v in source().items()}}}
         return PendingCheckpoint(step, ckpt_id, reader_state, fields)
 
     def _report(self, results: list[dict]) -> None:
@@ -193,6 +227,7 @@ class CheckpointManager:
                   "bytes": sum(r.get("bytes", 0) for r in results),
                   "seconds": max(r.get("seconds", 0.0) for r in results)}
         if not errors:
+            self.write_seconds.append(report["seconds"])
             self.incremental.written(save, meta["step"], report["seconds"], self.writers.size,
                                      list(self.model.row_state()))
         if errors:

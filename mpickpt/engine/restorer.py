@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from mpickpt.checkpoint.load import committed, load_checkpoint
+from mpickpt.checkpoint.load import committed, load_checkpoint, load_row_range
 from mpickpt.engine.snapshot import numpy_dtype
 from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import Manifest
+
+
+LOAD_ERRORS = (CheckpointError, OSError, KeyError, ValueError, RuntimeError)
+"""What loading a damaged checkpoint can raise (RuntimeError: h5py on corrupted metadata)."""
 
 
 @dataclass
@@ -41,6 +46,8 @@ class Restorer:
     def __init__(self, topo, root: str, model, say, resume: str = "latest"):
         self.topo, self.root, self.model, self.say = topo, os.path.abspath(root), model, say
         self.resume = str(resume)
+        self.seconds: list[float] = []
+        """Wall time of every restore, the slowest rank's (O_load)."""
 
     @property
     def resume_step(self) -> int | None:
@@ -54,17 +61,53 @@ class Restorer:
         CheckpointError when checkpoints exist but none can be used (or the chosen one cannot)."""
         if self.resume == "none" and not latest:
             return None
+        start = time.perf_counter()
+        manifests = self._committed()
+        candidates = list(reversed(manifests)) if latest else self._candidates(manifests)
+        found = self._first_usable(candidates, manifests, self._try_load)
+        if found is None:
+            return None
+        restored = self._apply(found)
+        self._timed(start)
+        return restored
+
+    def restore_rows(self, shards) -> Restored | None:
+        """Reload `shards` (`LostShard`s: local row ranges of some ranks) from the newest usable
+        committed checkpoint: only their rows and sparse optimizer state change; the dense part
+        and every other row stay. Collective (every rank takes part in the agreement, only the
+        ranks named read). None when nothing is committed yet."""
+        start = time.perf_counter()
+        mine = [s for s in shards if s.rank == self.topo.rank]
+        manifests = self._committed()
+
+        def load(manifest, by_step):
+            return self._try_rows(manifest, by_step, mine)
+        found = self._first_usable(list(reversed(manifests)), manifests, load)
+        if found is None:
+            return None
+        manifest, pieces = found
+        for (shard, arrays) in pieces:
+            self.model.load_row_range(arrays, shard.start, shard.stop)
+        self._timed(start)
+        return Restored(manifest.step, manifest.reader_state, manifest)
+
+    def _committed(self) -> list[Manifest]:
+        """Committed manifests (rank 0 lists them; torn directories are removed). Collective."""
         listing = committed(self.root) if self.topo.is_root else None
         manifests, torn = self.topo.control.bcast(listing, root=0)
         self._drop_torn(torn)
-        candidates = list(reversed(manifests)) if latest else self._candidates(manifests)
+        return manifests
+
+    def _first_usable(self, candidates, manifests, load):
+        """The first candidate every rank could load (`load(manifest, by_step)` -> (error,
+        result)), falling back past damaged ones with a message. Collective."""
         by_step = {m.step: m for m in manifests}
         problems = []
         for manifest in candidates:
-            error, loaded = self._try_load(manifest, by_step)
+            error, loaded = load(manifest, by_step)
             errors = [e for e in self.topo.control.allgather(error) if e]
             if not errors:
-                return self._apply(loaded)
+                return loaded
             problems.append(errors[0])
             self.say(f"checkpoint step {manifest.step} unusable: {errors[0]}"
                      + ("; falling back to the previous one" if manifest is not candidates[-1]
@@ -72,6 +115,10 @@ class Restorer:
         if problems:
             raise CheckpointError(f"no usable checkpoint in {self.root}: " + "; ".join(problems))
         return None
+
+    def _timed(self, start: float) -> None:
+        self.seconds.append(self.topo.control.allreduce(time.perf_counter() - start,
+                                                        op=_max_op()))
 
     def _drop_torn(self, torn: list[str]) -> None:
         for d in torn:
@@ -92,14 +139,26 @@ class Restorer:
                                   f"(committed steps: {steps or 'none'})")
         return chosen
 
+    def _templates(self) -> dict:
+        return {k: (tuple(t.shape[1:]), np.dtype(numpy_dtype(t)))
+                for k, t in self.model.row_state().items()}
+
     def _try_load(self, manifest: Manifest, by_step: dict):
-        templates = {k: (tuple(t.shape[1:]), np.dtype(numpy_dtype(t)))
-                     for k, t in self.model.row_state().items()}
         try:
             return None, load_checkpoint(self.root, manifest, self.model.plan, self.topo.rank,
-                                         self.model.embeddings.dim, templates, by_step)
-        except (CheckpointError, OSError, KeyError, ValueError, RuntimeError) as e:
-            return str(e), None  # RuntimeError: h5py on corrupted HDF5 metadata
+                                         self.model.embeddings.dim, self._templates(), by_step)
+        except LOAD_ERRORS as e:
+            return str(e), None
+
+    def _try_rows(self, manifest: Manifest, by_step: dict, shards):
+        m = self.model
+        try:
+            pieces = [(s, load_row_range(self.root, manifest, m.plan, self.topo.rank,
+                                         m.embeddings.dim, self._templates(), by_step,
+                                         (s.start, s.stop))) for s in shards]
+            return None, (manifest, pieces)
+        except LOAD_ERRORS as e:
+            return str(e), None
 
     def _apply(self, loaded) -> Restored:
         self.model.load_row_state(loaded.rows)
@@ -112,3 +171,9 @@ class Restorer:
                  f"{m.world_size} ranks, {m.total_bytes() / 1e6:.1f} MB) onto "
                  f"{self.topo.world_size} ranks")
         return Restored(m.step, m.reader_state, m)
+
+
+def _max_op():
+    from mpi4py import MPI
+
+    return MPI.MAX

@@ -83,6 +83,9 @@ class Kind:
     rng_in_extra_file = False
     """Its increments' shard files live outside the step directory, so the RNG states of a step
     travel in a small per-rank extra file there."""
+    exact = True
+    """A checkpoint holds every row's value at its step (rows it does not write did not change
+    since they were written); False for kinds that skip changed rows (prioritized saves)."""
 
     def __init__(self, total_rows: int = 0, config=None):
         """`total_rows`: rows of the whole model; `config`: the CheckpointConfig whose options a
@@ -116,6 +119,14 @@ class Kind:
     def record_restore(self, chain: str, step: int, seconds: float) -> None:
         """A measured restore of checkpoint `step`'s increments (from a companion). Local."""
 
+    def attach(self, model) -> str | None:
+        """Hook whatever the kind tracks into the model's embeddings (at construction of the
+        manager); returns a line for the log, or None. Local."""
+        return None
+
+    def detach(self) -> None:
+        """Undo `attach`. Local. Safe twice."""
+
     def companion(self, root: str, config, say):
         """A background service this kind's increments need after they are durable (IncrCP's
         extractor), or None. Local."""
@@ -134,5 +145,6 @@ class Kind:
         raise NotImplementedError
 
     def describe(self, root: str, manifest: Manifest) -> dict | None:
-        """Format-specific facts for `mpickpt inspect` (None: nothing beyond the manifest). Local."""
+        """Format-specific facts for `mpickpt inspect` (None: nothing beyond the manifest).
+        Local."""
         return None

@@ -8,11 +8,13 @@ from mpickpt.kinds.differential import Differential
 from mpickpt.kinds.full import Full
 from mpickpt.kinds.incrcp import Incrcp
 from mpickpt.kinds.intermittent import Intermittent
+from mpickpt.kinds.priority import Priority
 from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import Manifest, parent_manifests
 from mpickpt.store.segments import Segment
 
-KIND_CLASSES: tuple[type[Kind], ...] = (Full, Differential, Consecutive, Intermittent, Incrcp)
+KIND_CLASSES: tuple[type[Kind], ...] = (Full, Differential, Consecutive, Intermittent, Incrcp,
+                                        Priority)
 """Every `--ckpt-kind`, in the order `--help` lists them."""
 KINDS = tuple(k.name for k in KIND_CLASSES)
 _FORMATS = {k.format: k for k in reversed(KIND_CLASSES)}  # a shared format: its first kind

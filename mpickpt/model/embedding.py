@@ -62,20 +62,28 @@ class ShardedEmbeddingBags:
         self.device = topo.device
         self.timer = timer or PhaseTimer(enabled=False)
         self.local_gids = plan.rank_global_ids(topo.rank)
+        self.seed = seed
         self.weight = self._init_weight(seed)
         self.optimizer = make_sparse_optimizer(optim, len(self.local_gids), dim, self.device)
         self.index_hooks: list[IndexHook] = []
+        self.count_hooks: list = []
         self.update_hooks: list = []
         self._offsets = torch.as_tensor(plan.table_offsets, device=self.device)
 
     def _init_weight(self, seed: int) -> torch.Tensor:
-        tables, _ = self.plan.split_global(self.local_gids)
+        return self.initial_rows(0, len(self.local_gids)).to(self.device)
+
+    def initial_rows(self, start: int, stop: int) -> torch.Tensor:
+        """The initial weights of local rows [start, stop) (a pure function of the seed and the
+        global ids), on the CPU. Local."""
+        gids = self.local_gids[start:stop]
+        tables, _ = self.plan.split_global(gids)
         sizes = np.asarray(self.plan.table_sizes, dtype=np.int64)[tables]
-        out = torch.empty(len(self.local_gids), self.dim, dtype=torch.float32)
-        for a in range(0, len(self.local_gids), INIT_CHUNK_ROWS):
+        out = torch.empty(len(gids), self.dim, dtype=torch.float32)
+        for a in range(0, len(gids), INIT_CHUNK_ROWS):
             b = a + INIT_CHUNK_ROWS
-            out[a:b] = torch.from_numpy(init_rows(seed, self.local_gids[a:b], sizes[a:b], self.dim))
-        return out.to(self.device)
+            out[a:b] = torch.from_numpy(init_rows(self.seed, gids[a:b], sizes[a:b], self.dim))
+        return out
 
     def add_index_hook(self, hook: IndexHook) -> Callable[[], None]:
         """Call `hook(local_rows)` on the owner each step with the rows it received. Local.
@@ -85,14 +93,27 @@ class ShardedEmbeddingBags:
         self.index_hooks.append(hook)
         return lambda: self.index_hooks.remove(hook)
 
+    def add_count_hook(self, hook) -> Callable[[], None]:
+        """Call `hook(local_rows, counts)` on the owner in every *training* lookup: the sorted
+        unique rows the step updates and how many lookups each had. Local to register; returns a
+        remover."""
+        self.count_hooks.append(hook)
+        return lambda: self.count_hooks.remove(hook)
+
     @torch.no_grad()
     def wipe_rows(self, ranks) -> None:
         """Emulated loss: if this rank is in `ranks`, its rows and optimizer state become NaN.
         Local."""
         if self.topo.rank in ranks:
-            self.weight.fill_(float("nan"))
-            for t in self.optimizer.state.values():
-                t.fill_(float("nan"))
+            self.wipe_range(0, len(self.local_gids))
+
+    @torch.no_grad()
+    def wipe_range(self, start: int, stop: int) -> None:
+        """Emulated loss of local rows [start, stop): rows and optimizer state become NaN.
+        Local."""
+        self.weight[start:stop] = float("nan")
+        for t in self.optimizer.state.values():
+            t[start:stop] = float("nan")
 
     def add_update_hook(self, hook) -> Callable[[], None]:
         """Bracket every sparse update: `hook.rows_known(rows)` in the training lookup, as soon as
@@ -125,6 +146,10 @@ class ShardedEmbeddingBags:
             rows, inverse = torch.unique(recv_rows, return_inverse=True)
         for hook in self.index_hooks:
             hook(rows)
+        if update and self.count_hooks:
+            counts = torch.bincount(inverse, minlength=len(rows))
+            for hook in self.count_hooks:
+                hook(rows, counts)
         with self.timer.phase("update_hooks"):
             for hook in self.update_hooks if update else ():
                 if hasattr(hook, "rows_known"):

@@ -101,6 +101,22 @@ class HybridDLRM:
             target.copy_(torch.as_tensor(arrays[name]).to(target.device))
 
     @torch.no_grad()
+    def load_row_range(self, arrays: dict, start: int, stop: int) -> None:
+        """Replace local rows [start, stop) of the weights and sparse optimizer state. Local."""
+        mine = self.row_state()
+        if set(arrays) != set(mine):
+            raise ValueError(f"row state has {sorted(arrays)}, this model needs {sorted(mine)}")
+        for name, target in mine.items():
+            target[start:stop] = torch.as_tensor(arrays[name]).to(target.device)
+
+    def initial_row_range(self, start: int, stop: int) -> dict:
+        """Local rows [start, stop) as they were before training (weights and optimizer state).
+        Local."""
+        rows = self.embeddings.initial_rows(start, stop)
+        return {name: (rows if name == "weight" else torch.zeros_like(t[start:stop], device="cpu"))
+                for name, t in self.row_state().items()}
+
+    @torch.no_grad()
     def load_dense_state(self, arrays: dict) -> None:
         """Replace dense parameters and dense optimizer state. Local."""
         params = dict(self.dense.named_parameters())

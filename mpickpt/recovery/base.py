@@ -11,20 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mpickpt.faults.loss import Loss
+
 
 class Unrecoverable(RuntimeError):
     """Lost shards that no configured policy can bring back."""
-
-
-@dataclass(frozen=True)
-class Loss:
-    """Ranks whose embedding rows, sparse optimizer state and parity are gone after a step."""
-
-    ranks: frozenset[int]
-    after_step: int
-
-    def __str__(self) -> str:
-        return f"ranks {sorted(self.ranks)} lost their shards after step {self.after_step}"
 
 
 @dataclass(frozen=True)
@@ -41,16 +32,13 @@ class Outcome:
 
 
 class RecoveryPolicy:
-    """One way to recover a `Loss`. Subclasses override all three methods."""
+    """One way to recover a `Loss`. Subclasses override both methods."""
 
     name = ""
     action = ""
     """What recovering means, for the log ('falling back to the latest checkpoint')."""
     announces = False
     """`recover` logs the loss itself (the chain then says nothing unless it fell back)."""
-
-    def lose(self, loss: Loss) -> None:
-        """Drop what this policy keeps for the lost ranks (an emulated failure). Local."""
 
     def why_not(self, loss: Loss) -> str | None:
         """Why this policy cannot recover `loss`, or None if it can. Local and pure."""

@@ -1,7 +1,8 @@
 """Recovery: the configured policies, tried in order; the first that covers a loss recovers it."""
 from __future__ import annotations
 
-from mpickpt.recovery.base import Loss, Outcome, Unrecoverable
+from mpickpt.faults.loss import Loss
+from mpickpt.recovery.base import Outcome, Unrecoverable
 
 
 class Recovery:
@@ -13,11 +14,6 @@ class Recovery:
         """Callables run (collectively) after a recovery replaced rows with older values, e.g.
         parity re-encoding what it protects."""
         self.history: list[Outcome] = []
-
-    def lose(self, loss: Loss) -> None:
-        """An emulated failure: every policy drops what it keeps for the lost ranks. Local."""
-        for policy in self.policies:
-            policy.lose(loss)
 
     def recover(self, loss: Loss) -> Outcome:
         """Recover `loss` with the first policy that covers it; Unrecoverable names why none

@@ -2,7 +2,8 @@
 checkpoint (the checkpoint in flight is let finish first), and training replays from there."""
 from __future__ import annotations
 
-from mpickpt.recovery.base import Loss, Outcome, RecoveryPolicy, Unrecoverable
+from mpickpt.faults.loss import Loss
+from mpickpt.recovery.base import Outcome, RecoveryPolicy, Unrecoverable
 
 
 class FullRollback(RecoveryPolicy):
@@ -20,7 +21,7 @@ class FullRollback(RecoveryPolicy):
         return None
 
     def recover(self, loss: Loss) -> Outcome:
-        self.ckpt.settle()
+        self.ckpt.quiesce()
         restored = self.restorer.restore(latest=True)
         if restored is None:
             raise Unrecoverable(f"{loss}, and no checkpoint is committed yet")

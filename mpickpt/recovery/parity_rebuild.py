@@ -2,7 +2,8 @@
 their groups' survivors while training continues; nothing rolls back."""
 from __future__ import annotations
 
-from mpickpt.recovery.base import Loss, Outcome, RecoveryPolicy
+from mpickpt.faults.loss import Loss
+from mpickpt.recovery.base import Outcome, RecoveryPolicy
 
 
 class ParityRebuild(RecoveryPolicy):
@@ -14,9 +15,6 @@ class ParityRebuild(RecoveryPolicy):
 
     def __init__(self, guard):
         self.guard = guard
-
-    def lose(self, loss: Loss) -> None:
-        self.guard.lose_parity(loss.ranks)
 
     def why_not(self, loss: Loss) -> str | None:
         return self.guard.uncovered(loss.ranks)

@@ -167,24 +167,33 @@ class SegmentReader:
         return open_rows(group, name, self.path(seg)).rows(start, stop)
 
 
-def owned_ranges(plan, rank: int) -> list[tuple[int, int, int, int]]:
-    """(table, first global id, end global id, first local row) of each shard of `rank`. Local."""
+def owned_ranges(plan, rank: int, rows: tuple[int, int] | None = None
+                 ) -> list[tuple[int, int, int, int]]:
+    """(table, first global id, end global id, first row) of each shard of `rank`, the first row
+    counted from `rows[0]` when only local rows [rows[0], rows[1]) are wanted. Local."""
     off = plan.table_offsets
-    return [(s.table, int(off[s.table] + s.row_start), int(off[s.table] + s.row_end), s.local_start)
-            for s in plan.shards_of(rank)]
+    lo, hi = rows if rows is not None else (0, plan.local_rows(rank))
+    out = []
+    for s in plan.shards_of(rank):
+        a, b = max(lo, s.local_start), min(hi, s.local_start + s.rows)
+        if a < b:
+            g0 = int(off[s.table] + s.row_start) + a - s.local_start
+            out.append((s.table, g0, g0 + b - a, a - lo))
+    return out
 
 
 def load_rows(root: str, segments: list[Segment], plan, rank: int, templates: dict,
-              step: int, complete: bool = True) -> dict:
-    """This rank's rows under `plan` from `segments`; where several hold a row, the highest
-    order (newest step) wins. Local.
+              step: int, complete: bool = True, rows: tuple[int, int] | None = None) -> dict:
+    """This rank's rows under `plan` from `segments` (only local rows [rows[0], rows[1]) when
+    given); where several segments hold a row, the highest order (newest step) wins. Local.
 
     `templates` maps row-array names to (shape tail, dtype). With `complete`, every row must come
     from some segment (benchmarks read an incremental checkpoint's increments alone)."""
-    n = plan.local_rows(rank)
+    lo, hi = rows if rows is not None else (0, plan.local_rows(rank))
+    n = hi - lo
     out = {k: np.empty((n, *tail), dtype=dt) for k, (tail, dt) in templates.items()}
     newest = np.full(n, np.iinfo(np.int64).min, dtype=np.int64)
-    ranges = owned_ranges(plan, rank)
+    ranges = owned_ranges(plan, rank, (lo, hi))
     with SegmentReader(root) as reader:
         for seg in segments:
             for table, group, start, stop, gmin, gmax in reader.groups(seg):
@@ -199,7 +208,8 @@ def load_rows(root: str, segments: list[Segment], plan, rank: int, templates: di
     if complete and (newest == np.iinfo(np.int64).min).any():
         missing = np.nonzero(newest == np.iinfo(np.int64).min)[0]
         raise CheckpointError(f"checkpoint step {step} lacks {missing.size} rows of rank {rank}, "
-                              f"e.g. global ids {plan.local_to_global(rank, missing[:5]).tolist()}")
+                              f"e.g. global ids "
+                              f"{plan.local_to_global(rank, lo + missing[:5]).tolist()}")
     return out
 
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass
-from typing import ClassVar
-
-from mpickpt.options import option
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -60,25 +57,3 @@ class FailAt(StepRanks):
 
     def due(self, step: int) -> bool:
         return step == self.step
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class FaultConfig:
-    """Failure injection and tracing for fault tests."""
-
-    OPTION_GROUP: ClassVar[str] = "faults"
-
-    inject_kill: KillAt | None = option(None, parse=KillAt.parse, metavar="STEP:RANK[,RANK...]")
-    """those ranks SIGKILL themselves after step STEP"""
-    inject_failure: FailAt | None = option(None, parse=FailAt.parse,
-                                           metavar="STEP:RANK[,RANK...]")
-    """after step STEP those ranks lose their shards, optimizer state and parity (NaN) and the
-    job recovers them: from parity when it can, else from the latest checkpoint"""
-    trace_samples: str | None = option(None, metavar="PATH")
-    """rank 0 appends 'step position' for every step to PATH"""
-
-    def check_world(self, world_size: int) -> None:
-        """Every named rank exists. Local."""
-        for injection in (self.inject_kill, self.inject_failure):
-            if injection is not None:
-                injection.check_world(world_size)

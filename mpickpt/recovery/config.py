@@ -1,0 +1,108 @@
+"""RecoveryConfig: how lost shards are recovered and what the interval models assume (the
+`recovery` flags)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from mpickpt.durations import Duration
+from mpickpt.options import option
+
+MODES = ("full", "partial", "parity", "auto")
+DEFAULT_TARGET_PLS = 0.1
+"""CPR §4.1: 'a rough, conservative value (e.g., 0.1) works reasonably well across many setups'."""
+
+
+def _pls(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value < 1.0:
+        raise ValueError(f"--target-pls must lie in (0, 1), got {text!r}")
+    return value
+
+
+def _duration(flag: str):
+    def parse(text: str) -> Duration:
+        return Duration.parse(text, flag)
+    return parse
+
+
+def _reschedule(text: str) -> Duration:
+    if str(text).strip() in ("0", "0s", "0steps"):
+        return Duration(0.0)
+    return Duration.parse(text, "--reschedule-time")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RecoveryConfig:
+    """What a loss of embedding shards costs and how it is recovered (CPR, ECRM)."""
+
+    OPTION_GROUP: ClassVar[str] = "recovery"
+
+    mode: str | None = option(None, flag="--recovery", choices=MODES)
+    """full: every rank rolls back to the latest checkpoint; partial (CPR): only the lost shards
+    reload theirs while the rest, the dense part and the reader go on; parity (ECRM): rebuild from
+    parity, full rollback where parity cannot; auto: parity where it covers the loss, else CPR's
+    benefit check between partial and full (default: parity with --parity-k, else full)"""
+    target_pls: float | None = option(None, parse=_pls, metavar="P")
+    """target portion of lost samples for partial recovery: sets the checkpoint interval to
+    2 P T_fail / L (CPR eq. 4; L = share of the shards a failure loses)"""
+    mtbf: Duration | None = option(None, parse=_duration("--mtbf"), metavar="T")
+    """mean time between failures of the job (per job, not per node): 300 or 300steps, 14h,
+    90s (default: the mean of --failure-model)"""
+    reschedule: Duration = option(Duration(0.0), flag="--reschedule-time",
+                                  parse=_reschedule, metavar="T")
+    """time to replace the failed nodes (O_res of CPR eq. 1 and 2), counted in the overhead
+    models, not slept"""
+
+    def __post_init__(self):
+        if self.mode is not None and self.mode not in MODES:
+            raise ValueError(f"--recovery must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.target_pls is not None and not 0.0 < self.target_pls < 1.0:
+            raise ValueError(f"--target-pls must lie in (0, 1), got {self.target_pls!r}")
+
+    def resolved_mode(self, parity: bool) -> str:
+        """The mode in force: as given, else parity with parity on, else full. Local."""
+        return self.mode or ("parity" if parity else "full")
+
+    @property
+    def pls_target(self) -> float:
+        return self.target_pls if self.target_pls is not None else DEFAULT_TARGET_PLS
+
+
+def check_combination(rec: RecoveryConfig, checkpoint, parity, faults) -> None:
+    """Flags that only make sense together, checked before training; ValueError naming them.
+    Local."""
+    mode = rec.resolved_mode(parity is not None)
+    if checkpoint is None:
+        for given, what in ((rec.mode == "partial", "--recovery partial"),
+                            (rec.mode == "auto", "--recovery auto"),
+                            (rec.target_pls is not None, "--target-pls")):
+            if given:
+                raise ValueError(f"{what} needs --ckpt-dir: the lost shards reload from the "
+                                 f"latest checkpoint")
+    if rec.mode == "parity" and parity is None:
+        raise ValueError("--recovery parity needs --parity-k (in-memory parity to rebuild from)")
+    if rec.target_pls is not None and mode not in ("partial", "auto"):
+        raise ValueError(f"--target-pls sets the interval of partial recovery; it needs "
+                         f"--recovery partial or auto, not {mode}")
+    fixed = checkpoint.fixed_interval if checkpoint is not None else None
+    if rec.target_pls is not None and fixed is not None:
+        raise ValueError(f"--target-pls sets the checkpoint interval (CPR eq. 4); drop "
+                         f"--ckpt-interval {fixed} (or set it to auto)")
+    planned = (checkpoint is not None and checkpoint.auto_interval) or \
+        rec.target_pls is not None or rec.mode == "auto"
+    if planned and rec.mtbf is None and faults.failure_model is None:
+        raise ValueError("--ckpt-interval auto, --target-pls and --recovery auto need the job's "
+                         "mean time between failures: --mtbf (or --failure-model)")
+    _check_units(rec, faults)
+
+
+def _check_units(rec: RecoveryConfig, faults) -> None:
+    model = faults.failure_model
+    if model is not None and model.scale.unit != "steps" and faults.emulated_hours is None:
+        raise ValueError(f"--failure-model {model.kind} in {model.scale.unit} needs "
+                         f"--emulated-hours (the length of the job the run emulates): emulated "
+                         f"failures must fall on the same steps in every run")
+    if faults.failure_fraction is not None and model is None:
+        raise ValueError("--failure-fraction is the share of shards an emulated failure loses; "
+                         "it needs --failure-model")

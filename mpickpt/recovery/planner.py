@@ -1,0 +1,111 @@
+"""RecoveryPlanner: the checkpoint interval and, for `--recovery auto`, the recovery mode, planned
+from what the running job measures (`recovery.cpr_model`).
+
+At every checkpoint the ranks agree on their measurements with one allreduce (the slowest rank's
+save, restore and write times, and step time), convert them to steps, and re-plan:
+
+- `--ckpt-interval auto`: Young's interval sqrt(2 O_save T_fail);
+- `--target-pls P` (partial recovery): CPR's 2 P T_fail / L, L the share of the embedding shards
+  one failure loses;
+- `--recovery auto`: CPR's benefit check, which picks partial or full recovery and the interval
+  of the mode it picks (a fixed --ckpt-interval stays fixed).
+
+O_load is the last measured restore, or, before any, the last checkpoint's write time (reading a
+checkpoint back is rarely slower than writing it). Every plan is logged with its inputs.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mpickpt.durations import StepClock
+from mpickpt.recovery.cpr_model import Costs, Decision, benefit_check, pls_interval, young_interval
+
+
+class RecoveryPlanner:
+    """Collective `after_save`; everything else local."""
+
+    def __init__(self, topo, config, mode: str, ckpt, restorer, clock: StepClock, mtbf,
+                 lost_share: float, total_steps: int, say):
+        self.topo, self.config, self.mode = topo, config, mode
+        self.ckpt, self.restorer, self.clock = ckpt, restorer, clock
+        self.mtbf, self.lost_share, self.total_steps, self.say = mtbf, lost_share, total_steps, say
+        self.fixed = ckpt.config.fixed_interval if ckpt is not None else None
+        self.young = ckpt is not None and ckpt.config.auto_interval
+        self.pls = config.target_pls is not None
+        self.decision: Decision | None = None
+        self.history: list[dict] = []
+
+    @property
+    def plans_interval(self) -> bool:
+        return self.fixed is None and (self.young or self.pls or self.mode == "auto")
+
+    def first_interval(self, default: int) -> int:
+        """The interval until the first checkpoint measures O_save: CPR's when it needs no
+        measurement (T_fail in steps or emulated hours), else a tenth of the run, at most
+        `default`. Local."""
+        mtbf = self.clock.steps(self.mtbf) if self.mtbf is not None else None
+        if self.pls and self.mode == "partial" and mtbf is not None:
+            return max(1, round(pls_interval(self.config.target_pls, mtbf, self.lost_share)))
+        return max(1, min(default, -(-self.total_steps // 10)))
+
+    def after_save(self, step: int) -> None:
+        """Re-plan after the checkpoint taken at `step`. Collective."""
+        costs = self._costs()
+        if costs is None:
+            return
+        interval = None
+        if self.mode == "auto":
+            decision = benefit_check(costs, self.config.pls_target, self.lost_share)
+            if self.decision is None or decision.mode != self.decision.mode:
+                self.say(decision.explain())
+            self.decision = decision
+            interval = decision.interval
+        elif self.pls and self.mode == "partial":
+            interval = pls_interval(self.config.target_pls, costs.mtbf, self.lost_share)
+        elif self.young:
+            interval = young_interval(costs.save, costs.mtbf)
+        self.history.append({"step": step, "costs": costs.__dict__, "interval": interval,
+                             "mode": self.decision.mode if self.decision else self.mode})
+        if interval is not None and self.fixed is None and \
+                self.ckpt.schedule.replan(interval, step):
+            self.say(f"checkpoint interval: {self.ckpt.schedule.interval} steps "
+                     f"({self._why(costs)})")
+
+    def _why(self, c: Costs) -> str:
+        if self.mode == "auto":
+            return f"{self.decision.mode} recovery chosen by CPR's benefit check"
+        if self.pls and self.mode == "partial":
+            return (f"CPR eq. 4: 2 x PLS {self.config.target_pls:g} x T_fail {c.mtbf:.1f} / "
+                    f"lost share {self.lost_share:.3f}")
+        return f"Young: sqrt(2 x O_save {c.save:.3f} x T_fail {c.mtbf:.1f}) in steps"
+
+    def _costs(self) -> Costs | None:
+        """The agreed measurements in steps, or None while T_fail cannot be expressed in steps
+        yet. Collective."""
+        ck, rs = self.ckpt, self.restorer
+        local = np.array([ck.save_seconds[-1] if ck.save_seconds else 0.0,
+                          rs.seconds[-1] if rs.seconds else 0.0,
+                          ck.write_seconds[-1] if ck.write_seconds else 0.0,
+                          self.clock.seconds_per_step or 0.0])
+        agreed = np.empty_like(local)
+        self.topo.control.Allreduce(local, agreed, op=_max_op())
+        save_s, load_s, write_s, step_s = agreed.tolist()
+        clock = StepClock(self.clock.hours_per_step)
+        clock.seconds_per_step = step_s or None
+        mtbf = clock.steps(self.mtbf) if self.mtbf is not None else None
+        if mtbf is None or not step_s:
+            return None
+        steps = clock.real_steps
+        return Costs(save=steps(save_s), load=steps(load_s or write_s),
+                     reschedule=clock.steps(self.config.reschedule) or 0.0, mtbf=mtbf,
+                     total=float(self.total_steps))
+
+    def mode_for_loss(self) -> str:
+        """'partial' or 'full' for a loss parity does not cover (auto). Local."""
+        return self.decision.mode if self.decision is not None else "partial"
+
+
+def _max_op():
+    from mpi4py import MPI
+
+    return MPI.MAX

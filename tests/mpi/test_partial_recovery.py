@@ -1,0 +1,152 @@
+"""Partial recovery in process on 1, 2 and 4 ranks: the lost shard reloads exactly the latest
+checkpoint's rows and optimizer state (full, quantized incrcp and prioritized kinds, row-wise split
+tables, a whole rank or half of one); every other row, the dense part and the step stay as they
+were; the PLS grows by eq. 3; the failure emulator draws the same failures on every rank."""
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+from mpickpt.checkpoint.load import load_checkpoint
+from mpickpt.data.position import SyntheticPosition
+from mpickpt.data.synthetic import SyntheticConfig, SyntheticStream
+from mpickpt.engine.config import CheckpointConfig
+from mpickpt.engine.manager import CheckpointManager
+from mpickpt.engine.restorer import Restorer
+from mpickpt.engine.snapshot import numpy_dtype
+from mpickpt.faults.emulator import FailureEmulator
+from mpickpt.faults.loss import Loss, LostShard
+from mpickpt.faults.process import FailureModel
+from mpickpt.model.dense import DenseArch
+from mpickpt.model.hybrid import HybridDLRM
+from mpickpt.model.optimizers import OptimizerConfig
+from mpickpt.model.shard_plan import ShardPlanOptions
+from mpickpt.quant.config import QuantConfig
+from mpickpt.recovery.partial import PartialRecovery
+from mpickpt.recovery.pls import PLSAccount
+from mpickpt.store.manifest import list_manifests
+
+SIZES = (3000, 700, 90, 5)
+BATCH = 32
+KINDS = {"full": {}, "incrcp-4bit": {"kind": "incrcp", "quant": QuantConfig(bits="4")},
+         "priority-mfu": {"priority": "mfu", "save_fraction": 0.25}}
+
+
+def _model(topo):
+    arch = DenseArch(num_dense=13, num_tables=4, dim=8, bottom=(13, 8), top=(1,))
+    return HybridDLRM(topo, arch, SIZES, OptimizerConfig(kind="adagrad", lr=0.05), seed=3,
+                      plan_options=ShardPlanOptions(row_wise_threshold=1000))
+
+
+@pytest.fixture
+def ckpt_dir(topology):
+    path = topology.control.bcast(tempfile.mkdtemp(prefix="mpickpt-partial-")
+                                  if topology.is_root else None)
+    yield path
+    topology.control.Barrier()
+    if topology.is_root:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _train(topo, model, ckpt, steps):
+    stream = SyntheticStream(SyntheticConfig(table_sizes=SIZES, pooling=2, seed=5))
+    state = SyntheticPosition()
+    for step in range(1, steps + 1):
+        batch, state = stream.read_slice(state, BATCH * topo.world_size, topo.rank,
+                                         topo.world_size)
+        model.train_step(batch)
+        if ckpt.due(step):
+            ckpt.save(step, state.to_dict())
+            ckpt.schedule.passed(step)
+
+
+def _checkpoint_rows(root, model, topo):
+    """This rank's rows as the newest committed checkpoint holds them (decoded)."""
+    manifests = list_manifests(root)
+    templates = {k: (tuple(t.shape[1:]), np.dtype(numpy_dtype(t)))
+                 for k, t in model.row_state().items()}
+    loaded = load_checkpoint(root, manifests[-1], model.plan, topo.rank, model.embeddings.dim,
+                             templates, {m.step: m for m in manifests})
+    return manifests[-1], loaded.rows
+
+
+def _all(topo, ok) -> bool:
+    return all(topo.control.allgather(bool(ok)))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("half", [False, True], ids=["whole-rank", "half-rank"])
+def test_partial_recovery_reloads_only_the_lost_rows(topology, ckpt_dir, kind, half):
+    topo = topology
+    model = _model(topo)
+    config = CheckpointConfig(directory=ckpt_dir, interval=2, keep=10, resume="none",
+                              **KINDS[kind])
+    lines = []
+    ckpt = CheckpointManager(topo, config, model, log=lines.append)
+    restorer = Restorer(topo, ckpt_dir, model, lines.append)
+    _train(topo, model, ckpt, 7)  # checkpoints at 2, 4, 6; the loss comes after step 7
+    ckpt.quiesce()  # step 6 committed and ingested on every rank
+    manifest, saved = _checkpoint_rows(ckpt_dir, model, topo)
+    assert manifest.step == 6 and (manifest.kind != "full") == (kind != "full")
+    before = {k: v.clone() for k, v in model.row_state().items()}
+    dense = {k: v.clone() for k, v in model.dense_state().items()}
+    lost = topo.world_size - 1
+    held = model.plan.local_rows(lost)
+    shard = LostShard(lost, 0, held // 2 if half else held, held)
+    loss = Loss((shard,), after_step=7)
+    if topo.rank == lost:
+        model.embeddings.wipe_range(shard.start, shard.stop)
+    total = sum(SIZES)
+    pls = PLSAccount(total_samples=100 * BATCH * topo.world_size)
+    policy = PartialRecovery(ckpt, restorer, model, pls, BATCH * topo.world_size, lines.append)
+    outcome = policy.recover(loss)
+    assert outcome.step == 7 and outcome.reader_state is None and outcome.rolled_back == {lost}
+    for name, now in model.row_state().items():
+        now = now.cpu().numpy()
+        if topo.rank == lost:
+            a, b = shard.start, shard.stop
+            assert np.array_equal(now[a:b], saved[name][a:b]), name  # exactly the checkpoint's
+            assert np.array_equal(now[b:], before[name][b:].numpy()), name
+        else:
+            assert np.array_equal(now, before[name].numpy()), name  # untouched
+    assert _all(topo, all(torch.equal(v, dense[k]) for k, v in model.dense_state().items()))
+    share = shard.rows / total
+    assert pls.value == pytest.approx(share * (7 - 6) * BATCH * topo.world_size
+                                      / pls.total_samples)
+    assert restorer.seconds and ckpt.bits.restores == 1
+    ckpt.close()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_with_nothing_committed_the_lost_rows_restart_from_the_initial_model(topology, ckpt_dir):
+    topo = topology
+    model = _model(topo)
+    initial = {k: v.clone() for k, v in model.row_state().items()}
+    ckpt = CheckpointManager(topo, CheckpointConfig(directory=ckpt_dir, interval=50,
+                                                    resume="none"), model, log=lambda _: None)
+    _train(topo, model, ckpt, 3)
+    trained = {k: v.clone() for k, v in model.row_state().items()}
+    loss = Loss.of_ranks([0], 3, model.plan)
+    if topo.rank == 0:
+        model.embeddings.wipe_rows([0])
+    pls = PLSAccount(1000)
+    PartialRecovery(ckpt, Restorer(topo, ckpt_dir, model, lambda _: None), model, pls, 10,
+                    lambda _: None).recover(loss)
+    want = initial if topo.rank == 0 else trained
+    assert _all(topo, all(torch.equal(v, want[k]) for k, v in model.row_state().items()))
+    assert pls.value == pytest.approx(model.plan.local_rows(0) / sum(SIZES) * 3 * 10 / 1000)
+    ckpt.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_emulator_draws_the_same_failures_on_every_rank(topology):
+    plan = _model(topology).plan
+    rows = [plan.local_rows(r) for r in range(plan.world_size)]
+    emulator = FailureEmulator(FailureModel.parse("cpr:25"), 1.0, 0.125, rows, seed=11)
+    mine = emulator.draw(30)
+    everyone = topology.control.allgather(mine)
+    assert all(other == mine for other in everyone)
+    assert {s.rank for f in mine for s in f.shards} == set(range(topology.world_size))

@@ -1,0 +1,93 @@
+"""Partial recovery in real jobs: the reader never replays or skips a sample, the PLS is logged,
+recorded in the manifests and continued by a resumed job; `--recovery auto` picks parity, partial
+or full recovery as its inputs say; prioritized saves and the failure emulator run end to end."""
+import re
+
+import pytest
+
+from mpickpt.store.manifest import list_manifests
+from tests.launch import SMALL_MODEL, read_trace, resumed_step, run_ranks
+
+STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def straight_trace(tmp_path_factory):
+    trace = tmp_path_factory.mktemp("straight") / "trace"
+    proc = run_ranks(2, "mpickpt.train", *SMALL_MODEL, "--num-batches", str(STEPS),
+                     "--trace-samples", str(trace))
+    assert proc.returncode == 0, proc.stderr
+    return read_trace(trace)
+
+
+def _pls(stdout: str) -> float:
+    return float(re.findall(r"PLS \+[0-9.]+ = ([0-9.]+)", stdout)[-1])
+
+
+def test_partial_recovery_replays_nothing_and_carries_its_pls(tmp_path, straight_trace):
+    ckpt, trace = tmp_path / "ckpt", tmp_path / "trace"
+    args = (*SMALL_MODEL, "--ckpt-dir", str(ckpt), "--ckpt-interval", "10", "--recovery",
+            "partial", "--trace-samples", str(trace))
+    proc = run_ranks(2, "mpickpt.train", *args, "--num-batches", str(STEPS), "--inject-failure",
+                     "15:1")
+    assert proc.returncode == 0, proc.stderr
+    assert "ranks [1] lost their shards after step 15" in proc.stdout
+    assert "reloaded from checkpoint step 10" in proc.stdout
+    assert resumed_step(proc.stdout) is None  # nothing rolled back
+    got = read_trace(trace)
+    assert sorted(got) == list(range(1, STEPS + 1)) and got == straight_trace  # no replay/skip
+    # eq. 3 by hand: rank 1 holds 300 of the 650 rows (tables 300-200-100-50 over 2 ranks)
+    share = 300 / 650
+    expected = share * (15 - 10) / STEPS
+    assert _pls(proc.stdout) == pytest.approx(expected, abs=2e-5), proc.stdout
+    pls = {m.step: m.stats["pls"]["value"] for m in list_manifests(str(ckpt))}
+    assert pls[30] == pytest.approx(expected, abs=1e-9) and pls[20] == pls[30]
+    resumed = run_ranks(2, "mpickpt.train", *args, "--num-batches", "40")
+    assert resumed_step(resumed.stdout) == 30
+    assert re.search(rf"PLS {expected:.5f} after 1 partial recoveries", resumed.stdout), \
+        resumed.stdout
+    assert list_manifests(str(ckpt))[-1].stats["pls"]["value"] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("case", ["parity", "partial", "full"])
+def test_recovery_auto_picks_what_its_inputs_say(tmp_path, case):
+    common = ("--ckpt-dir", str(tmp_path / "ckpt"), "--recovery", "auto")
+    if case == "parity":
+        proc = run_ranks(4, "mpickpt.train", *SMALL_MODEL, *common, "--mtbf", "100",
+                         "--num-batches", "16", "--parity-k", "3", "--inject-failure", "8:2")
+        assert "parity: ranks [2] lost their shards after step 8" in proc.stdout, proc.stdout
+        assert "parity: rebuilt ranks [2]" in proc.stdout  # (exactly: test_parity_training.py)
+        assert "recovery for this loss" not in proc.stdout  # parity covered it
+        return
+    # partial pays at a PLS target of 0.1 with MTBF 100 steps; at 0.0005 it would checkpoint
+    # every step while Young's interval is far longer, so full recovery wins
+    pls, mtbf = ("0.1", "100") if case == "partial" else ("0.0005", "10000")
+    proc = run_ranks(2, "mpickpt.train", *SMALL_MODEL, *common, "--mtbf", mtbf, "--target-pls",
+                     pls, "--num-batches", "20", "--inject-failure", "12:1")
+    assert proc.returncode == 0, proc.stderr
+    decided = re.search(r"recovery auto: (\w+) recovery for this loss \((.*)\)", proc.stdout)
+    assert decided and decided.group(1) == case, proc.stdout
+    assert "O_save" in decided.group(2) and "T_fail" in decided.group(2)  # logged with inputs
+    if case == "partial":
+        assert "partial recovery:" in proc.stdout and resumed_step(proc.stdout) is None
+    else:
+        assert resumed_step(proc.stdout) is not None and "partial recovery:" not in proc.stdout
+
+
+def test_prioritized_saves_and_emulated_failures_end_to_end(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = run_ranks(2, "mpickpt.train", "--arch-embedding-size", "3000-2000-1000-500",
+                     "--arch-sparse-feature-size", "8", "--arch-mlp-bot", "13-16-8",
+                     "--arch-mlp-top", "16-1", "--mini-batch-size", "64", "--print-freq", "0",
+                     "--test-num-batches", "2", "--num-batches", "120", "--ckpt-dir", str(ckpt),
+                     "--ckpt-priority", "scar", "--ckpt-save-fraction", "0.25",
+                     "--ckpt-interval", "5", "--recovery", "partial", "--failure-model",
+                     "exponential:40", "--failure-fraction", "0.125", "--failure-seed", "3")
+    assert proc.returncode == 0, proc.stderr
+    fired = re.findall(r"shards (\d)\[(\d+):(\d+)\) lost their shards after step (\d+)",
+                       proc.stdout)
+    assert fired and all(int(b) - int(a) in (750, 875) for _, a, b, _ in fired)  # 1/8 of rows
+    assert "prioritized saves (scar, r = 0.25)" in proc.stdout and "tracker memory" in proc.stdout
+    kinds = {m.kind for m in list_manifests(str(ckpt))}
+    assert kinds == {"full", "priority"} or kinds == {"priority"}, kinds
+    assert f"{len(fired)} failures in 120 executed steps" in proc.stdout
