@@ -163,6 +163,9 @@ class RunConfig:
     """torch.distributed backend of the data plane (auto: NCCL when CUDA is usable)"""
     phase_times: bool = option(False, switch=True)
     """time the step's phases (synchronises CUDA) and print them at the end"""
+    run_report: str | None = option(None, metavar="PATH")
+    """rank 0 writes what the run did (every step's loss and time, saves, losses and their
+    recovery, test metrics, PLS) as JSON to PATH at the end (benchmarks read it)"""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ from mpickpt.model.hybrid import HybridDLRM
 from mpickpt.parity.guard import ParityGuard
 from mpickpt.progress import ProgressLog
 from mpickpt.recovery.tolerance import FaultTolerance
+from mpickpt.run_report import RunReport
 from mpickpt.timing import PhaseTimer
 
 # The synthetic test set is the same planted stream far beyond any training index.
@@ -67,6 +68,8 @@ class Trainer:
                                      self.parity, self.log.say, restored)
         self.reader = self._make_reader(start)
         self.log.restart_at(self.step)
+        self.report = RunReport(config.run.run_report, topo.is_root, self.step)
+        self.executed = 0
 
     def _make_reader(self, start) -> PrefetchReader:
         cfg = self.config
@@ -90,6 +93,8 @@ class Trainer:
             self.step += 1
             self.log.step(self.step, loss, cfg.global_batch)
             seconds = time.perf_counter() - started
+            self.executed += 1
+            self.report.step(self.step, loss, seconds)
             self.faults.note_step(seconds)
             if self.parity is not None:
                 self.parity.note_step(seconds)
@@ -116,11 +121,14 @@ class Trainer:
             self._print_phases()
         if cfg.run.digest:
             self.log.say(f"digest {self.model.digest()}")
+        self.report.finish(self)
 
     def _recover(self, lost) -> None:
         """Recover shards lost after this step; a rollback restarts the reader where the
         checkpoint left it. Collective."""
+        started = time.perf_counter()
         outcome = self.faults.recover(lost)
+        self.report.recovered(lost, outcome, time.perf_counter() - started, self.executed)
         if outcome.reader_state is not None:
             self.reader.close()
             self.step = outcome.step
@@ -140,6 +148,7 @@ class Trainer:
         result = evaluate(self.model, self.test_source, self.test_start,
                           global_batch=self.config.global_batch,
                           num_batches=self.config.run.test_num_batches)
+        self.report.tested(self.step, result)
         if result is None:
             self.log.say(f"test @ step {self.step}: no test samples with both labels")
         else:

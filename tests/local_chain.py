@@ -12,6 +12,7 @@ import os
 import time
 
 import numpy as np
+import torch
 
 from mpickpt.checkpoint.load import load_checkpoint
 from mpickpt.engine.writer_process import write_file
@@ -24,6 +25,7 @@ from mpickpt.kinds.registry import kind_named
 from mpickpt.store.chunk_index import load_index
 from mpickpt.store.file_spec import FileSpec, dense_relpath, extra_spec, shard_attrs, shard_specs
 from mpickpt.store.manifest import Manifest, apply_retention, list_manifests, write_manifest
+from mpickpt.track.priority import make_tracker
 
 
 class RankState:
@@ -51,16 +53,26 @@ class LocalChain:
     """Checkpoints of one policy for every rank of `plan`, written under `root`."""
 
     def __init__(self, root: str, plan, dim: int, policy: str, keep: int = 1000,
-                 ratio: float = 0.02, seed: int = 0, parts: int = 1, incrcp_reset: str = "cost"):
+                 ratio: float = 0.02, seed: int = 0, parts: int = 1, incrcp_reset: str = "cost",
+                 priority: str | None = None, save_fraction: float = 0.125):
         self.root, self.plan, self.dim, self.policy = root, plan, dim, policy
         self.keep, self.parts = keep, parts
         self.ranks = [RankState(plan, r, dim, seed) for r in range(plan.world_size)]
         self.changed = [set() for _ in self.ranks]
         config = CheckpointConfig(directory=root, kind=policy, incrcp_ratio=ratio,
-                                  incrcp_reset=incrcp_reset)
+                                  incrcp_reset=incrcp_reset, priority=priority,
+                                  save_fraction=save_fraction)
         total = int(sum(plan.table_sizes))
-        self.planners = [KindPlanner(kind_named(policy, total, config), plan.local_rows(r),
+        self.planners = [KindPlanner(kind_named(config.kind, total, config), plan.local_rows(r),
                                      self._sum, self._max) for r in range(plan.world_size)]
+        if priority is not None:  # what attach() does on a model: a tracker beside each shard
+            for state, p in zip(self.ranks, self.planners):
+                ranges = [(s.local_start, s.local_start + s.rows)
+                          for s in plan.shards_of(state.rank)]
+                p.kind.tracker = make_tracker(priority, len(state.gids), ranges, "cpu",
+                                              save_fraction,
+                                              torch.from_numpy(state.arrays["weight"]))
+        self.last_plans: list = []
         self.extractors = [Extractor(root, ratio) for _ in self.ranks]
         self.indexes: dict = {}
         self.history: list[dict] = []
@@ -78,6 +90,9 @@ class LocalChain:
         rows = np.unique(np.asarray(rows, dtype=np.int64))
         self.ranks[rank].update(rows, rng)
         self.changed[rank].update(rows.tolist())
+        tracker = getattr(self.planners[rank].kind, "tracker", None)
+        if tracker is not None:
+            tracker.observe(torch.from_numpy(rows), torch.ones(len(rows), dtype=torch.int64))
 
     def save(self, step: int) -> dict:
         """Checkpoint every rank at `step` (write, commit, ingest). Returns what was written."""
@@ -88,6 +103,7 @@ class LocalChain:
         self._global = np.array([sum(len(c) for c in changed), sum(int(s.sum()) for s in since)],
                                 dtype=np.int64)
         plans = [p.plan(step, c, "local") for p, c in zip(self.planners, changed)]
+        self.last_plans = plans
         start = time.perf_counter()
         files, nbytes = {}, 0
         for state, save in zip(self.ranks, plans):

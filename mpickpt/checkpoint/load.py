@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpickpt.kinds.registry import checkpoint_segments
+from mpickpt.kinds.registry import checkpoint_segments, format_of
 from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import Manifest, list_manifests, parent_manifests, torn_dirs
 from mpickpt.store.segments import load_rows
@@ -97,14 +97,20 @@ def load_checkpoint(root: str, manifest: Manifest, plan, rank: int, dim: int,
 
 
 def load_row_range(root: str, manifest: Manifest, plan, rank: int, dim: int, templates: dict,
-                   by_step: dict[int, Manifest], rows: tuple[int, int]) -> dict:
-    """Local rows [rows[0], rows[1]) of `rank` from one checkpoint of any kind (partial recovery);
+                   by_step: dict[int, Manifest], rows: tuple[int, int]):
+    """Local rows [rows[0], rows[1]) of `rank` from one checkpoint of any kind (partial recovery),
+    and the step each row's value is from: the checkpoint's step for exact kinds, the step of the
+    save that wrote it for prioritized saves (rows skipped since keep an older value).
     CheckpointError on any problem. Local."""
     check_compatible(manifest, plan, dim, templates)
     for m in [*parent_manifests(manifest, by_step), manifest]:
         check_files(root, m)
     segments = checkpoint_segments(root, manifest, by_step)
-    return load_rows(root, segments, plan, rank, templates, manifest.step, rows=rows)
+    arrays, written = load_rows(root, segments, plan, rank, templates, manifest.step, rows=rows,
+                                with_steps=True)
+    if format_of(manifest).exact:
+        written = np.full(len(written), manifest.step, dtype=np.int64)
+    return arrays, written
 
 
 def committed(root: str) -> tuple[list[Manifest], list[str]]:

@@ -7,8 +7,8 @@ from typing import ClassVar
 
 from mpickpt.kinds.incrcp import RESETS as INCRCP_RESETS
 from mpickpt.kinds.priority import DEFAULT_FRACTION
+from mpickpt.kinds.priority import RULES as PRIORITY_RULES
 from mpickpt.kinds.registry import KINDS
-from mpickpt.track.priority import RULES as PRIORITY_RULES
 from mpickpt.options import int_at_least, option, ratio
 from mpickpt.quant.config import QuantConfig
 

@@ -67,6 +67,11 @@ class CheckpointManager:
         self.bits = config.quant.policy(max(1, topo.world_size // max(1, topo.local_size)))
         self.say(self.bits.explain())
 
+    @property
+    def kind(self):
+        """The `Kind` this manager's saves follow. Local."""
+        return self.incremental.planner.kind
+
     def say(self, line: str) -> None:
         """Log `line` once for the job (rank 0). Local."""
         if self.topo.is_root:

@@ -33,6 +33,8 @@ class Restored:
     step: int
     reader_state: dict
     manifest: Manifest | None = field(default=None, repr=False)
+    written: dict[int, int] = field(default_factory=dict)
+    """Partial restores: how many reloaded rows (over all ranks) hold the value of each step."""
 
     @property
     def restores(self) -> int:
@@ -86,10 +88,17 @@ class Restorer:
         if found is None:
             return None
         manifest, pieces = found
-        for (shard, arrays) in pieces:
+        written: dict[int, int] = {}
+        for shard, (arrays, steps) in pieces:
             self.model.load_row_range(arrays, shard.start, shard.stop)
+            for step, count in zip(*np.unique(steps, return_counts=True)):
+                written[int(step)] = written.get(int(step), 0) + int(count)
         self._timed(start)
-        return Restored(manifest.step, manifest.reader_state, manifest)
+        merged: dict[int, int] = {}
+        for part in self.topo.control.allgather(written):
+            for step, count in part.items():
+                merged[step] = merged.get(step, 0) + count
+        return Restored(manifest.step, manifest.reader_state, manifest, merged)
 
     def _committed(self) -> list[Manifest]:
         """Committed manifests (rank 0 lists them; torn directories are removed). Collective."""

@@ -83,6 +83,9 @@ class Kind:
     rng_in_extra_file = False
     """Its increments' shard files live outside the step directory, so the RNG states of a step
     travel in a small per-rank extra file there."""
+    save_share = 1.0
+    """Share of each table's rows one save may write (below 1 for prioritized saves, which are
+    then planned that much more often, for the same save bandwidth)."""
     exact = True
     """A checkpoint holds every row's value at its step (rows it does not write did not change
     since they were written); False for kinds that skip changed rows (prioritized saves)."""

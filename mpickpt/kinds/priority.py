@@ -16,8 +16,10 @@ import math
 
 from mpickpt.kinds.base import Increment, Kind
 from mpickpt.store.segments import whole_files
-from mpickpt.track.priority import RULES, make_tracker
 
+RULES = ("mfu", "ssu", "scar")
+"""`--ckpt-priority`: the trackers of `mpickpt.track.priority` (imported when a job attaches one,
+so that reading checkpoints never imports torch)."""
 DEFAULT_FRACTION = 0.125
 """CPR §6.1: 8 times more frequent saves of at most 1/8 of the rows (r = 0.125)."""
 BASELINE_CYCLES = 4
@@ -42,10 +44,13 @@ class Priority(Kind):
             raise ValueError(f"--ckpt-save-fraction must lie in (0, 1], got {self.fraction!r}")
         every = getattr(config, "priority_baseline_every", None)
         self.every = BASELINE_CYCLES * math.ceil(1.0 / self.fraction) if every is None else every
+        self.save_share = self.fraction
         self.tracker = None
         self._remove = None
 
     def attach(self, model) -> str:
+        from mpickpt.track.priority import make_tracker
+
         emb = model.embeddings
         ranges = [(s.local_start, s.local_start + s.rows)
                   for s in model.plan.shards_of(emb.topo.rank)]

@@ -10,8 +10,14 @@ save, restore and write times, and step time), convert them to steps, and re-pla
 - `--recovery auto`: CPR's benefit check, which picks partial or full recovery and the interval
   of the mode it picks (a fixed --ckpt-interval stays fixed).
 
-O_load is the last measured restore, or, before any, the last checkpoint's write time (reading a
-checkpoint back is rarely slower than writing it). Every plan is logged with its inputs.
+A kind whose saves write only a share s of the rows (prioritized saves) saves s times as often,
+for the save bandwidth of full checkpoints at the planned interval (CPR §6.1: 8 times as often, at
+most 1/8 of the rows).
+
+Each cost is the median of its last `WINDOW` measurements (one slow save on a busy machine should
+not halve the interval). O_load is the measured restore time, or, before any restore, the
+checkpoint write time (reading a checkpoint back is rarely slower than writing it). A plan is
+logged with its inputs when the mode changes or the interval moves by a quarter or more.
 """
 from __future__ import annotations
 
@@ -19,6 +25,11 @@ import numpy as np
 
 from mpickpt.durations import StepClock
 from mpickpt.recovery.cpr_model import Costs, Decision, benefit_check, pls_interval, young_interval
+
+WINDOW = 5
+"""Measurements each cost is the median of."""
+LOG_CHANGE = 0.25
+"""Relative change of the interval that is logged again."""
 
 
 class RecoveryPlanner:
@@ -34,6 +45,7 @@ class RecoveryPlanner:
         self.pls = config.target_pls is not None
         self.decision: Decision | None = None
         self.history: list[dict] = []
+        self._logged_interval: int | None = None
 
     @property
     def plans_interval(self) -> bool:
@@ -45,8 +57,13 @@ class RecoveryPlanner:
         `default`. Local."""
         mtbf = self.clock.steps(self.mtbf) if self.mtbf is not None else None
         if self.pls and self.mode == "partial" and mtbf is not None:
-            return max(1, round(pls_interval(self.config.target_pls, mtbf, self.lost_share)))
+            return max(1, round(self.share * pls_interval(self.config.target_pls, mtbf,
+                                                          self.lost_share)))
         return max(1, min(default, -(-self.total_steps // 10)))
+
+    @property
+    def share(self) -> float:
+        return self.ckpt.kind.save_share if self.ckpt is not None else 1.0
 
     def after_save(self, step: int) -> None:
         """Re-plan after the checkpoint taken at `step`. Collective."""
@@ -66,12 +83,19 @@ class RecoveryPlanner:
             interval = young_interval(costs.save, costs.mtbf)
         self.history.append({"step": step, "costs": costs.__dict__, "interval": interval,
                              "mode": self.decision.mode if self.decision else self.mode})
-        if interval is not None and self.fixed is None and \
-                self.ckpt.schedule.replan(interval, step):
-            self.say(f"checkpoint interval: {self.ckpt.schedule.interval} steps "
-                     f"({self._why(costs)})")
+        if interval is not None and self.fixed is None:
+            self.ckpt.schedule.replan(interval * self.share, step)
+            now, last = self.ckpt.schedule.interval, self._logged_interval
+            if last is None or abs(now - last) >= LOG_CHANGE * last:
+                self._logged_interval = now
+                self.say(f"checkpoint interval: {now} steps ({self._why(costs)})")
 
     def _why(self, c: Costs) -> str:
+        scaled = f", x {self.share:g} for saves of that share of the rows" \
+            if self.share < 1 else ""
+        return self._rule(c) + scaled
+
+    def _rule(self, c: Costs) -> str:
         if self.mode == "auto":
             return f"{self.decision.mode} recovery chosen by CPR's benefit check"
         if self.pls and self.mode == "partial":
@@ -83,10 +107,8 @@ class RecoveryPlanner:
         """The agreed measurements in steps, or None while T_fail cannot be expressed in steps
         yet. Collective."""
         ck, rs = self.ckpt, self.restorer
-        local = np.array([ck.save_seconds[-1] if ck.save_seconds else 0.0,
-                          rs.seconds[-1] if rs.seconds else 0.0,
-                          ck.write_seconds[-1] if ck.write_seconds else 0.0,
-                          self.clock.seconds_per_step or 0.0])
+        local = np.array([_recent(ck.save_seconds), _recent(rs.seconds),
+                          _recent(ck.write_seconds), self.clock.seconds_per_step or 0.0])
         agreed = np.empty_like(local)
         self.topo.control.Allreduce(local, agreed, op=_max_op())
         save_s, load_s, write_s, step_s = agreed.tolist()
@@ -103,6 +125,11 @@ class RecoveryPlanner:
     def mode_for_loss(self) -> str:
         """'partial' or 'full' for a loss parity does not cover (auto). Local."""
         return self.decision.mode if self.decision is not None else "partial"
+
+
+def _recent(values: list[float]) -> float:
+    """The median of the last WINDOW measurements (0 without any). Local."""
+    return float(np.median(values[-WINDOW:])) if values else 0.0
 
 
 def _max_op():

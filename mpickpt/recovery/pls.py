@@ -7,7 +7,8 @@ At a partial recovery after step i, each lost shard s goes back to its last save
 
 with S_k = k x global batch the samples trained up to step k, S_total the samples of the whole
 job, and share_s the shard's share of the embedding rows (CPR's 1 / N_emb for one of N_emb equal
-embedding servers). The running value travels in every manifest (`stats["pls"]`), so a resumed
+embedding servers). With prioritized saves the last save of a shard is the newest (partial) one, as
+in CPR's evaluation of MFU and SSU: the rows that save skipped were judged not to matter. The running value travels in every manifest (`stats["pls"]`), so a resumed
 job continues from the PLS of the checkpoint it resumed from: a full rollback undoes the partial
 recoveries after that checkpoint along with everything else. Local.
 """

@@ -183,12 +183,14 @@ def owned_ranges(plan, rank: int, rows: tuple[int, int] | None = None
 
 
 def load_rows(root: str, segments: list[Segment], plan, rank: int, templates: dict,
-              step: int, complete: bool = True, rows: tuple[int, int] | None = None) -> dict:
+              step: int, complete: bool = True, rows: tuple[int, int] | None = None,
+              with_steps: bool = False):
     """This rank's rows under `plan` from `segments` (only local rows [rows[0], rows[1]) when
     given); where several segments hold a row, the highest order (newest step) wins. Local.
 
     `templates` maps row-array names to (shape tail, dtype). With `complete`, every row must come
-    from some segment (benchmarks read an incremental checkpoint's increments alone)."""
+    from some segment (benchmarks read an incremental checkpoint's increments alone). With
+    `with_steps`, returns (rows, the step that wrote each row) instead."""
     lo, hi = rows if rows is not None else (0, plan.local_rows(rank))
     n = hi - lo
     out = {k: np.empty((n, *tail), dtype=dt) for k, (tail, dt) in templates.items()}
@@ -210,7 +212,7 @@ def load_rows(root: str, segments: list[Segment], plan, rank: int, templates: di
         raise CheckpointError(f"checkpoint step {step} lacks {missing.size} rows of rank {rank}, "
                               f"e.g. global ids "
                               f"{plan.local_to_global(rank, lo + missing[:5]).tolist()}")
-    return out
+    return (out, newest) if with_steps else out
 
 
 def _apply_sorted(reader, seg, group, start, gids, mine, out, newest) -> None:

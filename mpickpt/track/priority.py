@@ -23,7 +23,6 @@ import math
 import numpy as np
 import torch
 
-RULES = ("mfu", "ssu", "scar")
 SSU_PERIOD = 2
 """CPR §6.1 samples every second data point (a sampling period of 2)."""
 
@@ -193,4 +192,4 @@ def make_tracker(rule: str, num_rows: int, ranges, device, fraction: float, weig
         return SubsampledUsed(num_rows, ranges, device, fraction, seed)
     if rule == "scar":
         return LargestChange(num_rows, ranges, device, weight)
-    raise ValueError(f"--ckpt-priority must be one of {', '.join(RULES)}, got {rule!r}")
+    raise ValueError(f"--ckpt-priority must be mfu, ssu or scar, got {rule!r}")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mpickpt.checkpoint.load import load_checkpoint
+from mpickpt.checkpoint.load import load_checkpoint, load_row_range
 from mpickpt.data.position import SyntheticPosition
 from mpickpt.data.synthetic import SyntheticConfig, SyntheticStream
 from mpickpt.engine.config import CheckpointConfig
@@ -62,13 +62,15 @@ def _train(topo, model, ckpt, steps):
             ckpt.schedule.passed(step)
 
 
+def _templates(model):
+    return {k: (tuple(t.shape[1:]), np.dtype(numpy_dtype(t))) for k, t in model.row_state().items()}
+
+
 def _checkpoint_rows(root, model, topo):
     """This rank's rows as the newest committed checkpoint holds them (decoded)."""
     manifests = list_manifests(root)
-    templates = {k: (tuple(t.shape[1:]), np.dtype(numpy_dtype(t)))
-                 for k, t in model.row_state().items()}
     loaded = load_checkpoint(root, manifests[-1], model.plan, topo.rank, model.embeddings.dim,
-                             templates, {m.step: m for m in manifests})
+                             _templates(model), {m.step: m for m in manifests})
     return manifests[-1], loaded.rows
 
 
@@ -113,9 +115,17 @@ def test_partial_recovery_reloads_only_the_lost_rows(topology, ckpt_dir, kind, h
         else:
             assert np.array_equal(now, before[name].numpy()), name  # untouched
     assert _all(topo, all(torch.equal(v, dense[k]) for k, v in model.dense_state().items()))
-    share = shard.rows / total
-    assert pls.value == pytest.approx(share * (7 - 6) * BATCH * topo.world_size
+    # eq. 3: the shard's share of the rows x the samples since its last save (step 6)
+    assert pls.value == pytest.approx(shard.rows / total * (7 - 6) * BATCH * topo.world_size
                                       / pls.total_samples)
+    written = None  # the step whose value each reloaded row holds
+    if topo.rank == lost:
+        _, written = load_row_range(ckpt_dir, manifest, model.plan, lost, model.embeddings.dim,
+                                    _templates(model),
+                                    {m.step: m for m in list_manifests(ckpt_dir)},
+                                    (shard.start, shard.stop))
+        assert (written == 6).all() == (kind != "priority-mfu")  # stale rows only if prioritized
+        assert written.min() >= 2  # the baseline at step 2
     assert restorer.seconds and ckpt.bits.restores == 1
     ckpt.close()
 

@@ -1,0 +1,65 @@
+"""RunReport: what a training run did, as JSON for benchmarks (`--run-report PATH`, rank 0).
+
+Per executed step its training step and loss (replays after a rollback appear again), the time of
+the step, every checkpoint save's cost, every loss of shards with its recovery (policy, the step
+training went on from, seconds), the final test metrics, PLS, and the interval planner's history.
+Local: rank 0 keeps and writes it; the other ranks keep nothing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+class RunReport:
+    """Collects one run's events (rank 0 only). Local."""
+
+    def __init__(self, path: str | None, is_root: bool, start_step: int):
+        self.path = path if is_root else None
+        self.started = time.perf_counter()
+        self.doc = {"start_step": start_step, "steps": [], "recoveries": [], "tests": []}
+
+    @property
+    def on(self) -> bool:
+        return self.path is not None
+
+    def step(self, step: int, loss: float, seconds: float) -> None:
+        if self.on:
+            self.doc["steps"].append([step, loss, seconds])
+
+    def recovered(self, loss, outcome, seconds: float, executed: int) -> None:
+        if self.on:
+            self.doc["recoveries"].append({
+                "after_step": loss.after_step, "executed": executed, "policy": outcome.policy,
+                "resumed_at": outcome.step, "replayed": loss.after_step - outcome.step,
+                "seconds": seconds, "shards": [[s.rank, s.start, s.stop] for s in loss.shards]})
+
+    def tested(self, step: int, result) -> None:
+        if self.on and result is not None:
+            self.doc["tests"].append({"step": step, "auc": result.auc,
+                                      "logloss": result.logloss, "samples": result.samples})
+
+    def finish(self, trainer) -> None:
+        """Add the totals and write the file (temp + rename). Local."""
+        if not self.on:
+            return
+        d = self.doc
+        d["wall_seconds"] = time.perf_counter() - self.started
+        d["world_size"] = trainer.topo.world_size
+        d["global_batch"] = trainer.config.global_batch
+        d["num_batches"] = trainer.config.num_batches
+        ft = trainer.faults
+        d["pls"] = {"value": ft.pls.value, "events": ft.pls.events}
+        d["mode"] = ft.mode
+        d["plans"] = ft.planner.history
+        d["failures"] = len(ft.emulator.fired) if ft.emulator is not None else \
+            len(d["recoveries"])
+        if trainer.ckpt is not None:
+            d["save_seconds"] = trainer.ckpt.save_seconds
+            d["restore_seconds"] = trainer.restorer.seconds
+            d["checkpoints"] = trainer.ckpt.counters["saved"]
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(d, f)
+        os.replace(tmp, self.path)
