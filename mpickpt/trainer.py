@@ -50,6 +50,7 @@ class Trainer:
                                 config.model.seed, config.plan_options, self.timer)
         self.log = log or ProgressLog(topo.is_root, config.num_batches, config.run.print_freq)
         self.source, start, self.test_source, self.test_start = make_sources(config)
+        first = start.to_dict()
         self.ckpt = self.restorer = restored = None
         self.step = 0
         if config.checkpoint is not None:
@@ -65,7 +66,7 @@ class Trainer:
             self.parity = ParityGuard(topo, self.model, config.parity, self.log.say)
             self.parity.encode()  # collective
         self.faults = FaultTolerance(config, topo, self.model, self.ckpt, self.restorer,
-                                     self.parity, self.log.say, restored)
+                                     self.parity, self.log.say, restored, first)
         self.reader = self._make_reader(start)
         self.log.restart_at(self.step)
         self.report = RunReport(config.run.run_report, topo.is_root, self.step)

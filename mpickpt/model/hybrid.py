@@ -27,15 +27,29 @@ class HybridDLRM:
                  plan_options: ShardPlanOptions | None = None, timer: PhaseTimer | None = None):
         if len(table_sizes) != arch.num_tables:
             raise ValueError(f"{len(table_sizes)} tables given, dense arch expects {arch.num_tables}")
-        self.topo = topo
+        self.topo, self.arch, self.optim, self.seed = topo, arch, optim, seed
         self.timer = timer or PhaseTimer(topo.device, enabled=False)
         self.plan = ShardPlan.build(table_sizes, topo.world_size, plan_options)
         self.embeddings = ShardedEmbeddingBags(topo, self.plan, arch.dim, optim, seed, self.timer)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self.dense = DLRMDense(arch).to(topo.device)
+        self.dense = self._initial_dense()
         self.dense_optimizer = make_dense_optimizer(optim, self.dense.parameters())
         self.steps_done = 0
+
+    def _initial_dense(self) -> DLRMDense:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            return DLRMDense(self.arch).to(self.topo.device)
+
+    @torch.no_grad()
+    def reset_to_initial(self) -> None:
+        """Every row, the optimizer state and the dense part as before the first step (a rollback
+        with nothing committed). Local, and the same on every rank."""
+        n = len(self.embeddings.local_gids)
+        self.load_row_state({k: v.cpu() for k, v in self.initial_row_range(0, n).items()})
+        initial = self._initial_dense()
+        for p, q in zip(self.dense.parameters(), initial.parameters()):
+            p.copy_(q)
+        self.dense_optimizer = make_dense_optimizer(self.optim, self.dense.parameters())
 
     def train_step(self, batch) -> float:
         """One synchronous step on this rank's slice of the global batch; returns the global mean

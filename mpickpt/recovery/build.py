@@ -10,11 +10,11 @@ from mpickpt.recovery.partial import PartialRecovery
 
 
 def build_recovery(mode: str, topo, model, parity, ckpt, restorer, pls, planner,
-                   global_batch: int, say) -> Recovery:
+                   global_batch: int, say, start_state: dict | None = None) -> Recovery:
     """The policies of `mode`: full (roll back), partial (CPR), parity (rebuild, else roll
     back), auto (rebuild where parity covers, else CPR's choice). After a recovery replaced rows,
     parity is re-encoded. Local."""
-    full = FullRollback(ckpt, restorer, topo.world_size)
+    full = FullRollback(ckpt, restorer, topo.world_size, model, start_state)
     partial = PartialRecovery(ckpt, restorer, model, pls, global_batch, say)
     rebuild = [ParityRebuild(parity)] if parity is not None else []
     policies = {"full": [full], "partial": [partial], "parity": [*rebuild, full],

@@ -1,5 +1,7 @@
 """Full recovery: every rank, the dense part and the reader go back to the newest committed
-checkpoint (the checkpoint in flight is let finish first), and training replays from there."""
+checkpoint (the checkpoint in flight is let finish first), and training replays from there. With
+nothing committed yet, training starts over from the initial model (a pure function of the seed)
+and the first sample."""
 from __future__ import annotations
 
 from mpickpt.faults.loss import Loss
@@ -12,8 +14,9 @@ class FullRollback(RecoveryPolicy):
     name = "full"
     action = "falling back to the latest checkpoint"
 
-    def __init__(self, ckpt, restorer, world_size: int):
+    def __init__(self, ckpt, restorer, world_size: int, model=None, start_state: dict | None = None):
         self.ckpt, self.restorer, self.world_size = ckpt, restorer, world_size
+        self.model, self.start_state = model, start_state
 
     def why_not(self, loss: Loss) -> str | None:
         if self.ckpt is None:
@@ -23,8 +26,15 @@ class FullRollback(RecoveryPolicy):
     def recover(self, loss: Loss) -> Outcome:
         self.ckpt.quiesce()
         restored = self.restorer.restore(latest=True)
+        everyone = frozenset(range(self.world_size))
         if restored is None:
-            raise Unrecoverable(f"{loss}, and no checkpoint is committed yet")
+            if self.model is None or self.start_state is None:
+                raise Unrecoverable(f"{loss}, and no checkpoint is committed yet")
+            self.model.reset_to_initial()
+            self.ckpt.incremental.reset()
+            self.ckpt.schedule.restart(0)
+            self.restorer.say("nothing committed yet: training starts over from the initial "
+                              "model")
+            return Outcome(self.name, 0, self.start_state, everyone)
         self.ckpt.restored(restored)
-        return Outcome(self.name, restored.step, restored.reader_state,
-                       frozenset(range(self.world_size)))
+        return Outcome(self.name, restored.step, restored.reader_state, everyone)

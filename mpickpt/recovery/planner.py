@@ -53,13 +53,13 @@ class RecoveryPlanner:
 
     def first_interval(self, default: int) -> int:
         """The interval until the first checkpoint measures O_save: CPR's when it needs no
-        measurement (T_fail in steps or emulated hours), else a tenth of the run, at most
-        `default`. Local."""
+        measurement (T_fail in steps or emulated hours), else a fiftieth of the run (an early
+        first measurement), at most `default`. Local."""
         mtbf = self.clock.steps(self.mtbf) if self.mtbf is not None else None
         if self.pls and self.mode == "partial" and mtbf is not None:
             return max(1, round(self.share * pls_interval(self.config.target_pls, mtbf,
                                                           self.lost_share)))
-        return max(1, min(default, -(-self.total_steps // 10)))
+        return max(1, min(default, -(-self.total_steps // 50)))
 
     @property
     def share(self) -> float:

@@ -20,7 +20,10 @@ from mpickpt.recovery.pls import PLSAccount
 class FaultTolerance:
     """Losses, recovery, PLS and interval planning of one rank."""
 
-    def __init__(self, config, topo, model, ckpt, restorer, parity, say, resumed=None):
+    def __init__(self, config, topo, model, ckpt, restorer, parity, say, resumed=None,
+                 start_state: dict | None = None):
+        """`start_state`: the reader position of the first sample (where a rollback with
+        nothing committed starts over)."""
         self.config, self.topo, self.model, self.parity, self.say = config, topo, model, parity, say
         faults, rec = config.faults, config.recovery
         self.clock = StepClock(faults.hours_per_step(config.num_batches))
@@ -33,7 +36,7 @@ class FaultTolerance:
         self.planner = RecoveryPlanner(topo, rec, self.mode, ckpt, restorer, self.clock, mtbf,
                                        lost_share, config.num_batches, say)
         self.recovery = build_recovery(self.mode, topo, model, parity, ckpt, restorer, self.pls,
-                                       self.planner, config.global_batch, say)
+                                       self.planner, config.global_batch, say, start_state)
         self.injected = False
         if ckpt is not None:
             ckpt.stats_sources.append(lambda: {"pls": self.pls.to_stats()})
