@@ -9,10 +9,14 @@ uses MPI.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import multiprocessing as mp
 import os
 import signal
+import threading
+import weakref
 
 PR_SET_PDEATHSIG = 1
 
@@ -28,10 +32,17 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+JOB_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+"""What a terminal, a launcher or a scheduler sends to a job's whole process group or step:
+Ctrl-C, a time limit, scancel, --signal=USR1@T, a closed terminal."""
+
+
 def ignore_job_signals() -> None:
-    """A Ctrl-C aimed at the training job must not kill a worker in the middle of a file: its
-    rank decides when the worker stops. Call in the worker. Local."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """A signal aimed at the training job must not kill a worker in the middle of a file: its
+    rank decides when the worker stops (and SIGKILL still ends it, as Slurm does KillWait
+    seconds after SIGTERM). Call in the worker. Local."""
+    for sig in JOB_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def serve(conn, handle) -> None:
@@ -48,10 +59,44 @@ def serve(conn, handle) -> None:
 
 def start_worker(target, name: str, *args):
     """Spawn `target(conn, parent_pid, *args)` as a daemon child; returns (process, our end of
-    the pipe). Local."""
+    the pipe). The job's signals are ignored while it starts, so that it, and the resource
+    tracker multiprocessing starts beside the first worker, inherit that: a launcher's SIGUSR1
+    (MPICH's hydra notifies survivors of a dead rank with it) must not kill the tracker, whose
+    death made hydra kill the survivor. Local."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=target, args=(child, os.getpid(), *args), daemon=True, name=name)
-    proc.start()
+    with _job_signals_ignored():
+        proc.start()
     child.close()
+    _started.add(proc)
     return proc, parent
+
+
+_started: "weakref.WeakSet" = weakref.WeakSet()
+"""Every worker this process started (a process object, not a global state: `_reap` only)."""
+
+
+@atexit.register
+def _reap() -> None:
+    """At interpreter exit, kill the workers still running: an exit on an error can leave them
+    unclosed, and multiprocessing's own exit hook (registered earlier, so run after this one)
+    would end them with SIGTERM, which they ignore, and then wait for them forever. A part left
+    half written is a temporary file, never a committed checkpoint. Local."""
+    for proc in list(_started):
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5.0)
+
+
+@contextlib.contextmanager
+def _job_signals_ignored():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in JOB_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)

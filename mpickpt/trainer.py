@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import time
+import torch
 
 from mpickpt.data.criteo_tsv import CriteoTSVConfig, CriteoTSVSource
 from mpickpt.data.position import SyntheticPosition, TSVPosition, position_from_dict
@@ -14,8 +15,11 @@ from mpickpt.evaluation import evaluate
 from mpickpt.model.hybrid import HybridDLRM
 from mpickpt.parity.guard import ParityGuard
 from mpickpt.progress import ProgressLog
+from mpickpt.faults.loss import Loss
 from mpickpt.recovery.tolerance import FaultTolerance
 from mpickpt.run_report import RunReport
+from mpickpt.stop_signals import StopSignals
+from mpickpt.survivors.survival import Survival
 from mpickpt.timing import PhaseTimer
 
 # The synthetic test set is the same planted stream far beyond any training index.
@@ -43,34 +47,62 @@ def make_sources(config):
 class Trainer:
     """Owns the model, the reader, the checkpoint manager and the loop. `run` is collective."""
 
-    def __init__(self, topo, config, log: ProgressLog | None = None):
+    def __init__(self, topo, config, log: ProgressLog | None = None,
+                 signals: StopSignals | None = None):
+        """`signals`: stop signals installed by the entry point before anything slow (a signal
+        during a long restore then stops after the first step); installed here otherwise."""
         self.topo, self.config = topo, config
+        self.signals = signals or StopSignals().install()
         self.timer = PhaseTimer(topo.device, enabled=config.run.phase_times)
         self.model = HybridDLRM(topo, config.arch, config.table_sizes, config.optim,
                                 config.model.seed, config.plan_options, self.timer)
         self.log = log or ProgressLog(topo.is_root, config.num_batches, config.run.print_freq)
-        self.source, start, self.test_source, self.test_start = make_sources(config)
-        first = start.to_dict()
-        self.ckpt = self.restorer = restored = None
-        self.step = 0
+        self.source, first, self.test_source, self.test_start = make_sources(config)
+        self.ckpt = self.restorer = None
         if config.checkpoint is not None:
             self.ckpt = CheckpointManager(topo, config.checkpoint, self.model, self.log.say)
             self.restorer = Restorer(topo, config.checkpoint.directory, self.model, self.ckpt.say,
                                      config.checkpoint.resume)
-            restored = self.restorer.restore()  # collective
-            if restored is not None:
-                self.ckpt.restored(restored)
-                self.step, start = restored.step, position_from_dict(restored.reader_state)
-        self.parity = None
-        if config.parity is not None:
-            self.parity = ParityGuard(topo, self.model, config.parity, self.log.say)
-            self.parity.encode()  # collective
+        self.parity = ParityGuard(topo, self.model, config.parity, self.log.say) \
+            if config.parity is not None else None
+        rec = config.recovery
+        self.survival = Survival(topo, self.model, self.parity, config.checkpoint and
+                                 config.checkpoint.directory, rec.survivor_dumps,
+                                 rec.peer_timeout, self.log.say)
+        self.dumps_pending = False
+        self.step, start, pls, lost = self._resume(first)
+        self.resumed_step = self.step
         self.faults = FaultTolerance(config, topo, self.model, self.ckpt, self.restorer,
-                                     self.parity, self.log.say, restored, first)
+                                     self.parity, self.log.say, self.step, pls, first.to_dict())
         self.reader = self._make_reader(start)
         self.log.restart_at(self.step)
         self.report = RunReport(config.run.run_report, topo.is_root, self.step)
         self.executed = 0
+        self.votes = torch.zeros(1)
+        self.stopped: str | None = None
+        if lost:
+            self._recover(Loss.of_ranks(lost, self.step, self.model.plan))
+        self.survival.start_watch(self._boundary)
+
+    def _resume(self, first):
+        """Where training starts: survivor dumps of a relaunch, else the newest checkpoint, else
+        the beginning. Returns (step, reader position, the PLS stats it carried, ranks lost at
+        the relaunch). Collective."""
+        newest = self.restorer.newest_step() if self.restorer is not None else None
+        survey, found = self.survival.resume(newest)
+        if found is not None:
+            reader, pls = found
+            self.ckpt.resumed_at(survey.step)
+            self.dumps_pending = True
+            return survey.step, position_from_dict(reader), pls, sorted(survey.lost)
+        restored = self.restorer.restore() if self.restorer is not None else None  # collective
+        if self.parity is not None:
+            self.parity.encode()  # collective
+        if restored is None:
+            return 0, first, None, []
+        self.ckpt.restored(restored)
+        return (restored.step, position_from_dict(restored.reader_state),
+                restored.manifest.stats.get("pls"), [])
 
     def _make_reader(self, start) -> PrefetchReader:
         cfg = self.config
@@ -81,28 +113,33 @@ class Trainer:
                               allowance=allowance)
 
     def run(self) -> None:
-        """Train up to `num_batches` steps (or to the end of the data). Collective."""
+        """Train up to `num_batches` steps (or to the end of the data, or a stop signal).
+        Collective. A peer's death ends this rank through `Survival` (exit EXIT_PEER_LOST)."""
+        try:
+            self._loop()
+            self._finish()
+        except Exception as e:
+            self.survival.failed(e)  # re-raises unless a peer died
+
+    def _loop(self) -> None:
         cfg = self.config
         while self.step < cfg.num_batches:
             self._trace()
+            at = self.reader.state().to_dict()
             batch = self.reader.next()
             if batch is None:
                 self.log.say(f"end of training data after {self.step} batches")
-                break
-            started = time.perf_counter()
-            loss = self.model.train_step(batch)
-            self.step += 1
-            self.log.step(self.step, loss, cfg.global_batch)
-            seconds = time.perf_counter() - started
-            self.executed += 1
-            self.report.step(self.step, loss, seconds)
-            self.faults.note_step(seconds)
-            if self.parity is not None:
-                self.parity.note_step(seconds)
+                return
+            self._train(batch, at)
             if self.ckpt is not None:
                 if self.parity is not None and self.ckpt.due(self.step):
                     self.parity.settle()  # a snapshot must not copy rows still being rebuilt
                 self.ckpt.after_step(self.step, self.reader, cfg.num_batches)
+                if self.dumps_pending and self.step % 10 == 0:
+                    self._drop_dumps_once_replaced()
+            if self.votes[0] > 0:
+                self._stop_on_signal()
+                return
             if cfg.faults.inject_kill is not None:
                 cfg.faults.inject_kill.maybe_kill(self.step, self.topo.rank)
             lost = self.faults.loss_after(self.step)
@@ -111,30 +148,89 @@ class Trainer:
             if cfg.run.test_freq and self.step % cfg.run.test_freq == 0 \
                     and self.step < cfg.num_batches:
                 self.test()
+
+    def _train(self, batch, at: dict) -> None:
+        """One step, with the stop vote riding its allreduce. Collective."""
+        started = time.perf_counter()
+        self.survival.begin_step(self.step + 1, at)
+        self.votes[0] = 1.0 if self.signals.requested else 0.0
+        loss = self.model.train_step(batch, self.votes)
+        with self.model.state_lock:  # a survivor dump sees both or neither
+            self.survival.end_step()
+            self.step += 1
+        self.executed += 1
+        self.log.step(self.step, loss, self.config.global_batch)
+        seconds = time.perf_counter() - started
+        self.report.step(self.step, loss, seconds)
+        self.faults.note_step(seconds)
+        if self.parity is not None:
+            self.parity.note_step(seconds)
+
+    def _boundary(self) -> tuple[int, dict, dict]:
+        """(last completed step, reader position there, PLS stats) for a survivor dump."""
+        undo = self.survival.dumps.undo if self.survival.dumps is not None else None
+        at = undo.current.reader_before if undo is not None and undo.current is not None \
+            else self.reader.state().to_dict()
+        return self.step, at, self.faults.pls.to_stats()
+
+    def _stop_on_signal(self) -> None:
+        """Every rank agreed to stop after this step: write and commit a checkpoint of it
+        (unless the interval's just did), then leave the loop. Collective."""
+        name, since = self.signals.received or "a peer's stop signal", self.signals.since()
+        self.stopped = name
+        if self.ckpt is None:
+            self.log.say(f"stopping on {name} after step {self.step}: no --ckpt-dir, nothing "
+                         f"saved")
+            return
+        if self.parity is not None:
+            self.parity.settle()
+        start = time.perf_counter()
+        saved = self.ckpt.save_now(self.step, self.reader)
+        self.ckpt.close()
+        write = time.perf_counter() - start
+        self.log.say(f"stopping on {name} after step {self.step}: checkpoint step {self.step} "
+                     + ("committed" if saved else "(the interval's) committed")
+                     + f" {self.signals.since():.2f} s after the signal ({write:.2f} s to write "
+                       f"and commit; {since:.2f} s to reach the step boundary)")
+
+    def _drop_dumps_once_replaced(self) -> None:
+        """Survivor dumps restored at the relaunch go once a newer checkpoint commits.
+        Collective (`dumps_pending` is the same on every rank)."""
+        newest = self.ckpt.newest_committed()
+        if newest is not None and newest > self.resumed_step:
+            self.survival.drop_dump()
+            self.dumps_pending = False
+
+    def _finish(self) -> None:
+        cfg = self.config
         if self.parity is not None:
             self.parity.settle()
         if self.ckpt is not None:
             self.ckpt.close()
+            if self.dumps_pending:
+                self._drop_dumps_once_replaced()
         for line in self.faults.summary():
             self.log.say(line)
-        self.test()
-        if cfg.run.phase_times:
-            self._print_phases()
-        if cfg.run.digest:
-            self.log.say(f"digest {self.model.digest()}")
+        if self.stopped is None:
+            self.test()
+            if cfg.run.phase_times:
+                self._print_phases()
+            if cfg.run.digest:
+                self.log.say(f"digest {self.model.digest()}")
         self.report.finish(self)
 
     def _recover(self, lost) -> None:
         """Recover shards lost after this step; a rollback restarts the reader where the
         checkpoint left it. Collective."""
         started = time.perf_counter()
-        outcome = self.faults.recover(lost)
-        self.report.recovered(lost, outcome, time.perf_counter() - started, self.executed)
-        if outcome.reader_state is not None:
-            self.reader.close()
-            self.step = outcome.step
-            self.reader = self._make_reader(position_from_dict(outcome.reader_state))
-            self.log.restart_at(self.step)
+        with self.model.state_lock:  # no survivor dump of a half-recovered state
+            outcome = self.faults.recover(lost)
+            self.report.recovered(lost, outcome, time.perf_counter() - started, self.executed)
+            if outcome.reader_state is not None:
+                self.reader.close()
+                self.step = outcome.step
+                self.reader = self._make_reader(position_from_dict(outcome.reader_state))
+                self.log.restart_at(self.step)
 
     def _trace(self) -> None:
         path = self.config.faults.trace_samples
@@ -162,7 +258,11 @@ class Trainer:
         self.log.say(f"phase times per step (rank 0): {parts}")
 
     def close(self) -> None:
-        """Stop the reader (and the checkpoint writers if `run` did not finish). Local."""
+        """Stop the reader (and the checkpoint writers if `run` did not finish), the peer watch
+        and the signal handlers. Local."""
+        self.survival.close()
+        self.signals.uninstall()
         self.reader.close()
         if self.ckpt is not None:
             self.ckpt.abort()
+

@@ -105,12 +105,17 @@ class CheckpointManager:
         self.commits.progress()
         self.incremental.poll()
 
+    def resumed_at(self, step: int) -> None:
+        """Training continues after `step` with state from elsewhere (a checkpoint, survivor
+        dumps): the next save is a new baseline and the interval counts from `step`. Local."""
+        self.incremental.reset()
+        self.schedule.restart(step)
+
     def restored(self, restored) -> None:
         """The model was just loaded from a checkpoint (`Restorer`): count the restore for the
         bit-width policy, start the next save with a new baseline, and count the interval from
         the restored step. Local."""
-        self.incremental.reset()
-        self.schedule.restart(restored.step)
+        self.resumed_at(restored.step)
         fallback = self.bits.note_restore(restored.restores)
         if fallback:
             self.say(fallback)
@@ -122,6 +127,12 @@ class CheckpointManager:
         fallback = self.bits.note_restore(restored.restores)
         if fallback:
             self.say(fallback)
+
+    def newest_committed(self) -> int | None:
+        """The newest step this manager committed, or None. Collective (rank 0 knows)."""
+        mine = max(self.commits.committed) if self.topo.is_root and self.commits.committed \
+            else None
+        return self.topo.control.bcast(mine, root=0)
 
     def settle(self) -> None:
         """Let the checkpoint in flight finish and commit. Collective."""
@@ -140,11 +151,19 @@ class CheckpointManager:
         self.topo.control.Barrier()
 
     # ---- saving ----------------------------------------------------------------------------
-    def save(self, step: int, reader_state: dict) -> bool:
-        """Snapshot now and write in the background; False if skipped. Collective."""
+    def save_now(self, step: int, reader) -> bool:
+        """A checkpoint of `step` outside the interval (an emergency stop), waiting for the one
+        in flight whatever the overlap policy; False when `step` was just saved. Collective."""
+        if self._last_submitted == step:
+            return False
+        return self.save(step, reader.state().to_dict(), wait=True)
+
+    def save(self, step: int, reader_state: dict, wait: bool = False) -> bool:
+        """Snapshot now and write in the background; False if skipped (the overlap policy
+        `skip`, unless `wait`). Collective."""
         start = time.perf_counter()
         busy = self.topo.control.allreduce(int(self.writers.busy), op=_max_op())
-        if busy and not self._make_room(step):
+        if busy and not self._make_room(step, wait):
             return False  # tracked rows stay marked for the next checkpoint
         if self.incremental.tracks_rows:
             self._settle()
@@ -174,8 +193,8 @@ class CheckpointManager:
                      f"baseline")
             self.incremental.reset()
 
-    def _make_room(self, step: int) -> bool:
-        if self.config.overlap == "skip":
+    def _make_room(self, step: int, wait: bool = False) -> bool:
+        if self.config.overlap == "skip" and not wait:
             self.counters["skips"] += 1
             self.say(f"checkpoint step {step} skipped: the previous one is still being written "
                      f"(skips so far: {self.counters['skips']})")

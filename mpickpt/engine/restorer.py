@@ -100,6 +100,11 @@ class Restorer:
                 merged[step] = merged.get(step, 0) + count
         return Restored(manifest.step, manifest.reader_state, manifest, merged)
 
+    def newest_step(self) -> int | None:
+        """The step of the newest committed checkpoint, or None. Collective."""
+        manifests = self._committed()
+        return manifests[-1].step if manifests else None
+
     def _committed(self) -> list[Manifest]:
         """Committed manifests (rank 0 lists them; torn directories are removed). Collective."""
         listing = committed(self.root) if self.topo.is_root else None

@@ -36,9 +36,13 @@ class WriterPool:
         assert not self._outstanding, "a checkpoint is already being written"
         self._results = []
         for i, job in enumerate(jobs):
-            self._conns[i].send(job)
-            self._outstanding.add(i)
             self._dirs[i] = job.get("dir")
+            try:
+                self._conns[i].send(job)
+            except OSError:  # the writer died since its last job: that part fails, not training
+                self._results.append(self._died(i))
+                continue
+            self._outstanding.add(i)
 
     def poll(self, timeout: float = 0.0) -> list[dict] | None:
         """The per-writer results once every part is done, else None. Local."""
@@ -55,18 +59,24 @@ class WriterPool:
         try:
             return self._conns[i].recv()
         except (EOFError, OSError):
-            code = self._procs[i].exitcode
-            self._start(i)
-            return {"ok": False, "step": None,
-                    "error": f"{self._dirs.get(i)}: writer process {i} died (exit code {code})"}
+            return self._died(i)
+
+    def _died(self, i: int) -> dict:
+        """Writer `i` is gone: a failed result for its part, and a new writer. Local."""
+        self._procs[i].join(1.0)
+        code = self._procs[i].exitcode
+        self._start(i)
+        return {"ok": False, "step": None,
+                "error": f"{self._dirs.get(i)}: writer process {i} died (exit code {code})"}
 
     def wait(self) -> list[dict] | None:
-        """Block until the job in flight is done; its results (None if nothing was in flight). Local."""
+        """Block until the job in flight is done; its results (None if nothing was in flight).
+        Local."""
         while self._outstanding:
             results = self.poll(0.05)
             if results is not None:
                 return results
-        return None
+        return self.poll()  # parts that failed at submit
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop every writer (after the job in flight). Safe twice. Local."""
@@ -80,7 +90,7 @@ class WriterPool:
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
-                proc.terminate()
+                proc.kill()  # it ignores the job's signals
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []

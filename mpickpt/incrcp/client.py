@@ -72,6 +72,6 @@ class ExtractorClient:
             pass
         self.proc.join(10.0)
         if self.proc.is_alive():
-            self.proc.terminate()
+            self.proc.kill()  # it ignores the job's signals
         self.conn.close()
         self.conn = None

@@ -12,6 +12,7 @@ Per step, on every rank (collective over the topology's process group):
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -65,6 +66,10 @@ class ShardedEmbeddingBags:
         self.seed = seed
         self.weight = self._init_weight(seed)
         self.optimizer = make_sparse_optimizer(optim, len(self.local_gids), dim, self.device)
+        self.state_lock = threading.RLock()
+        """Held while the rank's state changes (updates, folds, loads): a thread that must see
+        one consistent state (the survivor dump) takes it and so waits out a change in
+        progress. Never held across a collective."""
         self.index_hooks: list[IndexHook] = []
         self.count_hooks: list = []
         self.update_hooks: list = []
@@ -176,7 +181,8 @@ class ShardedEmbeddingBags:
         with self.timer.phase("update_hooks"):
             tokens = [h.before_update(ctx.rows) for h in self.update_hooks]
         with self.timer.phase("optimizer"):
-            self.optimizer.step(self.weight, ctx.rows, row_grad)
+            with self.state_lock:
+                self.optimizer.step(self.weight, ctx.rows, row_grad)
         with self.timer.phase("update_hooks"):
             for hook, token in zip(self.update_hooks, tokens):
                 hook.after_update(ctx.rows, token)

@@ -34,6 +34,13 @@ class HybridDLRM:
         self.dense = self._initial_dense()
         self.dense_optimizer = make_dense_optimizer(optim, self.dense.parameters())
         self.steps_done = 0
+        self.before_dense_update: list = []
+        """Callables run right before the dense optimizer step (the survivors' undo log)."""
+
+    @property
+    def state_lock(self):
+        """Held while this rank's state changes (see ShardedEmbeddingBags.state_lock)."""
+        return self.embeddings.state_lock
 
     def _initial_dense(self) -> DLRMDense:
         with torch.random.fork_rng(devices=[]):
@@ -44,16 +51,20 @@ class HybridDLRM:
     def reset_to_initial(self) -> None:
         """Every row, the optimizer state and the dense part as before the first step (a rollback
         with nothing committed). Local, and the same on every rank."""
-        n = len(self.embeddings.local_gids)
-        self.load_row_state({k: v.cpu() for k, v in self.initial_row_range(0, n).items()})
-        initial = self._initial_dense()
-        for p, q in zip(self.dense.parameters(), initial.parameters()):
-            p.copy_(q)
-        self.dense_optimizer = make_dense_optimizer(self.optim, self.dense.parameters())
+        with self.state_lock:
+            n = len(self.embeddings.local_gids)
+            self.load_row_state({k: v.cpu() for k, v in self.initial_row_range(0, n).items()})
+            initial = self._initial_dense()
+            for p, q in zip(self.dense.parameters(), initial.parameters()):
+                p.copy_(q)
+            self.dense_optimizer = make_dense_optimizer(self.optim, self.dense.parameters())
 
-    def train_step(self, batch) -> float:
+    def train_step(self, batch, votes: torch.Tensor | None = None) -> float:
         """One synchronous step on this rank's slice of the global batch; returns the global mean
-        loss. Collective: all-to-alls on the embeddings, one allreduce for dense gradients + loss."""
+        loss. Collective: all-to-alls on the embeddings, one allreduce for dense gradients + loss.
+
+        `votes` (a small float tensor) rides the allreduce and comes back summed over the ranks,
+        in place: agreement on a step boundary at no extra collective (the stop signal vote)."""
         batch = batch.to(self.topo.device)
         pooled, ctx = self.embeddings.lookup(batch.sparse, update=True)
         leaf = pooled.detach().requires_grad_()
@@ -65,24 +76,30 @@ class HybridDLRM:
         # sparse first: update hooks (parity upkeep) exchange their data during the allreduce
         self.embeddings.apply_gradients(leaf.grad, ctx)
         with self.timer.phase("allreduce"):
-            loss = self._allreduce_dense_grads(loss_sum.detach()) / global_batch
-        with self.timer.phase("dense"):
+            loss = self._allreduce_dense_grads(loss_sum.detach(), votes) / global_batch
+        with self.timer.phase("dense"), self.state_lock:
+            for hook in self.before_dense_update:
+                hook()
             self.dense_optimizer.step()
             self.dense_optimizer.zero_grad(set_to_none=True)
         self.embeddings.finish_step()
         self.steps_done += 1
         return loss
 
-    def _allreduce_dense_grads(self, loss_sum: torch.Tensor) -> float:
-        """Sum dense gradients (and the loss) over ranks in one flat buffer. Collective."""
+    def _allreduce_dense_grads(self, loss_sum: torch.Tensor, votes=None) -> float:
+        """Sum dense gradients, the loss and the votes over ranks in one flat buffer.
+        Collective."""
         grads = [p.grad for p in self.dense.parameters()]
-        flat = torch.cat([g.reshape(-1) for g in grads] + [loss_sum.reshape(1)])
+        extra = [] if votes is None else [votes.to(loss_sum.device, loss_sum.dtype).reshape(-1)]
+        flat = torch.cat([g.reshape(-1) for g in grads] + [loss_sum.reshape(1)] + extra)
         dist.all_reduce(flat, group=self.topo.pg)
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
-        return float(flat[-1])
+        if votes is not None:
+            votes.copy_(flat[offset + 1:].view_as(votes))
+        return float(flat[offset])
 
     @torch.no_grad()
     def predict(self, batch) -> torch.Tensor:
@@ -108,20 +125,25 @@ class HybridDLRM:
     @torch.no_grad()
     def load_row_state(self, arrays: dict) -> None:
         """Replace this rank's rows and sparse optimizer state (full local arrays). Local."""
-        mine = self.row_state()
-        if set(arrays) != set(mine):
-            raise ValueError(f"row state has {sorted(arrays)}, this model needs {sorted(mine)}")
-        for name, target in mine.items():
-            target.copy_(torch.as_tensor(arrays[name]).to(target.device))
+        mine = self._matching_rows(arrays)
+        with self.state_lock:
+            for name, target in mine.items():
+                target.copy_(torch.as_tensor(arrays[name]).to(target.device))
 
     @torch.no_grad()
     def load_row_range(self, arrays: dict, start: int, stop: int) -> None:
         """Replace local rows [start, stop) of the weights and sparse optimizer state. Local."""
+        mine = self._matching_rows(arrays)
+        with self.state_lock:
+            for name, target in mine.items():
+                target[start:stop] = torch.as_tensor(arrays[name]).to(target.device)
+
+    def _matching_rows(self, arrays: dict) -> dict:
+        """This rank's row state, once `arrays` is checked to hold the same arrays. Local."""
         mine = self.row_state()
         if set(arrays) != set(mine):
             raise ValueError(f"row state has {sorted(arrays)}, this model needs {sorted(mine)}")
-        for name, target in mine.items():
-            target[start:stop] = torch.as_tensor(arrays[name]).to(target.device)
+        return mine
 
     def initial_row_range(self, start: int, stop: int) -> dict:
         """Local rows [start, stop) as they were before training (weights and optimizer state).
@@ -134,22 +156,26 @@ class HybridDLRM:
     def load_dense_state(self, arrays: dict) -> None:
         """Replace dense parameters and dense optimizer state. Local."""
         params = dict(self.dense.named_parameters())
-        by_index = list(self.dense.parameters())
         needed = {f"param/{n}" for n in params}
         if not needed <= set(arrays):
             raise ValueError(f"dense state lacks {sorted(needed - set(arrays))}")
-        for name, value in arrays.items():
-            kind, rest = name.split("/", 1)
-            tensor = torch.as_tensor(value)
-            if kind == "param":
-                params[rest].copy_(tensor.to(params[rest].device))
-            else:
-                i, key = rest.split("/", 1)
-                p = by_index[int(i)]
-                state = self.dense_optimizer.state[p]
-                old = state.get(key)  # keep e.g. Adagrad's CPU 'step' where torch put it
-                device = old.device if isinstance(old, torch.Tensor) else p.device
-                state[key] = tensor.to(device).clone()
+        with self.state_lock:
+            for name, value in arrays.items():
+                kind, rest = name.split("/", 1)
+                tensor = torch.as_tensor(value)
+                if kind == "param":
+                    params[rest].copy_(tensor.to(params[rest].device))
+                else:
+                    self._load_dense_opt(rest, tensor)
+
+    def _load_dense_opt(self, name: str, tensor: torch.Tensor) -> None:
+        """One entry 'i/key' of the dense optimizer's state. Local."""
+        i, key = name.split("/", 1)
+        p = list(self.dense.parameters())[int(i)]
+        state = self.dense_optimizer.state[p]
+        old = state.get(key)  # keep e.g. Adagrad's CPU 'step' where torch put it
+        device = old.device if isinstance(old, torch.Tensor) else p.device
+        state[key] = tensor.to(device).clone()
 
     def gather_tables(self, root: int = 0) -> dict | None:
         """Every table's rows and sparse optimizer state in global row order, on `root` only.

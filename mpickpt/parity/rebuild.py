@@ -180,6 +180,10 @@ class Rebuild:
     def _store_units(self, stripes: np.ndarray, units: torch.Tensor) -> None:
         """Write this rank's decoded `units` of `stripes`: data rows into the shard (padding
         dropped), parity rows into the parity store."""
+        with self.store.lock:
+            self._write_units(stripes, units)
+
+    def _write_units(self, stripes: np.ndarray, units: torch.Tensor) -> None:
         st, L = self.store, self.store.layout
         dev = st.words.device
         rows = L.row_of_stripe(st.pos, stripes)

@@ -57,11 +57,14 @@ class ParityStore:
         self.layout = self.layouts[topo.rank // (k + r)]
         self.pos = topo.rank - self.layout.base
         self.words = RowWords(embeddings)
+        self.lock = embeddings.state_lock
         self.code = StripeCode(k, r, self.words.device)
         self.parity = torch.zeros(self.layout.parity_rows, self.words.width, dtype=torch.int32,
                                   device=self.words.device)
         self.max_rows = max(plan.local_rows(i) for i in range(world))
         self.sent_bytes = 0
+        self.last_fold = None
+        """(sender positions, received block) of the last fold, for `unfold`."""
         # r = 1 rebuilds XOR-reduce the survivors' units onto the lost rank (gloo has BXOR;
         # NCCL has not, and sends them all to the lost rank instead)
         self.group_pg = None
@@ -106,7 +109,20 @@ class ParityStore:
         x.work.wait()
         if len(x.recv):
             src = np.repeat(np.arange(len(x.recv_rows)) - self.layout.base, x.recv_rows)
-            self._fold(src, x.recv)
+            with self.lock:
+                self._fold(src, x.recv)
+                self.last_fold = (src, x.recv)
+
+    def unfold(self, fold) -> None:
+        """Take a fold back out of the parity (a fold XORs, so folding again undoes it): the
+        parity of the step before. Local."""
+        src, block = fold
+        with self.lock:
+            self._fold(src, block)
+
+    def abandon(self) -> None:
+        """Forget an exchange a failure interrupted (nothing of it was folded). Local."""
+        self._flight = None
 
     @torch.no_grad()
     def propagate(self, rows: torch.Tensor, delta: torch.Tensor) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from mpickpt.durations import Duration
-from mpickpt.options import option
+from mpickpt.options import option, positive_float
 
 MODES = ("full", "partial", "parity", "auto")
 DEFAULT_TARGET_PLS = 0.1
@@ -53,6 +53,13 @@ class RecoveryConfig:
                                   parse=_reschedule, metavar="T")
     """time to replace the failed nodes (O_res of CPR eq. 1 and 2), counted in the overhead
     models, not slept"""
+    survivor_dumps: str = option("off", choices=("off", "shm", "ckpt"))
+    """when a peer dies, the survivors dump their state at their last completed step to node-local
+    shared memory (shm), or also to the checkpoint directory (ckpt, for a relaunch on other
+    nodes); the relaunch restores them from it and recovers only the dead rank (--recovery)"""
+    peer_timeout: float = option(10.0, parse=positive_float, metavar="S")
+    """seconds of silence after which a peer's node counts as dead (a killed process is seen
+    at once)"""
 
     def __post_init__(self):
         if self.mode is not None and self.mode not in MODES:
@@ -80,6 +87,9 @@ def check_combination(rec: RecoveryConfig, checkpoint, parity, faults) -> None:
             if given:
                 raise ValueError(f"{what} needs --ckpt-dir: the lost shards reload from the "
                                  f"latest checkpoint")
+    if rec.survivor_dumps != "off" and checkpoint is None:
+        raise ValueError(f"--survivor-dumps {rec.survivor_dumps} needs --ckpt-dir: the dumps "
+                         f"belong to the job that writes there")
     if rec.mode == "parity" and parity is None:
         raise ValueError("--recovery parity needs --parity-k (in-memory parity to rebuild from)")
     if rec.target_pls is not None and mode not in ("partial", "auto"):

@@ -20,15 +20,15 @@ from mpickpt.recovery.pls import PLSAccount
 class FaultTolerance:
     """Losses, recovery, PLS and interval planning of one rank."""
 
-    def __init__(self, config, topo, model, ckpt, restorer, parity, say, resumed=None,
-                 start_state: dict | None = None):
-        """`start_state`: the reader position of the first sample (where a rollback with
-        nothing committed starts over)."""
+    def __init__(self, config, topo, model, ckpt, restorer, parity, say, step: int = 0,
+                 pls: dict | None = None, start_state: dict | None = None):
+        """`step`: where training resumes; `pls`: the PLS it carried (a manifest's or a survivor
+        dump's stats); `start_state`: the reader position of the first sample (where a rollback
+        with nothing committed starts over)."""
         self.config, self.topo, self.model, self.parity, self.say = config, topo, model, parity, say
         faults, rec = config.faults, config.recovery
         self.clock = StepClock(faults.hours_per_step(config.num_batches))
-        stats = resumed.manifest.stats.get("pls") if resumed is not None else None
-        self.pls = PLSAccount.resumed(config.num_batches * config.global_batch, stats)
+        self.pls = PLSAccount.resumed(config.num_batches * config.global_batch, pls)
         self.mode = rec.resolved_mode(parity is not None)
         self.emulator = self._emulator(faults, model.plan)
         lost_share = self.emulator.lost_share if self.emulator else 1.0 / topo.world_size
@@ -43,7 +43,7 @@ class FaultTolerance:
             if self.planner.plans_interval:
                 ckpt.on_saved = self.planner.after_save
                 ckpt.schedule.interval = self.planner.first_interval(ckpt.schedule.interval)
-                ckpt.schedule.restart(resumed.step if resumed is not None else 0)
+                ckpt.schedule.restart(step)
 
     def _emulator(self, faults, plan) -> FailureEmulator | None:
         model = faults.failure_model

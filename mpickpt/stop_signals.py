@@ -1,0 +1,56 @@
+"""StopSignals: SIGTERM, SIGUSR1 and SIGINT ask the job to stop at a step boundary and save.
+
+Schedulers end jobs with signals: Slurm sends SIGTERM at a time limit, at `scancel` and at
+preemption (and SIGKILL `KillWait` seconds later, 30 s by default); `--signal=USR1@T` sends SIGUSR1
+T seconds before the limit; a user at a terminal sends SIGINT. The handler only records the
+signal; the trainer agrees with every other rank at the next step boundary (the stop vote rides
+the step's dense allreduce) and writes an emergency checkpoint there, committed before the
+process exits with `EXIT_SAVED`. A second SIGINT stops at once (the usual Ctrl-C twice).
+Background writers and the extractor ignore these signals (`mpickpt.background`), so a signal
+sent to the whole job does not kill a file in the middle. Local.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+EXIT_SAVED = 75
+"""Exit status of a job that stopped on a signal after committing a checkpoint: EX_TEMPFAIL,
+'try again'; the sbatch script requeues on it, `mpickpt-run` passes it on."""
+
+
+class StopSignals:
+    """The first stop signal received (name and time), while installed. Local."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self.at: float | None = None
+        self._previous = {}
+
+    def install(self) -> "StopSignals":
+        """Take over the stop signals (main thread only). Local."""
+        for sig in SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            os._exit(128 + signum)  # a second Ctrl-C: stop now
+        if self.received is None:
+            self.received, self.at = signal.Signals(signum).name, time.perf_counter()
+
+    @property
+    def requested(self) -> bool:
+        return self.received is not None
+
+    def since(self) -> float:
+        """Seconds since the signal arrived. Local."""
+        return time.perf_counter() - self.at if self.at is not None else 0.0
+
+    def uninstall(self) -> None:
+        """Give the signals back. Local. Safe twice."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}

@@ -1,0 +1,158 @@
+"""Survivor dumps: one rank's state at a step boundary, written when a peer died and read by the
+relaunch.
+
+A dump is a directory of `.npy` arrays and a `header.json` (written last) that records the step,
+the reader position, the PLS, the job's shape and, per array, its size and CRC32. It goes to
+node-local shared memory (`/dev/shm/mpickpt-survivors-<job key>/rank-<r>`), where a relaunch on
+the same nodes finds it at memory speed, and, with `--survivor-dumps ckpt`, also to
+`<checkpoint dir>/survivors/rank-<r>` (fsynced), where a relaunch on other nodes finds it. Each is
+written under a temporary name and renamed into place, so a dump is whole or absent. The job key is
+a hash of the checkpoint directory: the same directory is the same job. Local.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import shutil
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+DUMP_VERSION = 1
+SHM_ROOT = "/dev/shm"
+
+
+class DumpError(ValueError):
+    """A dump that is missing, damaged, or of another job."""
+
+
+@dataclass
+class DumpHeader:
+    """What a dump holds besides its arrays."""
+
+    rank: int
+    world_size: int
+    plan_id: str
+    step: int
+    reader_state: dict
+    pls: dict
+    undo_step: int | None = None
+    """The dump can also go back to the step before (`undo/*` arrays) to `undo_step`."""
+    undo_reader_state: dict | None = None
+    incomplete: bool = False
+    """Its rows are not whole (it was being rebuilt from parity): it counts as lost."""
+    dead: list = field(default_factory=list)
+    files: dict = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+    version: int = DUMP_VERSION
+
+
+def job_key(root: str) -> str:
+    """The job a checkpoint directory stands for. Local."""
+    return hashlib.sha256(os.path.abspath(root).encode()).hexdigest()[:16]
+
+
+def plan_id(plan) -> str:
+    """A short hash of the shard plan (a dump loads only onto the same layout). Local."""
+    return hashlib.sha256(json.dumps(plan.describe(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def dump_dirs(key: str, rank: int, root: str | None) -> list[str]:
+    """Where rank `rank`'s dump goes: shared memory, and the checkpoint directory if given."""
+    out = [os.path.join(SHM_ROOT, f"mpickpt-survivors-{key}", f"rank-{rank:05d}")]
+    if root is not None:
+        out.append(os.path.join(root, "survivors", f"rank-{rank:05d}"))
+    return out
+
+
+def write_dump(directory: str, header: DumpHeader, arrays: dict[str, np.ndarray],
+               durable: bool) -> int:
+    """Write the dump under a temporary name, then rename it into place; returns its bytes.
+    `durable` fsyncs the files and the directories (the checkpoint directory copy). Local."""
+    tmp = f"{directory}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    total = 0
+    for name, array in arrays.items():
+        path = os.path.join(tmp, _file(name))
+        with open(path, "wb") as f:
+            np.save(f, np.ascontiguousarray(array), allow_pickle=False)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        header.files[name] = {"size": os.path.getsize(path), "crc": _crc(path)}
+        total += header.files[name]["size"]
+    with open(os.path.join(tmp, "header.json"), "w") as f:
+        json.dump(asdict(header), f)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+    if durable:
+        _fsync_dir(os.path.dirname(directory))
+    return total
+
+
+def read_header(directory: str) -> DumpHeader:
+    """The header of a dump, its files checked by size and CRC; DumpError naming the problem."""
+    path = os.path.join(directory, "header.json")
+    if not os.path.exists(path):
+        raise DumpError(f"{directory}: no survivor dump")
+    try:
+        with open(path) as f:
+            header = DumpHeader(**json.load(f))
+    except (OSError, ValueError, TypeError) as e:
+        raise DumpError(f"{path}: not a survivor dump header: {e}") from None
+    if header.version != DUMP_VERSION:
+        raise DumpError(f"{path}: dump version {header.version}, expected {DUMP_VERSION}")
+    for name, meta in header.files.items():
+        file = os.path.join(directory, _file(name))
+        if not os.path.exists(file) or os.path.getsize(file) != meta["size"]:
+            raise DumpError(f"{file}: missing or truncated")
+        if _crc(file) != meta["crc"]:
+            raise DumpError(f"{file}: fails its CRC32 (damaged)")
+    return header
+
+
+def read_array(directory: str, name: str) -> np.ndarray:
+    """One array of a dump (its CRC was checked by `read_header`). Local."""
+    return np.load(os.path.join(directory, _file(name)), allow_pickle=False)
+
+
+def remove_dumps(key: str, rank: int, root: str | None) -> None:
+    """Delete this rank's dumps, the halves of any whose writing was cut short (a launcher that
+    kills survivors soon after a death can stop one mid-write), and the shared-memory folder once
+    empty. Local."""
+    for directory in dump_dirs(key, rank, root):
+        shutil.rmtree(directory, ignore_errors=True)
+        for partial in glob.glob(glob.escape(directory) + ".tmp-*"):
+            shutil.rmtree(partial, ignore_errors=True)
+        try:
+            os.rmdir(os.path.dirname(directory))
+        except OSError:
+            pass
+
+
+def _file(name: str) -> str:
+    return name.replace("/", "__") + ".npy"
+
+
+def _crc(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,150 @@
+"""Survival: how a rank outlives a peer's death and how the relaunch picks up the survivors.
+
+While training, a `PeerWatch` (`mpickpt.liveness`) tells every rank within milliseconds (a killed
+process) to seconds (a lost node) that a peer died and which one. The survivor then stops in
+order, on the watch thread and at once (some launchers kill the survivors half a second after a
+death: MPICH's hydra does, even with -disable-auto-cleanup): it takes the model's state lock, so
+that no update is half applied while it reads, undoes what the step the death interrupted had
+applied, dumps its state at its last completed step (with `--survivor-dumps`), says what happened
+and exits with `EXIT_PEER_LOST`, asking for a relaunch. The main thread, whether its collective
+failed (gloo reports a closed connection) or hangs (MPICH's collectives wait forever, NCCL's for
+minutes), only waits for that.
+
+At the relaunch (`resume`), the ranks survey their dumps: survivors load theirs, and the lost
+ranks' shards are recovered by the configured recovery policy after the trainer is built.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+from mpickpt.liveness import PeerWatch
+from mpickpt.survivors.state import SurvivorDumps
+
+EXIT_PEER_LOST = 76
+"""Exit status of a survivor: a peer died, this rank's state is dumped (with --survivor-dumps),
+relaunch the job."""
+GRACE = 2.0
+"""Seconds the main thread waits, after its collective failed, to hear of a peer's death before
+it treats the failure as an error of its own."""
+LOCK_WAIT = 5.0
+"""Seconds the survivor waits for a change of its state to finish (an update takes
+milliseconds; a recovery, which holds the lock across its collectives, may never finish): past
+it, no dump is written and the relaunch recovers this rank from the checkpoint."""
+COMM_ERRORS = (RuntimeError, ConnectionError, OSError)
+"""What a collective raises when a peer is gone (gloo: RuntimeError / DistBackendError)."""
+
+
+class Survival:
+    """One rank's watch, dumps and exit path. Construction is local; `start_watch`, `resume`
+    are collective."""
+
+    def __init__(self, topo, model, parity, root: str | None, dumps: str, peer_timeout: float,
+                 say):
+        self.topo, self.model, self.say = topo, model, say
+        self.peer_timeout = peer_timeout
+        self.dumps = SurvivorDumps(topo, model, parity, root, dumps, say) \
+            if root is not None and dumps != "off" else None
+        self.watch: PeerWatch | None = None
+        self.state_at_boundary = None
+        self._lock = threading.Lock()
+        self.surviving = False
+
+    # ---- the relaunch -----------------------------------------------------------------------------
+    def resume(self, newest_committed: int | None):
+        """Survey the dumps of a relaunch; restore the survivors if usable. Returns the Survey
+        and, when usable, (reader position, PLS stats). Collective."""
+        if self.dumps is None:
+            return None, None
+        survey = self.dumps.survey(newest_committed)
+        if not survey.usable:
+            if survey.reason:  # empty when no rank found any dump: a first launch
+                self.say(f"survivor dumps not used: {survey.reason}; resuming from the "
+                         f"checkpoint")
+            self.dumps.remove()
+            return survey, None
+        start = time.perf_counter()
+        restored = self.dumps.restore(survey)
+        took = self.topo.control.allreduce(time.perf_counter() - start, op=_max_op())
+        back = f" ({', '.join(f'rank {r}' for r in survey.undo)} went back one step)" \
+            if survey.undo else ""
+        self.say(f"relaunch: ranks {survey.survivors} restored from their survivor dumps at step "
+                 f"{survey.step}{back} in {took:.2f} s"
+                 + "".join(f"; rank {r} lost: {why}" for r, why in sorted(survey.lost.items())))
+        return survey, restored
+
+    def drop_dump(self) -> None:
+        """A checkpoint newer than the dumps committed: remove this rank's. Local."""
+        if self.dumps is not None:
+            self.dumps.remove()
+
+    # ---- while training --------------------------------------------------------------------------
+    def start_watch(self, state_at_boundary) -> None:
+        """Watch the peers (collective); `state_at_boundary()` gives (last completed step, reader
+        position, PLS stats) for a survivor dump."""
+        self.state_at_boundary = state_at_boundary
+        if self.topo.world_size > 1:
+            self.watch = PeerWatch(self.topo.control, self._on_death, self.peer_timeout)
+
+    def begin_step(self, step: int, reader_before: dict) -> None:
+        if self.dumps is not None:
+            self.dumps.undo.begin(step, reader_before)
+
+    def end_step(self) -> None:
+        if self.dumps is not None:
+            self.dumps.undo.complete()
+
+    def failed(self, error: BaseException) -> None:
+        """The main thread's collective failed: if a peer died, let the watch thread finish
+        (it exits the process); else re-raise. Local."""
+        dead = self.watch.wait_for_death(GRACE) if self.watch is not None and \
+            isinstance(error, COMM_ERRORS) else set()
+        if not dead:
+            raise error
+        while True:  # the watch thread dumps and ends the process
+            time.sleep(1.0)
+
+    def _on_death(self, dead: set[int]) -> None:
+        """On the watch thread, the moment a death is known."""
+        if not self.watch.closed:  # not once this rank ends normally
+            self.survive(dead, self.watch.how)
+
+    def survive(self, dead: set[int], cause: str) -> None:
+        """Dump this rank's state at its last completed step, say so, and exit with
+        EXIT_PEER_LOST. Never returns. Local; the model's state lock is taken first, so the
+        main thread can change nothing meanwhile."""
+        with self._lock:
+            if self.surviving:
+                return
+            self.surviving = True
+        start = time.perf_counter()
+        locked = self.model.state_lock.acquire(timeout=LOCK_WAIT)
+        step, reader, pls = self.state_at_boundary()
+        where = "no survivor dump (--survivor-dumps off)"
+        if self.dumps is not None and not locked:
+            where = "no survivor dump: a recovery was changing this rank's state"
+        elif self.dumps is not None:
+            try:
+                dirs, nbytes = self.dumps.write(step, reader, pls, dead)
+                where = (f"survivor state of step {step} dumped to {', '.join(dirs)} "
+                         f"({nbytes / 1e6:.1f} MB in {time.perf_counter() - start:.2f} s)")
+            except OSError as e:
+                where = f"the survivor dump failed: {e}"
+        print(f"mpickpt: rank {self.topo.rank}: peer rank(s) {sorted(dead)} died after step "
+              f"{step} ({cause}); {where}; exiting for a relaunch (status {EXIT_PEER_LOST})",
+              flush=True)
+        sys.stderr.flush()
+        os._exit(EXIT_PEER_LOST)
+
+    def close(self) -> None:
+        """Stop watching (tell the neighbours this rank ends normally). Local."""
+        if self.watch is not None:
+            self.watch.close()
+
+
+def _max_op():
+    from mpi4py import MPI
+
+    return MPI.MAX
