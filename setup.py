@@ -31,5 +31,6 @@ setup(
         "bench": ["matplotlib>=3.6"],
     },
     entry_points={"console_scripts": ["mpickpt-train=mpickpt.train:main",
+                                      "mpickpt-run=mpickpt.launch.relaunch:main",
                                       "mpickpt=mpickpt.cli:main"]},
 )

@@ -50,7 +50,11 @@ class StopSignals:
         return time.perf_counter() - self.at if self.at is not None else 0.0
 
     def uninstall(self) -> None:
-        """Give the signals back. Local. Safe twice."""
+        """Give the signals back, except that SIGUSR1 stays ignored where it had its default
+        (ending the process): MPICH's hydra under -disable-auto-cleanup sends it to every rank
+        still running each time a rank's PMI connection closes, a normal exit included, and a
+        rank that is only finishing must not die of it. Local. Safe twice."""
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            keep = sig == signal.SIGUSR1 and handler in (signal.SIG_DFL, None)
+            signal.signal(sig, signal.SIG_IGN if keep else handler)
         self._previous = {}

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     from mpi4py import MPI
 
     from mpickpt.data.criteo_tsv import CriteoFormatError
-    from mpickpt.launch_checks import launch_error
+    from mpickpt.launch.checks import launch_error
     from mpickpt.stop_signals import StopSignals
     from mpickpt.recovery.base import Unrecoverable
     from mpickpt.store.errors import CheckpointError

@@ -206,6 +206,8 @@ class Trainer:
         if self.parity is not None:
             self.parity.settle()
         if self.ckpt is not None:
+            if cfg.checkpoint.final and self.stopped is None:
+                self.ckpt.save_now(self.step, self.reader)
             self.ckpt.close()
             if self.dumps_pending:
                 self._drop_dumps_once_replaced()

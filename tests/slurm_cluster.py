@@ -37,6 +37,8 @@ import uuid
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+from mpickpt.launch.mpich_shm import remove_segments
+
 TOKEN_VAR = "SLURM_TEST_CLUSTER_TOKEN"
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("srun", "sbatch", "scontrol", "sinfo", "squeue", "scancel")
@@ -45,11 +47,6 @@ FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_F
                           "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"})
 # Environment that would make the clients talk to another cluster or job.
 _FOREIGN_ENV = re.compile(r"^(SLURM_|SBATCH_|SALLOC_|SRUN_|SQUEUE_|SINFO_|SCONTROL_|PMI_|PMIX_)")
-# MPICH (ch4) names a step's shared-memory segment /dev/shm/mpich_shm_<world id>_<node index>
-# (and mpich_vci_...), where the world id is the 32-bit FNV-1a hash of the PMI job id, which is
-# "<jobid>.<stepid>" under srun --mpi=pmi2. A killed step leaves its segment behind.
-_MPICH_SHM = re.compile(r"^mpich_(shm|vci)_([0-9a-f]+)_\d+$")
-_MPICH_STEPS_PER_JOB = 256  # step ids 0..255 of each job are looked for at stop()
 # A unix socket path must fit in sockaddr_un.sun_path (108 bytes with the NUL); slurmd puts
 # its step sockets at <spool>/<node>_<jobid>.<stepid>, so leave room for that.
 _MAX_ROOT_LEN = 60
@@ -115,20 +112,6 @@ def tail(path: Path, lines: int = 30) -> str:
     except OSError as e:
         return f"<{path}: {e.strerror}>"
     return "\n".join(text.splitlines()[-lines:])
-
-
-def fnv1a32(text: str) -> int:
-    """The 32-bit FNV-1a hash of a string's UTF-8 bytes."""
-    h = 0x811C9DC5
-    for byte in text.encode():
-        h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
-    return h
-
-
-def mpich_world_id(job_id: int, step_id: int) -> str:
-    """The hex world id in the names of the MPICH shared-memory segments of Slurm step
-    <job_id>.<step_id> run with srun --mpi=pmi2 (/dev/shm/mpich_shm_<id>_<node index>)."""
-    return f"{fnv1a32(f'{job_id}.{step_id}'):x}"
 
 
 def _environ_of(pid: int) -> bytes:
@@ -538,27 +521,9 @@ class SlurmCluster:
 
     @staticmethod
     def remove_mpich_segments(job_ids: Iterable[int], shm_dir: str = "/dev/shm") -> list[str]:
-        """Delete the MPICH shared-memory segments of steps 0..255 of these jobs (see
-        mpich_world_id); returns the names deleted. Call only when none of them runs."""
-        present = {}
-        for name in os.listdir(shm_dir):
-            m = _MPICH_SHM.match(name)
-            if m:
-                present.setdefault(m.group(2), []).append(name)
-        if not present:
-            return []
-        removed = []
-        for job_id in job_ids:
-            if not present:
-                break
-            for step_id in range(_MPICH_STEPS_PER_JOB):
-                for name in present.pop(mpich_world_id(job_id, step_id), []):
-                    try:
-                        os.unlink(os.path.join(shm_dir, name))
-                        removed.append(name)
-                    except FileNotFoundError:
-                        pass
-        return removed
+        """Delete the MPICH shared-memory segments of these jobs' steps (see
+        mpickpt.launch.mpich_shm); returns the names deleted. Call only when none of them runs."""
+        return remove_segments(job_ids, shm_dir)
 
     def _signal_daemon(self, name: str, sig: int) -> None:
         """Send a signal to a daemon this cluster started, if it still runs."""

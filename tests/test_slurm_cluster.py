@@ -7,8 +7,9 @@ import time
 
 import pytest
 
-from tests.slurm_cluster import (SlurmCluster, SlurmClusterError, mpich_world_id,
-                                 parse_scontrol, skip_reason, slurm_cluster_fixture)
+from mpickpt.launch.mpich_shm import world_id as mpich_world_id
+from tests.slurm_cluster import (SlurmCluster, SlurmClusterError, parse_scontrol, skip_reason,
+                                 slurm_cluster_fixture)
 
 slurm = slurm_cluster_fixture(scope="module")
 

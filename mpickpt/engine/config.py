@@ -45,6 +45,8 @@ class CheckpointConfig:
     --target-pls / --recovery auto)"""
     keep: int = option(2, flag="--ckpt-keep", parse=int_at_least(1))
     """committed checkpoints to retain; older ones are deleted after a newer commit"""
+    final: bool = option(False, flag="--ckpt-final", switch=True)
+    """also checkpoint the run's last step (the trained model) unless the interval just did"""
     resume: str = option("latest", flag="--resume")
     """'latest' (newest valid, falling back past corrupted ones), 'none', or a step"""
     writers: int = option(1, flag="--ckpt-writers", parse=int_at_least(1))

@@ -64,6 +64,7 @@ class CheckpointManager:
         self.write_seconds: list[float] = []
         """Background write time of every finished checkpoint on this rank."""
         self._last_submitted: int | None = None
+        self._restored_step: int | None = None
         self.bits = config.quant.policy(max(1, topo.world_size // max(1, topo.local_size)))
         self.say(self.bits.explain())
 
@@ -116,6 +117,7 @@ class CheckpointManager:
         bit-width policy, start the next save with a new baseline, and count the interval from
         the restored step. Local."""
         self.resumed_at(restored.step)
+        self._restored_step = restored.step  # in storage already: save_now need not write it
         fallback = self.bits.note_restore(restored.restores)
         if fallback:
             self.say(fallback)
@@ -154,7 +156,7 @@ class CheckpointManager:
     def save_now(self, step: int, reader) -> bool:
         """A checkpoint of `step` outside the interval (an emergency stop), waiting for the one
         in flight whatever the overlap policy; False when `step` was just saved. Collective."""
-        if self._last_submitted == step:
+        if step in (self._last_submitted, self._restored_step):
             return False
         return self.save(step, reader.state().to_dict(), wait=True)
 

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import time
+import uuid
 import zlib
 from dataclasses import asdict, dataclass, field
 
@@ -46,6 +47,9 @@ class DumpHeader:
     incomplete: bool = False
     """Its rows are not whole (it was being rebuilt from parity): it counts as lost."""
     dead: list = field(default_factory=list)
+    lineage: str = ""
+    """The checkpoint directory's lineage id (`lineage`): a dump left by an earlier job whose
+    directory was since removed and made anew is not this job's."""
     files: dict = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     version: int = DUMP_VERSION
@@ -54,6 +58,29 @@ class DumpHeader:
 def job_key(root: str) -> str:
     """The job a checkpoint directory stands for. Local."""
     return hashlib.sha256(os.path.abspath(root).encode()).hexdigest()[:16]
+
+
+LINEAGE_FILE = ".mpickpt-lineage"
+
+
+def lineage(root: str) -> str:
+    """The id of the run lineage a checkpoint directory belongs to, made at its first use (a
+    random id, written once under a temporary name). Local; call on one rank."""
+    path = os.path.join(root, LINEAGE_FILE)
+    os.makedirs(root, exist_ok=True)
+    if not os.path.exists(path):
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(uuid.uuid4().hex)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # never replaces one another job wrote meanwhile
+        except FileExistsError:
+            pass
+        os.unlink(tmp)
+    with open(path) as f:
+        return f.read().strip()
 
 
 def plan_id(plan) -> str:

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from mpickpt.survivors.dump import (DumpError, DumpHeader, dump_dirs, job_key, plan_id,
-                                    read_array, read_header, remove_dumps, write_dump)
+from mpickpt.survivors.dump import (DumpError, DumpHeader, dump_dirs, job_key, lineage,
+                                    plan_id, read_array, read_header, remove_dumps, write_dump)
 from mpickpt.survivors.undo import StepUndo
 
 MODES = ("off", "shm", "ckpt")
@@ -49,6 +49,8 @@ class SurvivorDumps:
         self.mode, self.say = mode, say
         self.key = job_key(self.root)
         self.undo = StepUndo(model, parity.store if parity is not None else None)
+        self.lineage = ""
+        """This job's lineage id (set by `survey`, recorded in every dump)."""
         self.found: str | None = None
         """The dump this rank restored from at a relaunch (removed once a newer checkpoint
         commits)."""
@@ -62,7 +64,7 @@ class SurvivorDumps:
         header = DumpHeader(rank=self.topo.rank, world_size=self.topo.world_size,
                             plan_id=plan_id(self.model.plan), step=step,
                             reader_state=reader_state, pls=pls, dead=sorted(dead),
-                            incomplete=self._incomplete(),
+                            incomplete=self._incomplete(), lineage=self.lineage,
                             undo_step=last.step - 1 if last is not None else None,
                             undo_reader_state=last.reader_before if last is not None else None)
         arrays = self._arrays(last)
@@ -95,6 +97,8 @@ class SurvivorDumps:
     # ---- restoring ----------------------------------------------------------------------------
     def survey(self, newest_committed: int | None) -> Survey:
         """Find, check and agree on the dumps of a relaunch. Collective."""
+        self.lineage = self.topo.control.bcast(
+            lineage(self.root) if self.topo.is_root else None, root=0)
         found, reason = self._find()
         summary = None if found is None else {
             "step": found[1].step, "undo": found[1].undo_step is not None,
@@ -116,6 +120,10 @@ class SurvivorDumps:
                     header.plan_id != plan_id(self.model.plan):
                 reasons.append(f"{d}: written by rank {header.rank} of {header.world_size} "
                                f"under another shard plan")
+                continue
+            if header.lineage != self.lineage:
+                reasons.append(f"{d}: left by an earlier job (its checkpoint directory "
+                               f"{self.root} was made anew since)")
                 continue
             self.found = d
             return (d, header), ""

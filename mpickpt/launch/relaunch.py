@@ -1,0 +1,221 @@
+"""`mpickpt-run`: run the trainer under mpiexec or srun and relaunch it after a failure.
+
+    mpickpt-run -n 4 --max-restarts 3 -- --ckpt-dir ckpt --survivor-dumps shm --parity-k 3 ...
+    mpickpt-run --launcher srun --max-restarts 3 -- <trainer flags>     # inside an allocation
+
+What SCR's `scr_srun` does for a job script, for any launcher: each run's exit status decides.
+0 is done; 2 (bad input) and 75 (stopped by a signal, checkpoint committed: "requeue me") end the
+loop and are passed on; anything else (a rank killed, the survivors' 76, an error) relaunches the
+job, up to `--max-restarts` times, after deleting a killed Slurm step's MPICH segments. The
+relaunch resumes by itself: survivors from their dumps, the dead ranks by `--recovery`, or
+everything from the newest checkpoint. Every restart is logged with its cause to stderr and, one
+line each, to `<ckpt-dir>/mpickpt-restarts.log` (or `--restart-log`). Signals sent to
+`mpickpt-run` (TERM, INT, USR1, USR2) go to the run and end the loop. Local.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from mpickpt.launch.command import LAUNCHERS, cleanup_command, launch_command
+
+EXIT_BAD_INPUT, EXIT_SAVED, EXIT_PEER_LOST = 2, 75, 76
+FINAL = {0: "finished", EXIT_BAD_INPUT: "refused its input", EXIT_SAVED:
+         "stopped on a signal with its checkpoint committed"}
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+_DIED = re.compile(r"peer rank\(s\) \[([0-9, ]+)\] died after step (\d+) \(([^)]*)\)")
+_HYDRA_BAD = re.compile(r"EXIT CODE: (\d+)")
+_SRUN_TASK = re.compile(r"srun: error: \S+: tasks? ([0-9,\-]+): (.+)")
+
+
+@dataclass
+class RunWatch:
+    """What one run's output says about how it failed (filled while it streams)."""
+
+    dead: set = field(default_factory=set)
+    step: int | None = None
+    how: str = ""
+    notes: list = field(default_factory=list)
+
+    def read(self, line: str) -> None:
+        m = _DIED.search(line)
+        if m:
+            self.dead |= {int(r) for r in m.group(1).split(",") if r.strip()}
+            self.step, self.how = int(m.group(2)), self.how or m.group(3)
+            return
+        m = _SRUN_TASK.search(line) or _HYDRA_BAD.search(line)
+        if m and len(self.notes) < 4:
+            self.notes.append(line.strip())
+
+
+def cause(status: int, watch: RunWatch) -> str:
+    """One line on why a run ended with `status`. Local and pure."""
+    parts = []
+    if watch.dead:
+        parts.append(f"rank(s) {sorted(watch.dead)} died after step {watch.step} "
+                     f"({watch.how}); the survivors exited {EXIT_PEER_LOST}")
+    if status < 0:
+        parts.append(f"the launcher was killed by {signal.Signals(-status).name}")
+    elif status > 128 and status - 128 < signal.NSIG:
+        parts.append(f"exit status {status} (a process killed by "
+                     f"{_signal_name(status - 128)})")
+    elif status not in FINAL and status != EXIT_PEER_LOST:
+        parts.append(f"exit status {status}")
+    parts += watch.notes[:2]
+    return "; ".join(parts) or f"exit status {status}"
+
+
+def _signal_name(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
+class Relauncher:
+    """The relaunch loop of one job. `run()` returns the exit status to pass on. Local."""
+
+    def __init__(self, command: list[str], max_restarts: int, log_path: str | None,
+                 cleanup: list[str] | None = None, say=None):
+        self.command, self.max_restarts = command, max_restarts
+        self.log_path, self.cleanup = log_path, cleanup
+        self.say = say or (lambda m: print(f"mpickpt-run: {m}", file=sys.stderr, flush=True))
+        self.restarts = 0
+        self.stop_signal: str | None = None
+        self._proc: subprocess.Popen | None = None
+
+    def run(self) -> int:
+        self.say(f"launching {' '.join(self.command[:6])} ... (up to {self.max_restarts} "
+                 f"restarts)")
+        previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
+        try:
+            while True:
+                status, watch, seconds = self._one_run()
+                if status in FINAL or self.stop_signal is not None:
+                    self.say(f"run {self.restarts + 1} {FINAL.get(status, f'ended ({status})')}"
+                             f" after {seconds:.1f} s" + (f" ({self.stop_signal} received)"
+                                                          if self.stop_signal else ""))
+                    return status
+                why = cause(status, watch)
+                if self.restarts >= self.max_restarts:
+                    self._record(f"run {self.restarts + 1} failed after {seconds:.1f} s: {why}; "
+                                 f"no restarts left (--max-restarts {self.max_restarts})")
+                    return status
+                self.restarts += 1
+                self._record(f"run {self.restarts} failed after {seconds:.1f} s: {why}; "
+                             f"relaunching (restart {self.restarts} of {self.max_restarts})")
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _one_run(self) -> tuple[int, RunWatch, float]:
+        if self.cleanup:  # a requeued job's first step needs it too
+            subprocess.run(self.cleanup, check=False, stdin=subprocess.DEVNULL)
+        env = dict(os.environ, MPICKPT_RESTART=str(self.restarts), PYTHONUNBUFFERED="1")
+        watch, start = RunWatch(), time.monotonic()
+        self._proc = subprocess.Popen(self.command, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, env=env, bufsize=0)
+        pumps = [threading.Thread(target=_pump, args=(src, dst, watch), daemon=True)
+                 for src, dst in ((self._proc.stdout, sys.stdout), (self._proc.stderr,
+                                                                     sys.stderr))]
+        for t in pumps:
+            t.start()
+        status = self._proc.wait()
+        for t in pumps:
+            t.join(10)
+        return status, watch, time.monotonic() - start
+
+    def _forward(self, signum, frame) -> None:
+        self.stop_signal = signal.Signals(signum).name
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signum)
+
+    def _record(self, line: str) -> None:
+        self.say(line)
+        if self.log_path:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            job = os.environ.get("SLURM_JOB_ID")
+            where = f" job {job} (requeue {os.environ.get('SLURM_RESTART_COUNT', 0)})" \
+                if job else ""
+            with open(self.log_path, "a") as f:
+                f.write(f"{stamp}{where} {line}\n")
+
+
+def _pump(src, dst, watch: RunWatch) -> None:
+    """Copy a run's output through, line by line, reading what it says about failures."""
+    for raw in iter(src.readline, b""):
+        text = raw.decode(errors="replace")
+        watch.read(text)
+        dst.write(text)
+        dst.flush()
+
+
+def ckpt_dir_of(flags: list[str]) -> str | None:
+    """The --ckpt-dir among trainer flags, if any. Local."""
+    for i, flag in enumerate(flags):
+        if flag == "--ckpt-dir" and i + 1 < len(flags):
+            return flags[i + 1]
+        if flag.startswith("--ckpt-dir="):
+            return flag.split("=", 1)[1]
+    return None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mpickpt-run", description="Run mpickpt-train under mpiexec or srun and relaunch "
+        "it after a failure (trainer flags after --).")
+    p.add_argument("-n", "--ranks", type=int, default=None,
+                   help="ranks (needed with mpiexec; srun: default the allocation's tasks)")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="relaunches after failures before giving up (default: 3)")
+    p.add_argument("--launcher", choices=LAUNCHERS,
+                   default="srun" if os.environ.get("SLURM_JOB_ID") else "mpiexec",
+                   help="srun inside a Slurm allocation, else mpiexec")
+    p.add_argument("--launcher-path", default=None,
+                   help="the launcher program (default: the mpiexec beside this Python, or "
+                        "srun on PATH)")
+    p.add_argument("--launcher-arg", action="append", default=[], metavar="ARG",
+                   help="an argument for the launcher (repeatable), e.g. --launcher-arg=-N2")
+    p.add_argument("--srun-mpi", default=os.environ.get("SRUN_MPI", "pmi2"),
+                   help="srun's MPI plugin (default: $SRUN_MPI, else pmi2 for MPICH)")
+    p.add_argument("--restart-log", default=None,
+                   help="file the restarts are recorded in (default: "
+                        "<ckpt-dir>/mpickpt-restarts.log)")
+    p.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the trainer's flags")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    flags = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
+    if args.max_restarts < 0:
+        print(f"mpickpt-run: error: --max-restarts {args.max_restarts}: expected 0 or more",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.ranks is not None and args.ranks < 1:
+        print(f"mpickpt-run: error: -n {args.ranks}: expected 1 or more ranks", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        command = launch_command(args.launcher, args.ranks, flags, args.launcher_arg,
+                                 args.srun_mpi, args.launcher_path)
+    except ValueError as e:
+        print(f"mpickpt-run: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    ckpt = ckpt_dir_of(flags)
+    log = args.restart_log or (os.path.join(ckpt, "mpickpt-restarts.log") if ckpt else None)
+    if log:
+        os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
+    nodes = os.environ.get("SLURM_JOB_NUM_NODES")
+    return Relauncher(command, args.max_restarts, log,
+                      cleanup_command(args.launcher, nodes)).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
