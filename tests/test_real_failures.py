@@ -163,3 +163,44 @@ def test_sigterm_at_a_random_moment_commits_the_step_reached(tmp_path):
     resumed = run_ranks(2, "mpickpt.train", *flags)
     assert f"resumed from checkpoint step {reached}" in resumed.stdout, resumed.stdout
     assert digest_of(resumed) == uninterrupted
+
+
+OPEN_MPI = "/usr/bin/mpirun.openmpi"
+
+
+def _open_mpi_skip() -> str | None:
+    if not os.path.exists(OPEN_MPI):
+        return f"Open MPI is not installed ({OPEN_MPI}; Debian: apt-get install openmpi-bin)"
+    probe = subprocess.run([OPEN_MPI, "--allow-run-as-root", "--oversubscribe", "-n", "1",
+                            sys.executable, "-c", "from mpi4py import MPI; "
+                            "print(MPI.Get_library_version())"], capture_output=True, text=True,
+                           env=dict(os.environ, MPI4PY_MPIABI="openmpi"), timeout=60)
+    if "Open MPI" not in probe.stdout:
+        return f"mpi4py does not run under {OPEN_MPI}: {probe.stderr.strip()[-300:]}"
+    return None
+
+
+def test_survivors_exit_and_the_relaunch_recovers_under_open_mpi(tmp_path, parity_reference):
+    """Open MPI's mpirun kills the job when a rank dies (SIGTERM, then SIGKILL): the survivors
+    dump first, and mpickpt-run relaunches to the failure-free digest."""
+    reason = _open_mpi_skip()
+    if reason:
+        pytest.skip(reason)
+    rng = random.Random(3)
+    job = Job(mpickpt_run("-n", "4", "--max-restarts", "1", "--launcher-path", OPEN_MPI,
+                          "--launcher-arg=--allow-run-as-root", "--launcher-arg=--oversubscribe",
+                          "--", *SMALL_MODEL, *FOLLOW, *PARITY, "--num-batches", str(STEPS),
+                          "--digest", "--ckpt-dir", str(tmp_path / "ckpt")),
+              env=dict(os.environ, MPI4PY_MPIABI="openmpi"))
+    try:
+        assert job.wait_for_step(rng.randint(10, STEPS - 20))
+        pids = job.ranks()
+        pid, rank = job.kill_rank(pick=rng.choice)
+        exited = wait_gone([p for p in pids if p != pid], 30)
+        code = job.wait(300)
+    finally:
+        job.stop()
+    out = job.output
+    assert code == 0 and exited < 30, out[-4000:]
+    assert f"rank(s) [{rank}] died after step" in out and "relaunching (restart 1 of 1)" in out
+    assert digest_in(out) == parity_reference

@@ -1,0 +1,131 @@
+"""mpickpt-run's relaunch loop with real child processes standing in for the launcher (each run
+exits with the next status of a script), the cause read from a run's output, the launch commands
+it builds, its refusals, and signals sent to it reaching the run and ending the loop."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mpickpt.launch.command import launch_command, mpi_flavour
+from mpickpt.launch.relaunch import Relauncher, RunWatch, cause, ckpt_dir_of, main
+from mpickpt.mpiexec import mpiexec
+
+
+def runs(tmp_path, statuses, lines=""):
+    """A command that, on its k-th run, prints `lines` and exits with statuses[k]."""
+    counter = tmp_path / "count"
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import os, sys\n"
+        f"p = {str(counter)!r}\n"
+        "k = int(open(p).read()) if os.path.exists(p) else 0\n"
+        "open(p, 'w').write(str(k + 1))\n"
+        f"sys.stdout.write({lines!r})\n"
+        f"sys.exit({list(statuses)!r}[k])\n")
+    return [sys.executable, str(script)], counter
+
+
+def test_relaunches_failures_until_one_succeeds_and_logs_each_cause(tmp_path, capsys):
+    died = ("mpickpt: rank 0: peer rank(s) [3] died after step 41 (its connection closed); "
+            "survivor state ...\n")
+    cmd, counter = runs(tmp_path, [76, 137, 0], died)
+    log = tmp_path / "ckpt" / "mpickpt-restarts.log"
+    log.parent.mkdir()
+    assert Relauncher(cmd, max_restarts=3, log_path=str(log)).run() == 0
+    assert counter.read_text() == "3"
+    lines = log.read_text().splitlines()
+    assert len(lines) == 2
+    assert "run 1 failed" in lines[0] and "rank(s) [3] died after step 41" in lines[0]
+    assert "relaunching (restart 1 of 3)" in lines[0]
+    assert "restart 2 of 3" in lines[1]
+    assert "run 3 finished" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("status", [2, 75])
+def test_bad_input_and_a_saved_stop_end_the_loop(tmp_path, status):
+    cmd, counter = runs(tmp_path, [status, 0])
+    assert Relauncher(cmd, max_restarts=3, log_path=None).run() == status
+    assert counter.read_text() == "1"
+
+
+def test_gives_up_after_max_restarts_with_the_last_status(tmp_path):
+    cmd, counter = runs(tmp_path, [9, 9, 9, 9])
+    log = tmp_path / "restarts.log"
+    assert Relauncher(cmd, max_restarts=2, log_path=str(log)).run() == 9
+    assert counter.read_text() == "3"
+    assert "no restarts left (--max-restarts 2)" in log.read_text().splitlines()[-1]
+
+
+def test_cause_names_the_dead_rank_the_signal_and_the_launcher_note():
+    watch = RunWatch()
+    for line in ["step 5/10\n",
+                 "mpickpt: rank 1: peer rank(s) [2] died after step 7 (silent for 10 s); x\n",
+                 "mpickpt: rank 0: peer rank(s) [2] died after step 7 (reported by rank 1); x\n",
+                 "srun: error: node1: task 2: Killed\n"]:
+        watch.read(line)
+    text = cause(137, watch)
+    assert "rank(s) [2] died after step 7 (silent for 10 s)" in text
+    assert "SIGKILL" in text and "task 2: Killed" in text
+    assert cause(1, RunWatch()) == "exit status 1"
+    assert "killed by SIGTERM" in cause(-15, RunWatch())
+
+
+def test_ckpt_dir_is_found_among_the_trainer_flags():
+    assert ckpt_dir_of(["--num-batches", "3", "--ckpt-dir", "/x/y"]) == "/x/y"
+    assert ckpt_dir_of(["--ckpt-dir=/z"]) == "/z"
+    assert ckpt_dir_of(["--digest"]) is None
+
+
+def test_launch_commands():
+    srun = launch_command("srun", None, ["--digest"], ["-N2"], srun_mpi="pmix")
+    assert srun[:3] == ["srun", "--mpi=pmix", "--kill-on-bad-exit=0"] and "-N2" in srun
+    assert srun[-3:] == ["-m", "mpickpt.train", "--digest"]
+    assert mpi_flavour(mpiexec()) == "hydra"
+    hydra = launch_command("mpiexec", 4, ["--digest"])
+    assert hydra[1:4] == ["-disable-auto-cleanup", "-n", "4"]
+    assert hydra[4:7] == [sys.executable, "-m", "mpickpt.launch.rank_wrapper"]
+    with pytest.raises(ValueError, match="needs the number of ranks"):
+        launch_command("mpiexec", None, [])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--max-restarts", "-1", "--"], "--max-restarts -1: expected 0 or more"),
+    (["-n", "0", "--"], "-n 0: expected 1 or more ranks"),
+    (["--launcher", "mpiexec", "--"], "needs the number of ranks"),
+])
+def test_refusals(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_rank_wrapper_turns_a_death_by_signal_into_a_status():
+    proc = subprocess.run([sys.executable, "-m", "mpickpt.launch.rank_wrapper", sys.executable,
+                           "-c", "import os; os.kill(os.getpid(), 9)"])
+    assert proc.returncode == 128 + 9
+    proc = subprocess.run([sys.executable, "-m", "mpickpt.launch.rank_wrapper", sys.executable,
+                           "-c", "import sys; sys.exit(76)"])
+    assert proc.returncode == 76
+
+
+def test_a_signal_to_mpickpt_run_reaches_the_run_and_ends_the_loop(tmp_path):
+    marker = tmp_path / "got"
+    child = (f"import signal, sys, time, pathlib\n"
+             f"def h(s, f):\n"
+             f"    pathlib.Path({str(marker)!r}).write_text(str(s)); sys.exit(75)\n"
+             f"signal.signal(signal.SIGTERM, h)\n"
+             f"print('ready', flush=True)\n"
+             f"time.sleep(60)\n")
+    driver = (f"import sys\nfrom mpickpt.launch.relaunch import Relauncher\n"
+              f"sys.exit(Relauncher([sys.executable, '-c', {child!r}], 3, None).run())\n")
+    proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 75 and time.monotonic() - start < 10
+    assert marker.read_text() == str(int(signal.SIGTERM))
+    assert "SIGTERM received" in proc.stderr.read()
+    assert not os.path.exists(tmp_path / "count")

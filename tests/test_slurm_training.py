@@ -1,0 +1,158 @@
+"""slurm/train.sbatch as shipped, on a real single-node Slurm cluster (tests/slurm_cluster.py):
+a 2-rank job trains to the same digest as `mpiexec -n 2`; `scontrol requeue` mid-run resumes to the
+uninterrupted digest; `scancel --signal=TERM` commits an emergency checkpoint at the step reached
+and the job's own requeue replays no step; a rank SIGKILLed under srun is relaunched inside the
+allocation and the job ends with the failure-free digest (parity on). Skipped with the reason
+where Slurm is not installed or this is not root."""
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fault_jobs import digest_in, rank_of, relaunch_step, wait_gone
+from tests.launch import REPO, digest_of, run_ranks
+from tests.slurm_cluster import slurm_cluster_fixture
+
+slurm = slurm_cluster_fixture(scope="module")
+SCRIPT = REPO / "slurm" / "train.sbatch"
+MODEL_ENV = {"EMBEDDINGS": "300-200-100-50", "EMB_DIM": "8", "MLP_BOT": "13-16-8",
+             "MLP_TOP": "16-1", "BATCH": "32", "LR": "0.05", "OPTIMIZER": "adagrad",
+             "BACKEND": "auto", "DATA": "synthetic", "OMP_NUM_THREADS": "1"}
+TRAIN_ARGS = ("--test-num-batches", "0", "--print-freq", "1", "--digest")
+
+
+def trainer_flags(steps: int) -> list[str]:
+    """The flags the script gives mpickpt-train for MODEL_ENV (for the mpiexec reference)."""
+    return ["--arch-embedding-size", "300-200-100-50", "--arch-sparse-feature-size", "8",
+            "--arch-mlp-bot", "13-16-8", "--arch-mlp-top", "16-1", "--mini-batch-size", "32",
+            "--num-batches", str(steps), "--learning-rate", "0.05", "--optimizer", "adagrad",
+            "--backend", "auto", "--data-generation", "synthetic", *TRAIN_ARGS]
+
+
+def submit(slurm, tmp_path, ranks: int, steps: int, *args: str, **env) -> tuple[int, Path]:
+    out = tmp_path / "job.out"
+    job_env = dict(MODEL_ENV, VENV=str(Path(sys.executable).parents[1]),
+                   NUM_BATCHES=str(steps), CKPT_DIR=str(tmp_path / "ckpt"),
+                   PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", **env)
+    job = slurm.sbatch(SCRIPT, "-N", "1", f"--ntasks={ranks}", "--cpus-per-task=1",
+                       f"--output={out}", "--time=10", script_args=[*TRAIN_ARGS, *args],
+                       env=job_env)
+    return job, out
+
+
+def wait_for(out: Path, pattern: str, timeout: float = 120) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = re.search(pattern, out.read_text(), re.M) if out.exists() else None
+        if m:
+            return m
+        time.sleep(0.1)
+    raise AssertionError(f"{pattern!r} not in {out} after {timeout} s:\n"
+                         + (out.read_text()[-3000:] if out.exists() else "<missing>"))
+
+
+def last_step(text: str) -> int:
+    return max(int(s) for s in re.findall(r"^step (\d+)/", text, re.M))
+
+
+def trainer_pids(ckpt: Path) -> list[int]:
+    """The job's trainer processes (found by their checkpoint directory on the command line)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if " -m mpickpt.train " in cmd and str(ckpt) in cmd and "multiprocessing" not in cmd \
+                and os.path.basename(cmd.split()[0]).startswith("python"):  # not srun
+            pids.append(int(entry))
+    return sorted(pids)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Failure-free digests under mpiexec, by (ranks, steps, parity)."""
+    cache = {}
+
+    def digest(ranks: int, steps: int, *extra: str) -> str:
+        key = (ranks, steps, extra)
+        if key not in cache:
+            cache[key] = digest_of(run_ranks(ranks, "mpickpt.train", *trainer_flags(steps),
+                                             *extra))
+        return cache[key]
+    return digest
+
+
+def test_the_script_as_shipped_trains_like_mpiexec(slurm, tmp_path, reference):
+    job, out = submit(slurm, tmp_path, 2, 40)
+    result = slurm.wait_job(job, timeout=180)
+    text = out.read_text()
+    assert (result.state, result.exit_code) == ("COMPLETED", 0), text[-3000:]
+    assert digest_in(text) == reference(2, 40)
+    assert "world of 1" not in text and text.count("digest ") == 1  # one 2-rank job
+
+
+def test_scontrol_requeue_mid_run_resumes_to_the_uninterrupted_digest(slurm, tmp_path,
+                                                                      reference):
+    job, out = submit(slurm, tmp_path, 2, 150, CKPT_INTERVAL="20")
+    wait_for(out, r"^step 60/", 120)
+    slurm.requeue(job)
+    result = slurm.wait_job(job, timeout=240)
+    text = out.read_text()
+    assert (result.state, result.exit_code) == ("COMPLETED", 0), text[-3000:]
+    assert slurm.job_info(job)["Restarts"] == "1"
+    stopped = re.search(r"stopping on SIGTERM after step (\d+): checkpoint step \d+ "
+                        r"(?:\(the interval's\) )?committed", text)
+    assert stopped, text[-4000:]  # the ranks saved at the requeue's SIGTERM
+    assert f"resumed from checkpoint step {stopped.group(1)}" in text
+    assert digest_in(text) == reference(2, 150)
+
+
+def test_scancel_term_saves_the_step_reached_and_the_requeue_replays_none(slurm, tmp_path,
+                                                                          reference):
+    job, out = submit(slurm, tmp_path, 2, 150, CKPT_INTERVAL="1000")
+    wait_for(out, r"^step 50/", 120)
+    slurm.run(["scancel", "--signal=TERM", str(job)])
+    m = wait_for(out, r"stopping on SIGTERM after step (\d+): checkpoint step (\d+) committed "
+                      r"([0-9.]+) s after the signal", 60)
+    step = int(m.group(1))
+    assert int(m.group(2)) == step and float(m.group(3)) < 30  # well within KillWait
+    before = out.read_text().split(m.group(0))[0]
+    assert last_step(before) == step  # the checkpoint holds the step reached
+    result = slurm.wait_job(job, timeout=240)
+    text = out.read_text()
+    assert (result.state, result.exit_code) == ("COMPLETED", 0), text[-3000:]
+    assert "requeueing (requeue 1 of 5)" in text
+    assert f"resumed from checkpoint step {step}" in text
+    after = text.split(f"resumed from checkpoint step {step}")[1]
+    assert min(int(s) for s in re.findall(r"^step (\d+)/", after, re.M)) == step + 1
+    assert digest_in(text) == reference(2, 150)
+    log = (tmp_path / "ckpt" / "mpickpt-restarts.log").read_text()
+    assert "stopped on a signal with its checkpoint committed; requeueing" in log
+
+
+def test_a_rank_sigkilled_under_srun_is_relaunched_in_the_allocation(slurm, tmp_path, reference):
+    ckpt = tmp_path / "ckpt"
+    job, out = submit(slurm, tmp_path, 4, 120, "--parity-k", "3", CKPT_INTERVAL="40")
+    wait_for(out, r"^step 60/", 180)
+    pids = trainer_pids(ckpt)
+    assert len(pids) == 4, pids
+    victim = pids[2]
+    rank = rank_of(victim)
+    os.kill(victim, signal.SIGKILL)
+    exited = wait_gone([p for p in pids if p != victim], 30)  # the survivors exit in order
+    result = slurm.wait_job(job, timeout=240)
+    text = out.read_text()
+    assert (result.state, result.exit_code) == ("COMPLETED", 0), text[-4000:]
+    assert slurm.job_info(job)["Restarts"] == "0"  # relaunched inside the allocation
+    assert f"rank(s) [{rank}] died after step" in text and "relaunching (restart 1 of 3)" in text
+    assert relaunch_step(text) is not None and f"parity: rebuilt ranks [{rank}]" in text
+    assert digest_in(text) == reference(4, 120, "--parity-k", "3")
+    assert exited < 30
