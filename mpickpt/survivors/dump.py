@@ -107,7 +107,7 @@ def write_dump(directory: str, header: DumpHeader, arrays: dict[str, np.ndarray]
     for name, array in arrays.items():
         path = os.path.join(tmp, _file(name))
         with open(path, "wb") as f:
-            np.save(f, np.ascontiguousarray(array), allow_pickle=False)
+            np.save(f, np.asarray(array, order="C"), allow_pickle=False)  # keeps 0-d arrays 0-d
             if durable:
                 f.flush()
                 os.fsync(f.fileno())

@@ -1,0 +1,156 @@
+"""Survivor state in process on 1, 2 and 4 ranks: the undo log takes back a whole step or the part
+of one that ran (rows, optimizer state, dense part, parity fold) bit for bit; dumps written by the
+survivors restore, in a fresh model (the relaunch), exactly the state of the agreed step, with a
+survivor one step ahead going back one step and the dead rank counted lost; a dump of an earlier
+job whose checkpoint directory was made anew is refused."""
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+
+from mpickpt.data.position import SyntheticPosition
+from mpickpt.data.synthetic import SyntheticConfig, SyntheticStream
+from mpickpt.model.dense import DenseArch
+from mpickpt.model.hybrid import HybridDLRM
+from mpickpt.model.optimizers import OptimizerConfig
+from mpickpt.parity.guard import ParityConfig, ParityGuard
+from mpickpt.survivors.dump import LINEAGE_FILE
+from mpickpt.survivors.state import SurvivorDumps
+
+SIZES = (400, 300, 90, 7)
+BATCH = 16
+
+
+def _model(topo):
+    arch = DenseArch(num_dense=13, num_tables=4, dim=8, bottom=(13, 8), top=(1,))
+    return HybridDLRM(topo, arch, SIZES, OptimizerConfig(kind="adagrad", lr=0.05), seed=4)
+
+
+def _parity(topo, model):
+    if topo.world_size < 2:
+        return None
+    guard = ParityGuard(topo, model, ParityConfig(k=topo.world_size - 1, r=1), say=lambda l: 0)
+    guard.encode()
+    return guard
+
+
+class Run:
+    """A model, its parity, its dumps and a reader position, stepped like the trainer does."""
+
+    def __init__(self, topo, root):
+        self.topo, self.model = topo, _model(topo)
+        self.parity = _parity(topo, self.model)
+        self.dumps = SurvivorDumps(topo, self.model, self.parity, root, "shm", lambda l: 0)
+        self.stream = SyntheticStream(SyntheticConfig(table_sizes=SIZES, pooling=2, seed=5))
+        self.state, self.step = SyntheticPosition(), 0
+
+    def train(self, steps: int) -> None:
+        for _ in range(steps):
+            self.dumps.undo.begin(self.step + 1, self.state.to_dict())
+            batch, self.state = self.stream.read_slice(self.state, BATCH * self.topo.world_size,
+                                                       self.topo.rank, self.topo.world_size)
+            self.model.train_step(batch)
+            self.dumps.undo.complete()
+            self.step += 1
+
+    def snapshot(self) -> dict:
+        out = {f"row/{k}": v.clone() for k, v in self.model.row_state().items()}
+        out.update({f"dense/{k}": v.clone() for k, v in self.model.dense_state().items()})
+        if self.parity is not None:
+            out["parity"] = self.parity.store.parity.clone()
+        return out
+
+
+def _same(topo, a: dict, b: dict, keys=None) -> bool:
+    ok = all(torch.equal(a[k], b[k]) for k in (keys or a))
+    return all(topo.control.allgather(ok))
+
+
+@pytest.fixture
+def root(topology):
+    path = topology.control.bcast(tempfile.mkdtemp(prefix="mpickpt-surv-")
+                                  if topology.is_root else None)
+    yield path
+    topology.control.Barrier()
+    if topology.is_root:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_undo_takes_back_a_whole_step_or_the_part_that_ran(topology, root):
+    run = Run(topology, root)
+    run.train(3)
+    before = run.snapshot()
+    run.train(1)
+    assert not _same(topology, before, run.snapshot())
+    run.dumps.undo.undo_last()
+    assert _same(topology, before, run.snapshot())
+    # the sparse update of a step, then a death before its dense allreduce
+    run.dumps.undo.begin(run.step + 1, run.state.to_dict())
+    batch, _ = run.stream.read_slice(run.state, BATCH * topology.world_size, topology.rank,
+                                     topology.world_size)
+    pooled, ctx = run.model.embeddings.lookup(batch.sparse, update=True)
+    run.model.embeddings.apply_gradients(torch.ones_like(pooled), ctx)
+    assert not _same(topology, before, run.snapshot())
+    run.dumps.undo.undo_current()
+    assert _same(topology, before, run.snapshot())
+    if run.parity is not None:
+        run.parity.store.step_done()  # the step's exchange is over on every rank
+    run.dumps.remove()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_dumps_restore_the_agreed_step_in_a_fresh_model(topology, root):
+    topo = topology
+    dead = topo.world_size - 1
+    ahead = 0 if topo.world_size >= 3 else None  # with 2 ranks its step would be the agreed one
+    run = Run(topo, root)
+    run.dumps.survey(None)  # the lineage of this directory (a first launch: nothing found)
+    run.train(4)
+    agreed, at = run.snapshot(), run.state.to_dict()
+    run.train(1)  # rank `ahead` completed step 5 when the peer died; the others only step 4
+    if topo.rank != ahead:
+        run.dumps.undo.undo_last()
+    if topo.rank != dead:
+        step = run.step if topo.rank == ahead else run.step - 1
+        reader = run.state.to_dict() if topo.rank == ahead else at
+        run.dumps.write(step, reader, {"lost_samples": 0.0}, {dead})
+    topo.control.Barrier()
+    relaunch = Run(topo, root)  # the relaunch: a fresh model, the same layout
+    survey = relaunch.dumps.survey(newest_committed=None)
+    assert survey.usable and survey.step == 4, survey
+    assert survey.survivors == [r for r in range(topo.world_size) if r != dead]
+    assert list(survey.lost) == [dead] and survey.undo == ([] if ahead is None else [ahead])
+    reader, pls = relaunch.dumps.restore(survey)
+    assert reader == at and pls == {"lost_samples": 0.0}
+    got = relaunch.snapshot()
+    dense = [k for k in agreed if k.startswith("dense/")]
+    assert _same(topo, got, agreed, dense)  # every rank, the dead one too
+    if topo.rank != dead:
+        assert _same_local(got, agreed)
+    else:
+        assert all(bool(v.isnan().all()) for k, v in got.items() if k.startswith("row/"))
+    relaunch.dumps.remove()
+
+
+def _same_local(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a if k.startswith("row/")) and \
+        ("parity" not in a or torch.equal(a["parity"], b["parity"]))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_dumps_of_an_earlier_job_in_a_remade_directory_are_refused(topology, root):
+    topo = topology
+    run = Run(topo, root)
+    run.dumps.survey(None)
+    run.train(2)
+    run.dumps.write(run.step, run.state.to_dict(), {}, {topo.world_size - 1})
+    topo.control.Barrier()
+    if topo.is_root:
+        os.remove(os.path.join(root, LINEAGE_FILE))  # the directory was removed and made anew
+    topo.control.Barrier()
+    survey = Run(topo, root).dumps.survey(None)
+    assert not survey.usable and "earlier job" in survey.reason, survey
+    run.dumps.remove()
