@@ -59,9 +59,11 @@ def test_recovery_auto_picks_what_its_inputs_say(tmp_path, case):
         assert "parity: rebuilt ranks [2]" in proc.stdout  # (exactly: test_parity_training.py)
         assert "recovery for this loss" not in proc.stdout  # parity covered it
         return
-    # partial pays at a PLS target of 0.1 with MTBF 100 steps; at 0.0005 it would checkpoint
-    # every step while Young's interval is far longer, so full recovery wins
-    pls, mtbf = ("0.1", "100") if case == "partial" else ("0.0005", "10000")
+    # partial pays at a PLS target of 0.1 with MTBF 100 steps (its 40-step interval wins for any
+    # O_save under 25 steps); a target of 1e-7 with MTBF 1e6 steps means a checkpoint every step,
+    # O_save per step, against full recovery's sqrt(2 O_save / T_fail): full recovery wins for any
+    # O_save above 2e-6 steps, whatever this machine measures
+    pls, mtbf = ("0.1", "100") if case == "partial" else ("1e-7", "1000000")
     proc = run_ranks(2, "mpickpt.train", *SMALL_MODEL, *common, "--mtbf", mtbf, "--target-pls",
                      pls, "--num-batches", "20", "--inject-failure", "12:1")
     assert proc.returncode == 0, proc.stderr
