@@ -26,7 +26,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for tests/
 
-from mpickpt.data.position import SyntheticPosition  # noqa: E402
 from mpickpt.data.synthetic import SyntheticConfig, SyntheticStream, criteo_kaggle_sizes  # noqa: E402
 from mpickpt.kinds.registry import checkpoint_segments  # noqa: E402
 from mpickpt.model.shard_plan import ShardPlan  # noqa: E402

@@ -71,6 +71,11 @@ class Restorer:
             return None
         restored = self._apply(found)
         self._timed(start)
+        m, took = restored.manifest, self.seconds[-1]
+        self.say(f"resumed from checkpoint step {m.step} ({m.kind}, {m.codec}, written by "
+                 f"{m.world_size} ranks, {m.total_bytes() / 1e6:.1f} MB) onto "
+                 f"{self.topo.world_size} ranks in {took:.2f} s "
+                 f"({m.total_bytes() / 1e6 / max(took, 1e-9):.0f} MB/s)")
         return restored
 
     def restore_rows(self, shards) -> Restored | None:
@@ -181,9 +186,6 @@ class Restorer:
             torch.set_rng_state(torch.frombuffer(bytearray(loaded.rng["torch_cpu_rng"]),
                                                  dtype=torch.uint8))
         m = loaded.manifest
-        self.say(f"resumed from checkpoint step {m.step} ({m.kind}, {m.codec}, written by "
-                 f"{m.world_size} ranks, {m.total_bytes() / 1e6:.1f} MB) onto "
-                 f"{self.topo.world_size} ranks")
         return Restored(m.step, m.reader_state, m)
 
 

@@ -115,6 +115,7 @@ class Survival:
         """Dump this rank's state at its last completed step, say so, and exit with
         EXIT_PEER_LOST. Never returns. Local; the model's state lock is taken first, so the
         main thread can change nothing meanwhile."""
+        noticed = time.time()
         with self._lock:
             if self.surviving:
                 return
@@ -133,8 +134,8 @@ class Survival:
             except OSError as e:
                 where = f"the survivor dump failed: {e}"
         print(f"mpickpt: rank {self.topo.rank}: peer rank(s) {sorted(dead)} died after step "
-              f"{step} ({cause}); {where}; exiting for a relaunch (status {EXIT_PEER_LOST})",
-              flush=True)
+              f"{step} ({cause}; noticed {_iso(noticed)}); {where}; exiting for a relaunch "
+              f"(status {EXIT_PEER_LOST})", flush=True)
         sys.stderr.flush()
         os._exit(EXIT_PEER_LOST)
 
@@ -142,6 +143,11 @@ class Survival:
         """Stop watching (tell the neighbours this rank ends normally). Local."""
         if self.watch is not None:
             self.watch.close()
+
+
+def _iso(t: float) -> str:
+    """Wall-clock time in UTC with milliseconds, for lining a death up with other logs."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
 
 
 def _max_op():

@@ -1,10 +1,8 @@
 """CheckpointManager in-process on 1, 2 and 4 ranks: writers spawned under mpiexec, overlap
 policies, gap control, and a save/restore round trip."""
-import os
 import shutil
 import tempfile
 
-import numpy as np
 import pytest
 import torch
 

@@ -1,6 +1,5 @@
 """Parity on real sharded models: difference propagation keeps parity equal to a fresh encode,
 degraded reads and rebuilds return the lost rows bit for bit (r = 1 and r = 2)."""
-import numpy as np
 import pytest
 import torch
 
