@@ -186,11 +186,13 @@ class Trainer:
             self.parity.settle()
         start = time.perf_counter()
         saved = self.ckpt.save_now(self.step, self.reader)
-        self.ckpt.close()
+        self.ckpt.settle()  # committed on rank 0 when this returns there
         write = time.perf_counter() - start
+        committed = self.signals.since()
+        self.ckpt.close()
         self.log.say(f"stopping on {name} after step {self.step}: checkpoint step {self.step} "
                      + ("committed" if saved else "(the interval's) committed")
-                     + f" {self.signals.since():.2f} s after the signal ({write:.2f} s to write "
+                     + f" {committed:.2f} s after the signal ({write:.2f} s to write "
                        f"and commit; {since:.2f} s to reach the step boundary)")
 
     def _drop_dumps_once_replaced(self) -> None:
