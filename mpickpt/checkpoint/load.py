@@ -113,7 +113,9 @@ def load_row_range(root: str, manifest: Manifest, plan, rank: int, dim: int, tem
     return arrays, written
 
 
-def committed(root: str) -> tuple[list[Manifest], list[str]]:
-    """(committed manifests oldest first, torn checkpoint directories). Local."""
-    manifests = list_manifests(root)
-    return manifests, torn_dirs(root, manifests)
+def committed(root: str) -> tuple[list[Manifest], list[str], list[tuple[int, str]]]:
+    """(committed manifests oldest first, torn checkpoint directories, (step, message) of every
+    damaged or unreadable manifest). Local."""
+    damaged: list[tuple[int, str]] = []
+    manifests = list_manifests(root, damaged)
+    return manifests, torn_dirs(root, manifests), damaged

@@ -18,6 +18,7 @@ import torch
 
 from mpickpt.checkpoint.load import committed, load_checkpoint, load_row_range
 from mpickpt.engine.snapshot import numpy_dtype
+from mpickpt.store import leftovers
 from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import Manifest
 
@@ -50,6 +51,10 @@ class Restorer:
         self.resume = str(resume)
         self.seconds: list[float] = []
         """Wall time of every restore, the slowest rank's (O_load)."""
+        self.damaged: dict[int, str] = {}
+        """Steps whose manifest is damaged or unreadable, with the message (the last listing)."""
+        self._reported: set[int] = set()
+        self._cleaned = False
 
     @property
     def resume_step(self) -> int | None:
@@ -65,6 +70,7 @@ class Restorer:
             return None
         start = time.perf_counter()
         manifests = self._committed()
+        self._remove_leftovers(manifests)
         candidates = list(reversed(manifests)) if latest else self._candidates(manifests)
         found = self._first_usable(candidates, manifests, self._try_load)
         if found is None:
@@ -113,8 +119,15 @@ class Restorer:
     def _committed(self) -> list[Manifest]:
         """Committed manifests (rank 0 lists them; torn directories are removed). Collective."""
         listing = committed(self.root) if self.topo.is_root else None
-        manifests, torn = self.topo.control.bcast(listing, root=0)
+        manifests, torn, damaged = self.topo.control.bcast(listing, root=0)
         self._drop_torn(torn)
+        self.damaged = dict(damaged)
+        newest = manifests[-1].step if manifests else -1
+        for step, why in damaged:
+            if (step > newest or step == self.resume_step) and step not in self._reported:
+                self._reported.add(step)
+                self.say(f"checkpoint step {step} unusable: {why}"
+                         + ("; falling back to an earlier one" if manifests else ""))
         return manifests
 
     def _first_usable(self, candidates, manifests, load):
@@ -139,6 +152,19 @@ class Restorer:
         self.seconds.append(self.topo.control.allreduce(time.perf_counter() - start,
                                                         op=_max_op()))
 
+    def _remove_leftovers(self, manifests: list[Manifest]) -> None:
+        """Once, at the job's first restore (no writer of this job runs yet): rank 0 removes what
+        killed jobs left (`store.leftovers`) and says so. Local."""
+        if self._cleaned or not self.topo.is_root:
+            return
+        self._cleaned = True
+        found = leftovers.find(self.root, manifests, chains=not self.damaged)
+        if found:
+            freed = leftovers.remove(found)
+            kinds = sorted({f.why for f in found})
+            self.say(f"removed {len(found)} leftovers of earlier runs ({freed / 1e6:.1f} MB): "
+                     + "; ".join(kinds))
+
     def _drop_torn(self, torn: list[str]) -> None:
         for d in torn:
             self.say(f"ignoring {os.path.join(self.root, d)}: no manifest (torn or abandoned "
@@ -152,6 +178,8 @@ class Restorer:
         if want is None:
             return list(reversed(manifests))
         chosen = [m for m in manifests if m.step == want]
+        if not chosen and want in self.damaged:
+            raise CheckpointError(f"checkpoint step {want} cannot be used: {self.damaged[want]}")
         if not chosen:
             steps = [m.step for m in manifests]
             raise CheckpointError(f"no committed checkpoint at step {want} in {self.root} "

@@ -11,20 +11,26 @@ simply overwritten by its newer column).
 
 The index is JSON, published atomically as ``index-<generation>.json`` (temp, fsync, rename,
 directory fsync), like a manifest: a crash in the middle of an extraction leaves the previous
-generation, and every file it references, in place. Local: nothing here uses MPI.
+generation, and every file it references, in place. Like a manifest it carries a checksum of its
+content (`store.sealed_json`); a damaged newest generation is an error naming the file, never a
+silent fall back to an older one (whose files the newer one may have collected). Local: nothing
+here uses MPI.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import asdict, dataclass, field
 
+from mpickpt.store.errors import CheckpointCorruptError
 from mpickpt.store.file_spec import chain_relpath
+from mpickpt.store.sealed_json import dumps_sealed, read_sealed
 from mpickpt.store.shard_file import fsync_path
 
 INDEX_RE = re.compile(r"^index-(\d{8})\.json$")
-INDEX_VERSION = 1
+INDEX_VERSION = 2
+FIRST_SEALED_VERSION = 2
+"""Indexes from version 2 on carry a checksum of their content."""
 
 
 @dataclass(frozen=True)
@@ -149,7 +155,7 @@ def commit_index(root: str, index: ChunkIndex, keep_generations: int = 2) -> str
     final = os.path.join(folder, f"index-{index.generation:08d}.json")
     tmp = final + f".tmp-{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(index.to_json(), f, separators=(",", ":"))
+        f.write(dumps_sealed(index.to_json()))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
@@ -167,16 +173,20 @@ def generations(folder: str) -> list[int]:
 
 
 def load_index(root: str, chain: str, rank: int) -> ChunkIndex:
-    """The newest readable generation (an empty index when none exists yet). Local."""
+    """The newest committed generation (an empty index when none exists yet);
+    CheckpointCorruptError naming the file when it is damaged. Local."""
     folder = index_dir(root, chain, rank)
-    for gen in reversed(generations(folder)):
-        path = os.path.join(folder, f"index-{gen:08d}.json")
-        try:
-            with open(path) as f:
-                return ChunkIndex.from_json(json.load(f))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # a damaged newest generation: fall back to the previous one
-    return ChunkIndex(chain=chain, rank=rank)
+    gens = generations(folder)
+    if not gens:
+        return ChunkIndex(chain=chain, rank=rank)
+    path = os.path.join(folder, f"index-{gens[-1]:08d}.json")
+    try:
+        return ChunkIndex.from_json(read_sealed(path, "version", FIRST_SEALED_VERSION))
+    except OSError as e:
+        raise CheckpointCorruptError(f"{path}: chunk index cannot be read: {e}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        text = str(e) if str(e).startswith(path) else f"{path}: not a valid chunk index: {e!r}"
+        raise CheckpointCorruptError(text) from None
 
 
 def _remove(path: str) -> None:

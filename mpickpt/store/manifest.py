@@ -2,11 +2,12 @@
 
 ``<dir>/manifest-<step>.json`` is written by rank 0 after every rank reported its files durable:
 temp file, fsync, rename, fsync of the directory. It lists every file of the checkpoint with its
-size, so a truncated or deleted file is noticed before any HDF5 is opened.
+size and the digest of its HDF5 attributes, so a truncated or deleted file is noticed before any
+HDF5 is opened, and carries a checksum of its own content (`store.sealed_json`): a damaged or edited
+manifest is refused like a damaged shard.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -15,10 +16,14 @@ import warnings
 from dataclasses import asdict, dataclass, field
 
 from mpickpt.store.errors import CheckpointError
+from mpickpt.store.sealed_json import DamagedRecord, dumps_sealed, read_sealed
 from mpickpt.store.shard_file import fsync_path
 
 MANIFEST_RE = re.compile(r"^manifest-(\d{12})\.json$")
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+FIRST_SEALED_VERSION = 2
+"""Manifests from version 2 on carry a checksum of their content (version 1 ones are read
+without, as written before checksums existed)."""
 
 
 @dataclass
@@ -34,7 +39,8 @@ class Manifest:
     plan: dict
     optimizer: str
     files: dict[str, dict]
-    """Relative path -> {"size": bytes, "role": "shard"|"dense", "rank": r, "part": j}."""
+    """Relative path -> {"size": bytes, "role": "shard"|"dense", "rank": r, "part": j,
+    "attrs": digest of the file's HDF5 attributes (`store.attr_digest`)}."""
     reader_state: dict
     codec: str = "fp32"
     parents: list[int] = field(default_factory=list)
@@ -82,7 +88,7 @@ def write_manifest(root: str, manifest: Manifest) -> str:
     final = manifest_path(root, manifest.step)
     tmp = os.path.join(root, f".{os.path.basename(final)}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
-        json.dump(asdict(manifest), f, indent=1, sort_keys=True)
+        f.write(dumps_sealed(asdict(manifest), indent=1))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
@@ -91,28 +97,42 @@ def write_manifest(root: str, manifest: Manifest) -> str:
 
 
 def load_manifest(path: str) -> Manifest:
-    """Read one manifest; ValueError naming the file when it is not a valid manifest. Local."""
+    """Read one manifest, checking its checksum; ValueError naming the file when it is damaged or
+    not a valid manifest. Local."""
     try:
-        with open(path) as f:
-            data = json.load(f)
+        data = read_sealed(path, "version", FIRST_SEALED_VERSION)
         return Manifest(**data)
+    except DamagedRecord as e:
+        raise ValueError(f"{path}: not a valid mpickpt manifest: {e.reason}") from None
     except (OSError, ValueError, TypeError) as e:
         raise ValueError(f"{path}: not a valid mpickpt manifest: {e}") from None
 
 
-def list_manifests(root: str) -> list[Manifest]:
-    """Committed checkpoints under `root`, oldest first; unreadable manifests are skipped with a
-    warning. Local."""
+def list_manifests(root: str, damaged: list | None = None) -> list[Manifest]:
+    """Committed checkpoints under `root`, oldest first. An unreadable or damaged manifest is
+    skipped: appended to `damaged` as (step from its name, message naming the file) when a list is
+    given, else with a warning. Local."""
     if not os.path.isdir(root):
         return []
     out = []
     for name in sorted(os.listdir(root)):
-        if MANIFEST_RE.match(name):
+        match = MANIFEST_RE.match(name)
+        if match:
             try:
                 out.append(load_manifest(os.path.join(root, name)))
             except ValueError as e:
-                warnings.warn(str(e), stacklevel=2)
+                if damaged is None:
+                    warnings.warn(str(e), stacklevel=2)
+                else:
+                    damaged.append((int(match.group(1)), str(e)))
     return sorted(out, key=lambda m: m.step)
+
+
+def manifest_steps(root: str) -> set[int]:
+    """Steps that have a manifest file, readable or not. Local."""
+    if not os.path.isdir(root):
+        return set()
+    return {int(m.group(1)) for m in map(MANIFEST_RE.match, os.listdir(root)) if m}
 
 
 def referenced_dirs(manifests) -> set[str]:
@@ -134,13 +154,21 @@ def with_parents(chosen, manifests) -> list:
 
 
 def torn_dirs(root: str, manifests) -> list[str]:
-    """Checkpoint directories no manifest refers to (interrupted or abandoned writes). Local."""
+    """Checkpoint directories no manifest refers to (interrupted or abandoned writes). A directory
+    whose step has a manifest file that could not be read is not torn: it is kept (and reported
+    with its damaged manifest) rather than deleted. Local."""
     if not os.path.isdir(root):
         return []
     needed = referenced_dirs(manifests)
+    unread = manifest_steps(root) - {m.step for m in manifests}
     return sorted(d for d in os.listdir(root)
-                  if d.startswith("step-") and d not in needed
+                  if d.startswith("step-") and d not in needed and _dir_step(d) not in unread
                   and os.path.isdir(os.path.join(root, d)))
+
+
+def _dir_step(name: str) -> int | None:
+    match = re.match(r"^step-(\d+)", name)
+    return int(match.group(1)) if match else None
 
 
 def apply_retention(root: str, keep: int) -> list[int]:
