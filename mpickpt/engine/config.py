@@ -23,6 +23,21 @@ def _interval(text: str) -> int | str:
     return int_at_least(1)(text)
 
 
+_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,
+          "gib": 1 << 30}
+
+
+def _bytes(text: str) -> int:
+    """'0', '65536', '64K', '1M', '4MiB' -> bytes (binary units)."""
+    raw = str(text).strip().lower()
+    number = raw.rstrip("kmgib")
+    unit = raw[len(number):]
+    if not number.isdigit() or unit not in _UNITS:
+        raise ValueError(f"--ckpt-align must be a size in bytes such as 0, 65536, 64K or 1M, got "
+                         f"{text!r}")
+    return int(number) * _UNITS[unit]
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0.0 < value <= 1.0:
@@ -51,6 +66,9 @@ class CheckpointConfig:
     """'latest' (newest valid, falling back past corrupted ones), 'none', or a step"""
     writers: int = option(1, flag="--ckpt-writers", parse=int_at_least(1))
     """background writer processes per rank (one part file each)"""
+    align: int = option(1 << 20, flag="--ckpt-align", parse=_bytes, metavar="BYTES")
+    """datasets of at least this size start at a multiple of it in the files, so that no two
+    share a parallel filesystem stripe: the stripe size (0: packed)"""
     overlap: str = option("wait", flag="--ckpt-overlap", choices=OVERLAP_POLICIES)
     """when the previous checkpoint is still being written: wait for it, or skip this one"""
     kind: str = option("full", flag="--ckpt-kind", choices=KINDS)
@@ -94,6 +112,8 @@ class CheckpointConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"--ckpt-{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.align, int) or self.align < 0:
+            raise ValueError(f"--ckpt-align must be a size in bytes >= 0, got {self.align!r}")
         if not 0.0 < self.save_fraction <= 1.0:
             raise ValueError(f"--ckpt-save-fraction must lie in (0, 1], got "
                              f"{self.save_fraction!r}")

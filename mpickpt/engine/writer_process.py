@@ -40,7 +40,7 @@ def run_job(job: dict, attached: dict) -> dict:
         total = 0
         for spec in job["files"]:
             current = spec.path
-            size, payload = write_file(spec, arrays)
+            size, payload = write_file(spec, arrays, job.get("align", 0))
             written[spec.relpath] = {**spec.meta, "size": size}
             total += payload
         return {"ok": True, "files": written, "bytes": total,
@@ -60,15 +60,17 @@ def _attach(staging: dict, attached: dict) -> dict:
     return attached[path][1]
 
 
-def write_file(spec, arrays: dict) -> tuple[int, int]:
-    """Write one shard or dense file atomically and durably; returns (file size, payload). Local."""
+def write_file(spec, arrays: dict, align: int = 0) -> tuple[int, int]:
+    """Write one shard or dense file atomically and durably; returns (file size, payload).
+    Datasets of at least `align` bytes start at a multiple of `align` (0: packed). Local."""
     from mpickpt.store.shard_file import fsync_path
 
     os.makedirs(os.path.dirname(spec.path), exist_ok=True)
     tmp = spec.path + ".tmp"
-    reservation = Reservation(spec.path, _payload_bytes(spec, arrays))
+    payload, padding = _payload_bytes(spec, arrays, align)
+    reservation = Reservation(spec.path, payload + padding)
     try:
-        payload = _write_hdf5(tmp, spec, arrays, reservation)
+        payload = _write_hdf5(tmp, spec, arrays, reservation, align)
     finally:
         reservation.close()
     fsync_path(tmp)
@@ -77,13 +79,11 @@ def write_file(spec, arrays: dict) -> tuple[int, int]:
     return os.path.getsize(spec.path), payload
 
 
-def _write_hdf5(tmp: str, spec, arrays: dict, reservation: Reservation) -> int:
-    import h5py
-
-    from mpickpt.store.shard_file import FORMAT_VERSION
+def _write_hdf5(tmp: str, spec, arrays: dict, reservation: Reservation, align: int) -> int:
+    from mpickpt.store.shard_file import FORMAT_VERSION, alignment, open_hdf5, seal_attributes
 
     payload = 0
-    with h5py.File(tmp, "w") as f:
+    with open_hdf5(tmp, "w", **alignment(align)) as f:
         f.attrs["format_version"] = FORMAT_VERSION
         for key, value in spec.attrs.items():
             f.attrs[key] = value
@@ -98,6 +98,7 @@ def _write_hdf5(tmp: str, spec, arrays: dict, reservation: Reservation) -> int:
                 payload += _write(f, name, data, reservation.release)
         for name, raw in spec.blobs.items():
             _write(f, name, np.frombuffer(raw, dtype=np.uint8), reservation.release)
+        seal_attributes(f)
         reservation.close()  # the rest covers HDF5's metadata, written at close
     return payload
 
@@ -106,17 +107,22 @@ RESERVE_SLACK = 1.05  # HDF5 metadata and checksum datasets
 RESERVE_EXTRA = 64 << 10
 
 
-def _payload_bytes(spec, arrays: dict) -> int:
+def _payload_bytes(spec, arrays: dict, align: int = 0) -> tuple[int, int]:
+    """(bytes of the file's datasets, at most how much alignment padding they add: less than
+    `align` before each dataset of at least `align` bytes). Local."""
     total = sum(len(raw) for raw in spec.blobs.values())
+    padding = 0
     for _, source, ranges in spec.datasets:
         a = arrays[source]
         if ranges is None:
-            total += a.nbytes
+            size = a.nbytes
         elif isinstance(ranges, np.ndarray):
-            total += len(ranges) * (a.nbytes // max(a.shape[0], 1))
+            size = len(ranges) * (a.nbytes // max(a.shape[0], 1))
         else:
-            total += sum(b - lo for lo, b in ranges) * (a.nbytes // max(a.shape[0], 1))
-    return total
+            size = sum(b - lo for lo, b in ranges) * (a.nbytes // max(a.shape[0], 1))
+        total += size
+        padding += align if 0 < align <= size else 0
+    return total, padding
 
 
 class Reservation:

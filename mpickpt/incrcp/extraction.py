@@ -20,7 +20,8 @@ import numpy as np
 from mpickpt.incrcp.bloom import BloomFilter
 from mpickpt.store.chunk_index import ChunkIndex, ChunkRef, commit_index, index_dir
 from mpickpt.store.row_arrays import EncodedRows, open_rows, write_raw
-from mpickpt.store.shard_file import FORMAT_VERSION, fsync_path, open_shard, read_rows, write_dataset
+from mpickpt.store.shard_file import (FORMAT_VERSION, fsync_path, open_hdf5, open_shard, read_rows,
+                                      seal_attributes, write_dataset)
 
 
 @dataclass
@@ -69,9 +70,7 @@ class BundleBuilder:
             return 0
         path = os.path.join(root, self.relpath)
         tmp = path + ".tmp"
-        import h5py
-
-        with h5py.File(tmp, "w") as f:
+        with open_hdf5(tmp, "w") as f:
             f.attrs.update({"format_version": FORMAT_VERSION, "step": step, "kind": "bundle"})
             group = f.require_group(self.GROUP)
             for name in self.pieces[0]:
@@ -81,6 +80,7 @@ class BundleBuilder:
                     write_dataset(parent, leaf, np.concatenate([p[name] for p in self.pieces]))
                 else:  # stored arrays copied as they are: quantized rows are never re-quantized
                     write_raw(parent, leaf, EncodedRows.concat([p[name] for p in self.pieces]))
+            seal_attributes(f)
         fsync_path(tmp)
         os.replace(tmp, path)
         return os.path.getsize(path)

@@ -15,6 +15,8 @@ blocks it reads. Only background writer processes and restore open these files.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -22,9 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 import h5py
 import numpy as np
 
+from mpickpt.store import attr_digest
 from mpickpt.store.errors import CheckpointCorruptError, CheckpointError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: every file ends with /_attrs, the digest of its attributes (`store.attr_digest`)."""
+READABLE_VERSIONS = (1, 2)
 BLOCK_ROWS = 1 << 16
 CRC_SUFFIX = ".crc"
 
@@ -65,13 +70,17 @@ def write_dataset(group: h5py.Group, name: str, array: np.ndarray, before_block=
     return array.nbytes
 
 
-def read_rows(ds: h5py.Dataset, start: int, stop: int, path: str) -> np.ndarray:
-    """Rows [start, stop) of `ds`, verifying the CRC of every block they touch. Local."""
+def read_rows(ds: h5py.Dataset, start: int, stop: int, path: str,
+              crc_ds: h5py.Dataset | None = None) -> np.ndarray:
+    """Rows [start, stop) of `ds`, verifying the CRC of every block they touch (`crc_ds`: its
+    checksum dataset, when the caller has it at hand). Local."""
     first, last = start // BLOCK_ROWS, max(start, stop - 1) // BLOCK_ROWS
     a, b = first * BLOCK_ROWS, min(ds.shape[0], (last + 1) * BLOCK_ROWS)
     try:
         data = ds[a:b]
-        crcs = ds.parent[_leaf(ds) + CRC_SUFFIX][first:last + 1]
+        if crc_ds is None:
+            crc_ds = ds.parent[_leaf(ds) + CRC_SUFFIX]
+        crcs = crc_ds[first:last + 1]
     except (OSError, KeyError) as e:
         raise CheckpointCorruptError(f"{path}: dataset {ds.name} cannot be read: {e}") from None
     got = block_crcs(data)
@@ -93,39 +102,100 @@ def _leaf(ds: h5py.Dataset) -> str:
     return ds.name.rsplit("/", 1)[-1]
 
 
+def open_hdf5(path: str, mode: str = "r", **kwargs) -> h5py.File:
+    """h5py.File without HDF5's file locks: the commit protocol orders writers and readers, and
+    filesystems without working locks (NFS without lockd, some Lustre mounts) would otherwise fail
+    every open with ENOLCK. A lock error that still surfaces is reported as one. Local."""
+    try:
+        return h5py.File(path, mode, locking=False, **kwargs)
+    except OSError as e:
+        if is_lock_error(e):
+            raise LockingError(path, e) from None
+        raise
+
+
+class LockingError(CheckpointError):
+    """The filesystem refused a file lock: not damage, a configuration problem."""
+
+    def __init__(self, path: str, error: Exception):
+        super().__init__(f"{path}: the filesystem refused a file lock ({error}); mpickpt opens "
+                         f"HDF5 files without locks, so something else asks for one: set "
+                         f"HDF5_USE_FILE_LOCKING=FALSE, or mount the filesystem with working locks")
+
+
+def is_lock_error(error: Exception) -> bool:
+    """An HDF5 or OS error that comes from a refused file lock (ENOLCK, 'unable to lock'). Local."""
+    text = str(error).lower()
+    return getattr(error, "errno", None) == errno.ENOLCK or "unable to lock" in text or \
+        "no locks available" in text
+
+
 def open_shard(path: str) -> h5py.File:
-    """Open a shard for reading; a missing, truncated or non-HDF5 file raises CheckpointError. Local."""
+    """Open a shard for reading, its attributes checked against their digest; a missing,
+    truncated or non-HDF5 file, or damaged attributes, raise CheckpointError. Local."""
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: shard file is missing")
     try:
-        f = h5py.File(path, "r")
+        f = open_hdf5(path, "r")
+    except LockingError:
+        raise
     except OSError as e:
         raise CheckpointCorruptError(f"{path}: not a readable HDF5 file (truncated or corrupted): "
                                      f"{e}") from None
-    version = f.attrs.get("format_version")
-    if version != FORMAT_VERSION:
+    try:
+        version = f.attrs.get("format_version")
+        if version not in READABLE_VERSIONS:
+            raise CheckpointError(f"{path}: format_version {version!r}, expected one of "
+                                  f"{list(READABLE_VERSIONS)}")
+        if version >= 2 and attr_digest.DIGEST not in f:
+            raise CheckpointCorruptError(f"{path}: the digest of its attributes "
+                                         f"/{attr_digest.DIGEST} is missing (damaged)")
+        attr_digest.check(f, path, read_all)
+    except CheckpointError:
         f.close()
-        raise CheckpointError(f"{path}: format_version {version!r}, expected {FORMAT_VERSION}")
+        raise
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError) as e:
+        f.close()
+        raise CheckpointCorruptError(f"{path}: HDF5 metadata cannot be read (corrupted): "
+                                     f"{e}") from None
     return f
 
 
-def verify_file(path: str) -> list[str]:
-    """Check every dataset's block checksums; returns the problems found (empty when sound). Local."""
+def alignment(align: int) -> dict:
+    """h5py.File arguments that start every object of at least `align` bytes at a multiple of
+    `align` (a parallel filesystem's stripe size, so no two ranks' datasets share a stripe); {}
+    for 0. Local."""
+    return {"alignment_threshold": align, "alignment_interval": align} if align > 0 else {}
+
+
+def seal_attributes(f: h5py.File) -> None:
+    """End a file being written with the digest of its attributes. Local."""
+    attr_digest.seal(f, write_dataset)
+
+
+def verify_file(path: str, opener=None) -> list[str]:
+    """Check every dataset's block checksums; returns the problems found (empty when sound).
+    `opener(path)` supplies an open file it keeps (default: opened and closed here). Local."""
     try:
-        f = open_shard(path)
+        f = (opener or open_shard)(path)
     except CheckpointError as e:
         return [str(e)]
     problems: list[str] = []
-    with f:
-        names: list[str] = []
+    with contextlib.nullcontext(f) if opener else f:
+        datasets: dict[str, h5py.Dataset] = {}
         try:
-            f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset)
-                         and not n.endswith(CRC_SUFFIX) else None)
+            f.visititems(lambda n, o: datasets.__setitem__(n, o)
+                         if isinstance(o, h5py.Dataset) else None)
         except (RuntimeError, OSError, KeyError, ValueError) as e:
             return [f"{path}: HDF5 structure cannot be read (corrupted metadata): {e}"]
-        for name in names:
+        for name, ds in datasets.items():
+            if name.endswith(CRC_SUFFIX):
+                continue
             try:
-                read_all(f[name], path)
+                crc_ds = datasets.get(name + CRC_SUFFIX)
+                if crc_ds is None:
+                    raise KeyError(f"its checksums {name + CRC_SUFFIX} are missing")
+                read_rows(ds, 0, ds.shape[0], path, crc_ds)
             except CheckpointError as e:
                 problems.append(str(e))
             except (RuntimeError, OSError, KeyError, ValueError) as e:
