@@ -9,6 +9,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from mpickpt.store import leftovers
 from mpickpt.store.manifest import MANIFEST_RE, Manifest, load_manifest, torn_dirs
 
 STEP_DIR_RE = re.compile(r"^step-(\d+)")
@@ -29,6 +30,8 @@ class Catalog:
     """(step from the file name, message naming the file) of every unreadable manifest."""
     torn: list[str] = field(default_factory=list)
     """`step-*` directories no readable manifest refers to."""
+    leftovers: list = field(default_factory=list)
+    """What killed jobs left (`store.leftovers.Leftover`), removed by the next run."""
 
     def steps(self) -> list[int]:
         return [m.step for m in self.manifests]
@@ -48,6 +51,7 @@ def scan(root: str) -> Catalog:
                 cat.bad_manifests.append((int(MANIFEST_RE.match(name).group(1)), str(e)))
     cat.manifests.sort(key=lambda m: m.step)
     cat.torn = torn_dirs(root, cat.manifests)
+    cat.leftovers = leftovers.find(root, cat.manifests, chains=not cat.bad_manifests)
     return cat
 
 
@@ -116,7 +120,11 @@ def listing(cat: Catalog) -> list[dict]:
         nfiles, nbytes = dir_usage(os.path.join(cat.root, d))
         rows.append({"step": dir_step(d), "kind": None, "world_size": None, "files": nfiles,
                      "bytes": nbytes, "status": "torn (no manifest)", "ckpt_id": d})
-    return sorted(rows, key=lambda r: (r["step"] is None, r["step"] or 0, r["kind"] is None))
+    rows = sorted(rows, key=lambda r: (r["step"] is None, r["step"] or 0, r["kind"] is None))
+    return rows + [{"step": None, "kind": None, "world_size": None, "files": 1,
+                    "bytes": item.bytes, "status": f"leftover: {item.why} "
+                    f"({os.path.relpath(item.path, cat.root)}; the next run removes it)",
+                    "ckpt_id": None} for item in cat.leftovers]
 
 
 def select(cat: Catalog, step: int | None) -> tuple[Manifest, str | None]:
