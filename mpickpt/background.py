@@ -15,7 +15,9 @@ import ctypes
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
+import time
 import weakref
 
 PR_SET_PDEATHSIG = 1
@@ -45,8 +47,20 @@ def ignore_job_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+READY = "mpickpt-worker-ready"
+"""A worker's first message: it imported what it needs and serves jobs from now on."""
+START_TIMEOUT = 120.0
+"""Seconds a worker may take to start (a cold import of h5py on a busy node takes a few)."""
+
+
+class WorkerStartError(RuntimeError):
+    """A background process died, or hung, before it could serve: the message says why."""
+
+
 def serve(conn, handle) -> None:
-    """Answer each job received on `conn` with `handle(job)` until None or a closed pipe. Local."""
+    """Say READY, then answer each job received on `conn` with `handle(job)` until None or a
+    closed pipe. Local."""
+    conn.send(READY)
     while True:
         try:
             job = conn.recv()
@@ -70,7 +84,45 @@ def start_worker(target, name: str, *args):
         proc.start()
     child.close()
     _started.add(proc)
+    await_ready(proc, parent, name)
     return proc, parent
+
+
+def await_ready(proc, conn, name: str, timeout: float = START_TIMEOUT) -> None:
+    """Block until the worker says READY; WorkerStartError naming the cause if it dies first (a
+    failed import, a script without a main guard) or takes longer than `timeout`. Local."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if conn.poll(0.05):
+                first = conn.recv()
+                if first == READY:
+                    return
+                raise WorkerStartError(f"{name}: expected {READY!r} from the new process, got "
+                                       f"{first!r}")
+        except (EOFError, OSError):
+            proc.join(5.0)
+            raise WorkerStartError(start_failure(name, proc.exitcode)) from None
+        if not proc.is_alive() and not conn.poll(0):
+            raise WorkerStartError(start_failure(name, proc.exitcode))
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise WorkerStartError(f"background process {name} did not start within {timeout:.0f} "
+                                   f"s")
+
+
+def start_failure(name: str, code) -> str:
+    """Why a spawned worker died before serving, with the likely cause. Local."""
+    text = (f"background process {name} exited with status {code} before it could start (its "
+            f"own traceback is above)")
+    main = sys.modules.get("__main__")
+    script = getattr(main, "__file__", None)
+    if script and getattr(main, "__spec__", None) is None:
+        text += (f". Spawned processes import the main script, {script}: without an `if __name__ "
+                 f"== '__main__':` guard around the code that creates the CheckpointManager (or "
+                 f"anything else that starts mpickpt's background processes), each of them runs "
+                 f"that code again and fails. Put it under the guard")
+    return text
 
 
 _started: "weakref.WeakSet" = weakref.WeakSet()

@@ -12,9 +12,11 @@ Two channels never mix:
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -100,8 +102,11 @@ class Topology:
         backend = choose_backend(backend)
         device = _device_for(backend, local_rank)
         pg, owns = _process_group(control, backend, rank, world, timeout_s)
-        return cls(rank, world, local_rank, local_size, socket.gethostname(), device, backend,
+        topo = cls(rank, world, local_rank, local_size, socket.gethostname(), device, backend,
                    control, pg, owns)
+        if owns:
+            atexit.register(_release_at_exit, weakref.ref(topo))
+        return topo
 
     @property
     def is_root(self) -> bool:
@@ -189,3 +194,15 @@ def _process_group(control, backend: str, rank: int, world: int, timeout_s: floa
         store = dist.TCPStore(host, port, world, False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     return dist.group.WORLD, True
+
+
+def _release_at_exit(ref) -> None:
+    """A script that never called `close()`: destroy the process group before MPI finalizes
+    (atexit runs after-registered hooks first; mpi4py registered its own at import), so the
+    interpreter does not abort in the process group's destructor. Local: no collective at exit,
+    where a peer may be gone."""
+    topo = ref()
+    if topo is not None and topo.pg is not None and topo._owns_default_pg and \
+            dist.is_initialized():
+        dist.destroy_process_group()
+        topo.pg = None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from mpickpt.background import start_worker
+from mpickpt.background import WorkerStartError, start_worker
 from mpickpt.engine.writer_process import writer_main
 
 
@@ -65,9 +65,12 @@ class WriterPool:
         """Writer `i` is gone: a failed result for its part, and a new writer. Local."""
         self._procs[i].join(1.0)
         code = self._procs[i].exitcode
-        self._start(i)
-        return {"ok": False, "step": None,
-                "error": f"{self._dirs.get(i)}: writer process {i} died (exit code {code})"}
+        why = f"writer process {i} died (exit code {code})"
+        try:
+            self._start(i)
+        except WorkerStartError as e:  # tried again at the next checkpoint; training goes on
+            why += f", and a new one could not be started: {e}"
+        return {"ok": False, "step": None, "error": f"{self._dirs.get(i)}: {why}"}
 
     def wait(self) -> list[dict] | None:
         """Block until the job in flight is done; its results (None if nothing was in flight).

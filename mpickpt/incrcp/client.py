@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from mpickpt.background import start_worker
+from mpickpt.background import WorkerStartError, start_worker
 from mpickpt.incrcp.extractor_process import extractor_main
 
 
@@ -26,11 +26,14 @@ class ExtractorClient:
     def submit(self, job: dict) -> None:
         """Queue one ingestion (after its column file is durable). Local."""
         self.pending.append(job)
-        self.conn.send(job)
+        try:
+            self.conn.send(job)
+        except OSError:  # the extractor died since the last poll: a new one gets every job
+            self._restart()
 
     def poll(self, timeout: float = 0.0) -> list[dict]:
         """Answers received so far (each job's result once). Local."""
-        out = []
+        out, self.results = self.results, []  # jobs failed for want of an extractor
         while self.pending:
             try:
                 if not self.conn.poll(timeout):
@@ -41,6 +44,8 @@ class ExtractorClient:
                 continue
             self.pending.pop(0)
             out.append(result)
+        out += self.results
+        self.results = []
         return out
 
     def _restart(self) -> None:
@@ -49,7 +54,15 @@ class ExtractorClient:
         self.log(f"extractor process died (exit code {code}); restarting it and resubmitting "
                  f"{len(self.pending)} ingestions (committed checkpoints are unaffected)")
         self.conn.close()
-        self._start()
+        try:
+            self._start()
+        except WorkerStartError as e:  # the jobs fail; the next submit tries a new extractor
+            self.log(f"a new extractor could not be started: {e}")
+            self.results += [{"ok": False, "step": job["step"], "chain": job["chain"],
+                              "error": f"ingesting step {job['step']}: no extractor ({e})"}
+                             for job in self.pending]
+            self.pending = []
+            return
         for job in self.pending:
             self.conn.send({**job, "crash_before_commit": False})
 
