@@ -2,7 +2,7 @@
 
     mpickpt ls DIR
     mpickpt inspect DIR [--step N] [--json]
-    mpickpt verify DIR [--step N]
+    mpickpt verify DIR [--step N] [--jobs N]
     mpickpt export DIR [--step N] -o FILE [--with-optimizer]
 
 Local: runs without mpiexec and never imports mpi4py (or torch). Exit status: 0 success, 1 when
@@ -19,6 +19,7 @@ import sys
 from mpickpt.checkpoint.describe import describe, format_text
 from mpickpt.checkpoint.export import export_checkpoint
 from mpickpt.checkpoint.verify import verify_checkpoint
+from mpickpt.checkpoint.verify_session import VerifySession
 from mpickpt.store.catalog import NoSuchCheckpoint, listing, scan, select
 from mpickpt.store.errors import CheckpointError
 
@@ -36,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p = sub.add_parser("verify", help="check files, checksums and structure; exit 1 on problems")
     add_dir_step(p, default_help="every committed checkpoint")
+    p.add_argument("--jobs", type=_jobs, default=1, metavar="N",
+                   help="processes reading checksums in parallel (default: 1)")
     p = sub.add_parser("export", help="write one checkpoint's model as a single HDF5 file")
     add_dir_step(p)
     p.add_argument("-o", "--output", required=True, metavar="FILE", help="HDF5 file to write")
@@ -88,13 +91,23 @@ def cmd_verify(args) -> int:
     for d in cat.torn:
         print(f"warning: {os.path.join(args.dir, d)}: torn checkpoint directory "
               f"(no manifest refers to it)")
-    for m in manifests:
-        problems = verify_checkpoint(args.dir, m)
-        bad += bool(problems)
-        print("\n".join(f"step {m.step}: {p}" for p in problems) or f"step {m.step}: OK")
+    by_step = {m.step: m for m in cat.manifests}
+    with VerifySession(args.jobs) as session:
+        for m in manifests:
+            problems = verify_checkpoint(args.dir, m, session, by_step)
+            bad += bool(problems)
+            print("\n".join(f"step {m.step}: {p}" for p in problems) or f"step {m.step}: OK",
+                  flush=True)
+        rate = session.rate()
     print(summary(len(manifests) + (len(cat.bad_manifests) if args.step is None else 0), bad,
-                  len(cat.torn)))
+                  len(cat.torn)) + f"; checksums of {rate}")
     return 1 if bad else 0
+
+
+def _jobs(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of processes >= 1, got {text!r}")
+    return int(text)
 
 
 def summary(checked: int, bad: int, torn: int) -> str:

@@ -7,7 +7,9 @@
 - coverage: over all shard files, the gids of table t are exactly its global ids, each once.
 
 Every function returns a list of problems (strings naming the file, dataset or table); empty means
-sound. Local: nothing here uses MPI. Memory: one table's gids at a time.
+sound. A `VerifySession` shared by the checks of several checkpoints opens each file once and reads
+its checksums once (`verify_session`). Local: nothing here uses MPI. Memory: the global ids read,
+8 bytes a row, up to the session's budget.
 """
 from __future__ import annotations
 
@@ -16,36 +18,42 @@ import os
 import numpy as np
 
 from mpickpt.kinds.registry import checkpoint_segments, format_of
+from mpickpt.checkpoint.verify_session import VerifySession
 from mpickpt.store.catalog import file_problem_messages, file_problems
 from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import Manifest, list_manifests, parent_manifests
 from mpickpt.store.segments import GAP, SegmentReader, segment_files
-from mpickpt.store.shard_file import open_shard, read_all, verify_file
 from mpickpt.store.tables import (READ_ERRORS, error_text, group_datasets, row_array_names,
                                   stored_row_arrays,
                                   table_groups, table_offsets)
 
 
-def verify_checkpoint(root: str, manifest: Manifest) -> list[str]:
-    """All problems of one checkpoint (files, checksums, structure, coverage). Local."""
+def verify_checkpoint(root: str, manifest: Manifest, session: VerifySession | None = None,
+                      by_step: dict[int, Manifest] | None = None) -> list[str]:
+    """All problems of one checkpoint (files, checksums, structure, coverage); `by_step`, the
+    directory's committed manifests, saves listing them again. Local."""
+    if session is None:
+        with VerifySession() as own:
+            return verify_checkpoint(root, manifest, own, by_step)
     try:
         layered = format_of(manifest).layered
     except CheckpointError as e:
         return manifest_problems(root, manifest) + [str(e)]
     if layered:
-        return verify_layered(root, manifest)
+        return verify_layered(root, manifest, session, by_step)
     problems = manifest_problems(root, manifest) + file_problem_messages(root, manifest)
     bad = {rel for rel, _ in file_problems(root, manifest)}
     present = [rel for rel in sorted(manifest.files) if rel not in bad]
+    session.prefetch([os.path.join(root, rel) for rel in present])
     for rel in present:
-        problems += verify_file(os.path.join(root, rel))
+        problems += session.checksums(os.path.join(root, rel))
     index: dict[int, list[str]] = {}
     for rel in (r for r in manifest.shard_files() if r not in bad):
-        problems += shard_structure(root, rel, manifest, index)
+        problems += shard_structure(root, rel, manifest, index, session)
     unreadable = [rel for rel in manifest.shard_files() if rel in bad]
-    problems += coverage(manifest, index, unreadable)
+    problems += coverage(manifest, index, unreadable, session)
     for rel in (r for r in present if manifest.files[r]["role"] == "dense"):
-        problems += dense_structure(os.path.join(root, rel))
+        problems += dense_structure(os.path.join(root, rel), session)
     return dedupe(problems)
 
 
@@ -66,17 +74,17 @@ def manifest_problems(root: str, manifest: Manifest) -> list[str]:
     return out
 
 
-def shard_structure(root: str, rel: str, manifest: Manifest,
-                    index: dict[int, list[str]]) -> list[str]:
+def shard_structure(root: str, rel: str, manifest: Manifest, index: dict[int, list[str]],
+                    session: VerifySession) -> list[str]:
     """Attributes, groups, row counts and dims of one shard file; adds its tables to `index`. Local."""
     path = os.path.join(root, rel)
     try:
-        with open_shard(path) as f:
-            out = file_attr_problems(path, dict(f.attrs), manifest.files[rel], manifest)
-            for table, group in table_groups(f).items():
-                out += group_problems(path, table, group, manifest)
-                index.setdefault(table, []).append(path)
-            return out
+        f = session.open(path)
+        out = file_attr_problems(path, dict(f.attrs), manifest.files[rel], manifest)
+        for table, group in table_groups(f).items():
+            out += group_problems(path, table, group, manifest)
+            index.setdefault(table, []).append(path)
+        return out
     except READ_ERRORS as e:
         return [error_text(path, e)]
 
@@ -115,23 +123,26 @@ def group_problems(path: str, table: int, group, manifest: Manifest) -> list[str
     return out
 
 
-def coverage(manifest: Manifest, index: dict[int, list[str]], unreadable: list[str]) -> list[str]:
+def coverage(manifest: Manifest, index: dict[int, list[str]], unreadable: list[str],
+             session: VerifySession) -> list[str]:
     """Per table: the union of gids over all shard files is every global id once. Local."""
     offsets = table_offsets(manifest)
     hint = f" (missing or damaged shard files: {', '.join(unreadable)})" if unreadable else ""
     out = []
     for t in range(len(offsets) - 1):
-        out += table_coverage(t, int(offsets[t]), int(offsets[t + 1]), index.get(t, []), hint)
+        out += table_coverage(t, int(offsets[t]), int(offsets[t + 1]), index.get(t, []), hint,
+                              session)
     return out
 
 
-def table_coverage(table: int, g0: int, g1: int, paths: list[str], hint: str) -> list[str]:
+def table_coverage(table: int, g0: int, g1: int, paths: list[str], hint: str,
+                   session: VerifySession) -> list[str]:
     """Coverage of global ids [g0, g1) of one table by the gids of `paths`. Local."""
     counts = np.zeros(g1 - g0, dtype=np.int64)
     out: list[str] = []
     per_file = {}
     for path in paths:
-        gids, problems = table_gids(path, table, g0, g1)
+        gids, problems = table_gids(path, table, g0, g1, session)
         if gids is None:
             return problems  # unreadable gids: their checksum problem is reported already
         out += problems
@@ -150,14 +161,14 @@ def table_coverage(table: int, g0: int, g1: int, paths: list[str], hint: str) ->
     return out
 
 
-def table_gids(path: str, table: int, g0: int, g1: int) -> tuple[np.ndarray | None, list[str]]:
+def table_gids(path: str, table: int, g0: int, g1: int,
+               session: VerifySession) -> tuple[np.ndarray | None, list[str]]:
     """(checksum-verified gids of one table group or None, problems with them). Local."""
     where = f"{path}: dataset /tables/{table}/gids"
     try:
-        with open_shard(path) as f:
-            group = f[f"tables/{table}"]
-            gids = read_all(group["gids"], path)
-            attrs = (group.attrs.get("gid_min"), group.attrs.get("gid_max"))
+        group = session.open(path)[f"tables/{table}"]
+        gids = session.gids(path, group, 0, group["gids"].shape[0])
+        attrs = (group.attrs.get("gid_min"), group.attrs.get("gid_max"))
     except READ_ERRORS:
         return None, []
     out = []
@@ -173,13 +184,12 @@ def table_gids(path: str, table: int, g0: int, g1: int) -> tuple[np.ndarray | No
     return gids, out
 
 
-def dense_structure(path: str) -> list[str]:
+def dense_structure(path: str, session: VerifySession) -> list[str]:
     """The dense file holds at least one parameter under /dense/param. Local."""
     try:
-        with open_shard(path) as f:
-            params = f.get("dense/param")
-            if params is None or not group_datasets(params):
-                return [f"{path}: no dense parameters (group /dense/param is missing or empty)"]
+        params = session.open(path).get("dense/param")
+        if params is None or not group_datasets(params):
+            return [f"{path}: no dense parameters (group /dense/param is missing or empty)"]
     except READ_ERRORS as e:
         return [error_text(path, e)]
     return []
@@ -200,10 +210,11 @@ def dedupe(problems: list[str]) -> list[str]:
     return list(dict.fromkeys(problems))
 
 
-def verify_layered(root: str, manifest: Manifest) -> list[str]:
+def verify_layered(root: str, manifest: Manifest, session: VerifySession,
+                   by_step: dict[int, Manifest] | None = None) -> list[str]:
     """An incremental checkpoint: its own and its parents' files, checksums of every file its
     layers read (chunk and bundle files included), and coverage of every table by the layers. Local."""
-    by_step = {m.step: m for m in list_manifests(root)}
+    by_step = dict(by_step if by_step is not None else {m.step: m for m in list_manifests(root)})
     by_step[manifest.step] = manifest
     problems = manifest_problems(root, manifest)
     try:
@@ -214,26 +225,33 @@ def verify_layered(root: str, manifest: Manifest) -> list[str]:
     for m in layers:
         problems += file_problem_messages(root, m)
     files = dict.fromkeys([rel for m in layers for rel in sorted(m.files)] + segment_files(segments))
+    session.prefetch([os.path.join(root, rel) for rel in files])
     for rel in files:
-        problems += verify_file(os.path.join(root, rel))
+        problems += session.checksums(os.path.join(root, rel))
     if not problems:
-        problems += layered_coverage(root, manifest, segments)
+        problems += layered_coverage(root, manifest, segments, session)
     return dedupe(problems)
 
 
-def layered_coverage(root: str, manifest: Manifest, segments) -> list[str]:
+def _segment_gids(reader: SegmentReader, seg) -> np.ndarray:
+    """Every global id a segment holds (rows it reads only to skip left out). Local."""
+    parts = []
+    for _, group, start, stop, _, _ in reader.groups(seg):
+        gids = reader.gids(seg, group, start, stop)
+        parts.append(gids[seg.row_orders(len(gids)) != GAP])
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+
+def layered_coverage(root: str, manifest: Manifest, segments, session: VerifySession) -> list[str]:
     """Every global id of every table is in some layer. Local."""
     offsets = table_offsets(manifest)
     seen = np.zeros(int(offsets[-1]), dtype=bool)
-    with SegmentReader(root) as reader:
+    with SegmentReader(root, opener=session.open) as reader:
         for seg in segments:
-            for _, group, start, stop, _, _ in reader.groups(seg):
-                gids = reader.gids(seg, group, start, stop)
-                gids = gids[seg.row_orders(len(gids)) != GAP]  # rows it reads only to skip
-                if gids.size and (gids.min() < 0 or gids.max() >= seen.size):
-                    return [f"{reader.path(seg)}: group {group.name}: global ids outside the "
-                            f"model's {seen.size} rows"]
-                seen[gids] = True
+            gids = session.memo(("segment gids", root, seg), lambda: _segment_gids(reader, seg))
+            if gids.size and (gids.min() < 0 or gids.max() >= seen.size):
+                return [f"{reader.path(seg)}: global ids outside the model's {seen.size} rows"]
+            seen[gids] = True
     out = []
     for t in range(len(offsets) - 1):
         gaps = np.nonzero(~seen[offsets[t]:offsets[t + 1]])[0] + offsets[t]

@@ -108,17 +108,19 @@ def segment_files(segments: list[Segment]) -> list[str]:
 
 
 class SegmentReader:
-    """Reads segments, opening each file once. Use as a context manager. Local."""
+    """Reads segments, opening each file once. Use as a context manager. `opener(path)`, when
+    given, supplies open files that it keeps and closes itself (a verification session). Local."""
 
-    def __init__(self, root: str):
-        self.root, self.files = root, {}
+    def __init__(self, root: str, opener=None):
+        self.root, self.files, self.opener = root, {}, opener
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        for f in self.files.values():
-            f.close()
+        if self.opener is None:
+            for f in self.files.values():
+                f.close()
         self.files = {}
 
     def path(self, seg: Segment) -> str:
@@ -136,7 +138,7 @@ class SegmentReader:
     def _groups(self, seg: Segment):
         path = self.path(seg)
         if seg.file not in self.files:
-            self.files[seg.file] = open_shard(path)
+            self.files[seg.file] = (self.opener or open_shard)(path)
         if seg.group:
             if seg.group not in self.files[seg.file]:
                 raise CheckpointError(f"{path}: has no group /{seg.group}")
