@@ -26,11 +26,13 @@ from mpickpt.kinds.registry import checkpoint_segments, format_of
 from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import Manifest, list_manifests, parent_manifests
 from mpickpt.store.segments import GAP, SegmentReader, newest_rows
-from mpickpt.store.shard_file import BLOCK_ROWS, open_shard, read_all
+from mpickpt.checkpoint.model_spec import architecture, describe
+from mpickpt.store.shard_file import BLOCK_ROWS, open_hdf5, open_shard, read_all
 from mpickpt.store.tables import (READ_ERRORS, error_text, group_datasets, row_array_names,
                                   shard_index, stored_row_arrays, table_offsets)
 
-EXPORT_FORMAT = "mpickpt-export-1"
+EXPORT_FORMAT = "mpickpt-export-2"
+"""2: the model's architecture and inputs are attributes (`checkpoint.model_spec`)."""
 
 
 def export_checkpoint(root: str, manifest: Manifest, out: str, with_optimizer: bool = False,
@@ -53,10 +55,12 @@ def export_checkpoint(root: str, manifest: Manifest, out: str, with_optimizer: b
         index = checkpoint_segments(root, manifest, by_step)
     tmp = os.path.join(os.path.dirname(out) or ".", f".{os.path.basename(out)}.tmp-{os.getpid()}")
     try:
-        with h5py.File(tmp, "w") as f:
-            write_attrs(f, root, manifest, provenance)
+        dense = read_dense(root, manifest, with_optimizer)
+        with open_hdf5(tmp, "w") as f:
+            write_attrs(f, root, manifest, provenance, dense)
             write_tables(f, root, manifest, index, with_optimizer)
-            write_dense(f, root, manifest, with_optimizer)
+            for name, array in dense.items():
+                f.create_dataset(name, data=array)
         os.replace(tmp, out)
     except BaseException:
         remove_quietly(tmp)
@@ -65,11 +69,19 @@ def export_checkpoint(root: str, manifest: Manifest, out: str, with_optimizer: b
     return {"tables": len(offsets) - 1, "rows": int(offsets[-1]), "bytes": os.path.getsize(out)}
 
 
-def write_attrs(f: h5py.File, root: str, manifest: Manifest, provenance: bool) -> None:
-    """Root attributes describing the model (and, optionally, where it came from). Local."""
+def write_attrs(f: h5py.File, root: str, manifest: Manifest, provenance: bool,
+                dense: dict[str, np.ndarray]) -> None:
+    """Root attributes describing the model: its architecture, inputs and output (so that it can
+    be rebuilt from the file alone), and optionally where it came from. Local."""
+    sizes = manifest.plan["table_sizes"]
+    shapes = {k.removeprefix("dense/"): v.shape for k, v in dense.items()
+              if k.startswith("dense/")}
+    arch = architecture(shapes, manifest.dim, len(sizes), manifest.stats.get("model"))
     f.attrs.update({"format": EXPORT_FORMAT, "step": manifest.step,
                     "codec": manifest.codec, "dim": manifest.dim, "optimizer": manifest.optimizer,
-                    "table_sizes": np.asarray(manifest.plan["table_sizes"], dtype=np.int64)})
+                    "table_sizes": np.asarray(sizes, dtype=np.int64),
+                    "embeddings": "embeddings/table_<t>: rows x dim float32, row r of table t",
+                    **describe(arch)})
     if provenance:
         f.attrs.update({"kind": manifest.kind, "world_size": manifest.world_size,
                         "ckpt_id": manifest.ckpt_id, "source_dir": os.path.abspath(root)})
@@ -174,12 +186,6 @@ def place_group(group: h5py.Group, path: str, g0: int, size: int, filled: np.nda
             b = min(rows.size, a + BLOCK_ROWS)
             target[rows[a:b]] = ds.rows(a, b)
     return rows
-
-
-def write_dense(f: h5py.File, root: str, manifest: Manifest, with_optimizer: bool) -> None:
-    """Dense parameters (and optimizer state) from the dense file, checksum-verified. Local."""
-    for name, array in read_dense(root, manifest, with_optimizer).items():
-        f.create_dataset(name, data=array)
 
 
 def read_dense(root: str, manifest: Manifest, with_optimizer: bool) -> dict[str, np.ndarray]:

@@ -216,7 +216,8 @@ class CheckpointManager:
         groups = save_file_specs(self.model, self.root, ckpt_id, step, self.writers.size, save,
                                  self.bits.row_codecs(self.model.row_state()), rng_blobs())
         jobs = [{"step": step, "dir": os.path.join(self.root, ckpt_id), "files": files,
-                 "staging": self.snapshots.area.describe()} for files in groups]
+                 "staging": self.snapshots.area.describe(), "align": self.config.align}
+                for files in groups]
         if self.topo.is_root:
             jobs[-1]["files"].append(dense_file_spec(self.model, self.root, ckpt_id, step))
         rows = self.model.plan.local_rows(self.topo.rank) if save.rows is None else len(save.rows)
@@ -233,6 +234,7 @@ class CheckpointManager:
                   "codec": self.bits.weight_codec().label(), "parents": list(save.parents),
                   "chain": save.chain,
                   "stats": {"row_arrays": sorted(m.row_state()), "parts": self.writers.size,
+                            **_architecture(m),
                             "codecs": {k: c.attrs()["codec"] for k, c in codecs.items()},
                             "restores": self.bits.restores,
                             "policy": self.config.kind, "decision": save.reason,
@@ -289,6 +291,16 @@ class CheckpointManager:
         self.commits.close()
         self.incremental.abort()
         self.writers = None
+
+
+def _architecture(model) -> dict:
+    """The dense architecture for the manifest (what an export describes), when the model has
+    one (`HybridDLRM.arch`). Local."""
+    a = getattr(model, "arch", None)
+    if a is None:
+        return {}
+    return {"model": {"num_dense": a.num_dense, "num_tables": a.num_tables, "dim": a.dim,
+                      "bottom": list(a.bottom), "top": list(a.top)}}
 
 
 def _max_op():
