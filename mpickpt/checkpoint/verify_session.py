@@ -5,12 +5,14 @@ Incremental checkpoints share files: a consecutive chain's baseline is a layer o
 checkpoint, an IncrCP bundle serves many rectangles. The session keeps the files it opened (up to
 `MAX_OPEN`, least recently used closed first), remembers each file's checksum problems, and keeps
 the global ids it read per group (up to `GIDS_BUDGET` bytes) for the coverage checks. With
-`jobs` > 1 the checksums of the files to check are read by a pool of processes first (HDF5 reads
-serialise within one process). It counts files, bytes and time, for the MB/s `mpickpt verify`
+`jobs` > 1 the checksums of the files to check are read by a pool of spawned processes first
+(HDF5 reads serialise within one process; a forked child would share the parent's open HDF5
+files). It counts files, bytes and time, for the MB/s `mpickpt verify`
 reports. Local: nothing here uses MPI.
 """
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import time
 from collections import OrderedDict
@@ -82,7 +84,7 @@ class VerifySession:
         if self.jobs == 1 or len(todo) < 2:
             return
         start = time.perf_counter()
-        with ProcessPoolExecutor(self.jobs) as pool:
+        with ProcessPoolExecutor(self.jobs, mp_context=mp.get_context("spawn")) as pool:
             for path, problems in zip(todo, pool.map(verify_file, todo)):
                 self._checked[path] = problems
         elapsed = time.perf_counter() - start
