@@ -281,3 +281,30 @@ def test_cli_imports_neither_mpi4py_nor_torch(ckpt):
     proc = subprocess.run([sys.executable, "-c", code, ckpt], capture_output=True, text=True,
                           timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------------------------ leftovers
+def test_leftovers_of_killed_jobs_are_listed_then_removed_by_the_next_run(copy):
+    dead = 4_000_000  # above the default pid_max: no process of that id exists
+    junk = {os.path.join(copy, f".manifest-000000000030.json.tmp-{dead}"): b"{",
+            os.path.join(step_dir(copy, 20), "rank-00001-part-0.h5.tmp"): b"x" * 1000,
+            os.path.join(step_dir(copy, 20), "rank-00001-part-0.h5.reserve"): b"",
+            os.path.join(copy, "chains", "c0ffee", "rank-00000", "col-30-part-0.h5"): b"y" * 500}
+    for path, data in junk.items():
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+    live = os.path.join(copy, f".manifest-000000000040.json.tmp-{os.getpid()}")  # still writing
+    open(live, "w").close()
+    listed = cli("ls", copy).stdout
+    assert listed.count("leftover:") == 4, listed
+    assert "manifest write interrupted" in listed and "chain no committed checkpoint uses" in listed
+    assert os.path.basename(live) not in listed
+    proc = run_ranks(2, "mpickpt.train", *TRAIN_FLAGS[:-6], "--num-batches", "21",
+                     "--ckpt-interval", "10", "--ckpt-dir", copy)
+    assert proc.returncode == 0, proc.stderr
+    assert "removed 4 leftovers of earlier runs (0.0 MB)" in proc.stdout, proc.stdout
+    assert not any(os.path.exists(p) for p in junk)
+    assert not os.path.exists(os.path.join(copy, "chains", "c0ffee"))
+    assert os.path.exists(live)
+    assert "leftover:" not in cli("ls", copy).stdout.replace(os.path.basename(live), "")
