@@ -1,6 +1,6 @@
 """CPR's evaluation (§6, Fig. 7 and the PLS sensitivity study) on the synthetic task.
 
-    python bench/partial_recovery.py                 # ~25 min on 2 cores
+    python bench/partial_recovery.py                 # ~35 min on 2 cores
     python bench/partial_recovery.py --quick         # a smoke run
 
 Real jobs (mpiexec, gloo): the 26 Criteo Kaggle tables / 100 (338k rows, D = 16), batch 1024,
