@@ -105,7 +105,14 @@ def _leaf(ds: h5py.Dataset) -> str:
 def open_hdf5(path: str, mode: str = "r", **kwargs) -> h5py.File:
     """h5py.File without HDF5's file locks: the commit protocol orders writers and readers, and
     filesystems without working locks (NFS without lockd, some Lustre mounts) would otherwise fail
-    every open with ENOLCK. A lock error that still surfaces is reported as one. Local."""
+    every open with ENOLCK. A lock error that still surfaces is reported as one.
+
+    Files are written in HDF5's latest format, whose metadata (superblock, object headers,
+    B-trees, heaps) carries HDF5's own checksums: damaged metadata is then an error when read.
+    In the earliest format it is not, and the C library can crash on it (a flipped bit in an
+    attribute's header segfaulted a reader in the corruption trials). Local."""
+    if mode != "r":
+        kwargs.setdefault("libver", "latest")
     try:
         return h5py.File(path, mode, locking=False, **kwargs)
     except OSError as e:
