@@ -138,10 +138,10 @@ class LocalChain:
         specs = self._specs(state, step, save)
         files, nbytes = {}, 0
         for spec in specs:
-            size, payload = write_file(spec, arrays)
+            size, payload, crc = write_file(spec, arrays)
             nbytes += size
             if spec.role != "chunk":
-                files[spec.relpath] = {**spec.meta, "size": size}
+                files[spec.relpath] = {**spec.meta, "size": size, "crc32": crc}
         return files, nbytes
 
     def _specs(self, state: RankState, step: int, save: SavePlan) -> list[FileSpec]:
@@ -160,8 +160,8 @@ class LocalChain:
     def _write_dense(self, step: int) -> dict:
         spec = FileSpec(self.root, dense_relpath(_ckpt_id(step)), "dense", 0, 0,
                         {"step": step}, datasets=[("dense/param/w", "dense/param/w", None)])
-        size, _ = write_file(spec, {"dense/param/w": np.full(4, step, dtype=np.float32)})
-        return {spec.relpath: {**spec.meta, "size": size}}
+        size, _, crc = write_file(spec, {"dense/param/w": np.full(4, step, dtype=np.float32)})
+        return {spec.relpath: {**spec.meta, "size": size, "crc32": crc}}
 
     def _ingest(self, step: int, save: SavePlan) -> float:
         start = time.perf_counter()

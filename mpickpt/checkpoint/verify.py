@@ -44,9 +44,10 @@ def verify_checkpoint(root: str, manifest: Manifest, session: VerifySession | No
     problems = manifest_problems(root, manifest) + file_problem_messages(root, manifest)
     bad = {rel for rel, _ in file_problems(root, manifest)}
     present = [rel for rel in sorted(manifest.files) if rel not in bad]
-    session.prefetch([os.path.join(root, rel) for rel in present])
-    for rel in present:
-        problems += session.checksums(os.path.join(root, rel))
+    crcs = {os.path.join(root, rel): manifest.files[rel].get("crc32") for rel in present}
+    session.prefetch(list(crcs), crcs)
+    for path, crc in crcs.items():
+        problems += session.checksums(path, crc)
     index: dict[int, list[str]] = {}
     for rel in (r for r in manifest.shard_files() if r not in bad):
         problems += shard_structure(root, rel, manifest, index, session)
@@ -225,9 +226,11 @@ def verify_layered(root: str, manifest: Manifest, session: VerifySession,
     for m in layers:
         problems += file_problem_messages(root, m)
     files = dict.fromkeys([rel for m in layers for rel in sorted(m.files)] + segment_files(segments))
-    session.prefetch([os.path.join(root, rel) for rel in files])
-    for rel in files:
-        problems += session.checksums(os.path.join(root, rel))
+    recorded = {rel: meta.get("crc32") for m in layers for rel, meta in m.files.items()}
+    crcs = {os.path.join(root, rel): recorded.get(rel) for rel in files}
+    session.prefetch(list(crcs), crcs)
+    for path, crc in crcs.items():
+        problems += session.checksums(path, crc)
     if not problems:
         problems += layered_coverage(root, manifest, segments, session)
     return dedupe(problems)

@@ -20,7 +20,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
-from mpickpt.store.shard_file import open_shard, read_rows, verify_file
+from mpickpt.store.shard_file import file_crc32, open_shard, read_rows, verify_file
 
 MAX_OPEN = 256
 """Files kept open at once (each holds a file descriptor)."""
@@ -70,22 +70,26 @@ class VerifySession:
         self.close()
 
     # ---- checksums ----------------------------------------------------------------------------
-    def checksums(self, path: str) -> list[str]:
-        """Problems of every dataset's block checksums in `path`, read once per session. Local."""
+    def checksums(self, path: str, crc: int | None = None) -> list[str]:
+        """Problems of `path`'s bytes, checked once per session: against `crc`, the whole-file
+        CRC32 its manifest records, in one sequential read; where there is none (IncrCP bundles,
+        files written before manifests kept it), or it does not match (to name the damaged
+        dataset), every dataset's block checksums. Local."""
         if path not in self._checked:
             start = time.perf_counter()
-            self._checked[path] = verify_file(path, opener=self.open)
+            self._checked[path] = check_file(path, crc, self.open)
             self._count(path, time.perf_counter() - start)
         return self._checked[path]
 
-    def prefetch(self, paths: list[str]) -> None:
+    def prefetch(self, paths: list[str], crcs: dict | None = None) -> None:
         """Check the files of `paths` not checked yet, `jobs` processes at a time. Local."""
         todo = [p for p in dict.fromkeys(paths) if p not in self._checked]
         if self.jobs == 1 or len(todo) < 2:
             return
         start = time.perf_counter()
+        wanted = [(crcs or {}).get(p) for p in todo]
         with ProcessPoolExecutor(self.jobs, mp_context=mp.get_context("spawn")) as pool:
-            for path, problems in zip(todo, pool.map(verify_file, todo)):
+            for path, problems in zip(todo, pool.map(check_file, todo, wanted)):
                 self._checked[path] = problems
         elapsed = time.perf_counter() - start
         for path in todo:
@@ -129,3 +133,18 @@ class VerifySession:
         mb = self.bytes_checked / 1e6
         return (f"{len(self._checked)} files, {mb:.1f} MB in {self.seconds:.2f} s "
                 f"({mb / max(self.seconds, 1e-9):.0f} MB/s)")
+
+
+def check_file(path: str, crc: int | None, opener=None) -> list[str]:
+    """The problems of one file's bytes (see `VerifySession.checksums`). Local."""
+    if crc is not None:
+        try:
+            if file_crc32(path) == crc:
+                return []
+        except OSError as e:
+            return [f"{path}: cannot be read: {e}"]
+    problems = verify_file(path, opener=opener)
+    if crc is not None and not problems:
+        problems = [f"{path}: whole-file CRC32 differs from the one its manifest records (the "
+                    f"file changed after it was committed, outside any dataset)"]
+    return problems

@@ -40,8 +40,8 @@ def run_job(job: dict, attached: dict) -> dict:
         total = 0
         for spec in job["files"]:
             current = spec.path
-            size, payload = write_file(spec, arrays, job.get("align", 0))
-            written[spec.relpath] = {**spec.meta, "size": size}
+            size, payload, crc = write_file(spec, arrays, job.get("align", 0))
+            written[spec.relpath] = {**spec.meta, "size": size, "crc32": crc}
             total += payload
         return {"ok": True, "files": written, "bytes": total,
                 "seconds": time.perf_counter() - start, "step": job["step"]}
@@ -60,10 +60,12 @@ def _attach(staging: dict, attached: dict) -> dict:
     return attached[path][1]
 
 
-def write_file(spec, arrays: dict, align: int = 0) -> tuple[int, int]:
-    """Write one shard or dense file atomically and durably; returns (file size, payload).
-    Datasets of at least `align` bytes start at a multiple of `align` (0: packed). Local."""
-    from mpickpt.store.shard_file import fsync_path
+def write_file(spec, arrays: dict, align: int = 0) -> tuple[int, int, int]:
+    """Write one shard or dense file atomically and durably; returns (file size, payload, CRC32
+    of the whole file, which the manifest keeps so that `mpickpt verify` can check the file at
+    the speed of a sequential read). Datasets of at least `align` bytes start at a multiple of
+    `align` (0: packed). Local."""
+    from mpickpt.store.shard_file import file_crc32, fsync_path
 
     os.makedirs(os.path.dirname(spec.path), exist_ok=True)
     tmp = spec.path + ".tmp"
@@ -74,9 +76,10 @@ def write_file(spec, arrays: dict, align: int = 0) -> tuple[int, int]:
     finally:
         reservation.close()
     fsync_path(tmp)
+    crc = file_crc32(tmp)  # just written: read back from the page cache
     os.replace(tmp, spec.path)
     fsync_path(os.path.dirname(spec.path))
-    return os.path.getsize(spec.path), payload
+    return os.path.getsize(spec.path), payload, crc
 
 
 def _write_hdf5(tmp: str, spec, arrays: dict, reservation: Reservation, align: int) -> int:
