@@ -16,7 +16,6 @@ import atexit
 import datetime
 import os
 import socket
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -105,7 +104,7 @@ class Topology:
         topo = cls(rank, world, local_rank, local_size, socket.gethostname(), device, backend,
                    control, pg, owns)
         if owns:
-            atexit.register(_release_at_exit, weakref.ref(topo))
+            atexit.register(_release_at_exit)
         return topo
 
     @property
@@ -196,13 +195,12 @@ def _process_group(control, backend: str, rank: int, world: int, timeout_s: floa
     return dist.group.WORLD, True
 
 
-def _release_at_exit(ref) -> None:
-    """A script that never called `close()`: destroy the process group before MPI finalizes
-    (atexit runs after-registered hooks first; mpi4py registered its own at import), so the
-    interpreter does not abort in the process group's destructor. Local: no collective at exit,
-    where a peer may be gone."""
-    topo = ref()
-    if topo is not None and topo.pg is not None and topo._owns_default_pg and \
-            dist.is_initialized():
+def _release_at_exit() -> None:
+    """A script that never called `close()`: destroy the default process group this module
+    created before MPI finalizes (atexit runs later-registered hooks first; mpi4py registered its
+    own at import), so the interpreter does not abort in the group's destructor at teardown
+    ("terminate called without an active exception"). It must not depend on the Topology object:
+    a script's main() returns and drops it long before exit, while torch's registry keeps the
+    group. Local: no collective at exit, where a peer may be gone."""
+    if dist.is_initialized():
         dist.destroy_process_group()
-        topo.pg = None
