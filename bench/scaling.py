@@ -63,6 +63,13 @@ def timed(topo, fn) -> float:
     return slowest(topo, time.perf_counter() - start)
 
 
+def median_timed(topo, fn, repeat: int) -> float:
+    """The median over `repeat` runs of `timed(fn)` (one slow outlier on a shared machine does
+    not make the point). Collective."""
+    import statistics
+    return statistics.median(timed(topo, fn) for _ in range(repeat))
+
+
 def mode_flags(mode: str, n: int, args) -> tuple[list[str], int]:
     """(model and data flags, global batch) of `mode` at `n` ranks. Local."""
     if mode == "weak":
@@ -100,24 +107,32 @@ def measure_mode(topo, mode: str, args, root: str) -> dict:
     slow = {p: slowest(topo, v) for p, v in phases.items()}
     state = trainer.reader.state().to_dict()
     at = args.warmup + args.steps
-    stall = timed(topo, lambda: ckpt.save(at, state, wait=True))
-    commit = stall + timed(topo, ckpt.quiesce)
-    manifest = list_manifests(ckpt_dir)[-1]
+    stalls, commits, writes = [], [], []
+    for i in range(args.repeat):
+        stalls.append(timed(topo, lambda: ckpt.save(at + i, state, wait=True)))
+        commits.append(stalls[-1] + timed(topo, ckpt.quiesce))
+        manifest = list_manifests(ckpt_dir)[-1]
+        writes.append(float(manifest.stats["write_seconds"]))
+    stall, commit, write = (sorted(v)[len(v) // 2] for v in (stalls, commits, writes))
     out = {"mode": mode, "ranks": n, "global_batch": batch, "step_s": step,
            "samples_per_s": batch / step, "phases_s": slow,
            "local_rows": [model.plan.local_rows(r) for r in range(n)],
            "row_bytes": sum(int(t[0].numel()) * t.element_size()
                             for t in model.row_state().values()),
+           "dense_bytes": sum(int(t.numel()) * t.element_size()
+                              for t in model.dense_state().values()),
+           "pooled_bytes_per_sample": len(model.plan.table_sizes) * model.embeddings.dim * 4,
            "stall_s": stall, "commit_s": commit,
            "ckpt_bytes": int(manifest.stats["bytes"]),
-           "write_s": float(manifest.stats["write_seconds"]),
+           "write_s": write,
            "files": len(manifest.files)}
     out["write_MBps_per_rank"] = out["ckpt_bytes"] / n / 1e6 / max(out["write_s"], 1e-9)
-    out["restore_s"] = timed(topo, lambda: trainer.restorer.restore(latest=True))
+    out["restore_s"] = median_timed(topo, lambda: trainer.restorer.restore(latest=True),
+                                    args.repeat)
     lost = Loss.of_ranks([n - 1], at, model.plan)
     pls = PLSAccount(total_samples=batch * 10 ** 6)
     partial = PartialRecovery(ckpt, trainer.restorer, model, pls, batch, lambda line: None)
-    out["partial_s"] = timed(topo, lambda: partial.recover(lost))
+    out["partial_s"] = median_timed(topo, lambda: partial.recover(lost), args.repeat)
     out["lost_rows"] = model.plan.local_rows(n - 1)
     if trainer.parity is not None:
         guard = trainer.parity
@@ -127,7 +142,7 @@ def measure_mode(topo, mode: str, args, root: str) -> dict:
             guard.fail([n - 1])
             guard.start_rebuild([n - 1], at)
             guard.settle()
-        out["rebuild_s"] = timed(topo, rebuild)
+        out["rebuild_s"] = median_timed(topo, rebuild, args.repeat)
     trainer.close()
     ckpt.close()
     return out
@@ -243,7 +258,7 @@ def mpiexec_path() -> str:
 
 def worker_flags(args) -> list[str]:
     keep = ("modes", "batch", "weak_scale_down", "strong_scale_down", "strong_ranks", "steps",
-            "warmup", "io_mb", "out", "host", "launcher", "nodes")
+            "warmup", "io_mb", "repeat", "out", "host", "launcher", "nodes")
     flags = [f for k in keep for f in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
     return flags + (["--quick"] if args.quick else []) + \
         (["--scratch", args.scratch] if args.scratch else [])
@@ -304,6 +319,8 @@ def parse(argv=None):
                    help="strong scaling's global batch is --batch x this")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=3,
+                   help="checkpoints, restores and recoveries per point (median)")
     p.add_argument("--io-mb", type=int, default=64, help="MB per rank of the I/O microbenchmark")
     p.add_argument("--launcher", choices=("mpiexec", "srun"), default="mpiexec")
     p.add_argument("--nodes", type=int, default=1, help="nodes the ranks run on")
@@ -318,6 +335,7 @@ def parse(argv=None):
     if args.quick:
         args.weak_scale_down, args.strong_scale_down = 20000, 10000
         args.steps, args.warmup, args.io_mb, args.batch = 5, 1, 4, 64
+        args.repeat = 1
     return args
 
 

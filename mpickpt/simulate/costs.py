@@ -1,0 +1,51 @@
+"""EventCosts: what each event of a simulated job costs at its size (seconds; bytes), as predicted
+by `mpickpt.costmodel` for a machine preset, or given directly (cross-checks, tests). Local."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True)
+class EventCosts:
+    """Per-event costs of one job size. Times in seconds of wall clock."""
+
+    stall: float
+    """Foreground cost of a full checkpoint (the snapshot), every rank at once."""
+    write: float
+    """Background write of a full checkpoint until it commits."""
+    load: float
+    """Restore of the whole model by every rank (full rollback)."""
+    load_node: float
+    """Reload of one node's shards while the others keep going (partial recovery)."""
+    rebuild_node: float
+    """Parity rebuild work for one node's ranks (runs inside training steps)."""
+    parity_upkeep: float = 0.0
+    """Share of a step parity upkeep adds (difference propagation)."""
+    priority_upkeep: float = 0.0
+    """Share of a step the MFU/SSU trackers add."""
+    dump: float = 0.0
+    """A survivor's dump of its state to node-local memory when a peer dies."""
+    dump_load: float = 0.0
+    """The relaunched survivor's read of its dump."""
+    reschedule: float = 120.0
+    """Replacing a failed node inside the job (CPR's O_res): a warm spare joins."""
+    relaunch: float = 180.0
+    """Relaunching the job after a process died (srun step, imports, process groups)."""
+    requeue: float = 0.0
+    """Time in the queue after a time limit or preemption (not counted by default)."""
+    full_bytes: float = 0.0
+    """Bytes of one full checkpoint, whole job."""
+    incr_share: float = 0.25
+    """Bytes of a lossless increment / a full checkpoint at the strategies' intervals."""
+    quant_ratio: float = 0.15
+    """Bytes of a 4-bit quantized checkpoint / a full one (weights with scale and offset)."""
+    baseline_every: int = 10
+    """Check-N-Run and IncrCP: a full baseline every this many checkpoints."""
+    priority_fraction: float = 0.125
+    """CPR-MFU/SSU: the share r of each table a prioritized save writes (CPR §6.1)."""
+
+    def with_(self, **kw) -> "EventCosts":
+        return replace(self, **kw)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
