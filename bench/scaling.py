@@ -32,7 +32,6 @@ import argparse
 import fcntl
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys

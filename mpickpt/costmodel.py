@@ -30,6 +30,14 @@ QUANTITIES = ("step_s", "stall_s", "write_s", "commit_s", "restore_s", "partial_
               "parity_upkeep_s", "rebuild_s")
 """Swept quantities the model predicts (write throughput per rank = bytes / write_s)."""
 TARGET_ERROR = 0.25
+"""Issue 16's target for every quantity at the locally measured points."""
+STATED_ERROR = {"step_s": 0.40, "stall_s": 0.60, "write_s": 0.45, "commit_s": 0.45,
+                "restore_s": 0.40, "partial_s": 0.55, "parity_upkeep_s": 0.40,
+                "rebuild_s": 0.60}
+"""The error the model states on this machine's sweep (bench/results/scaling.json, 2 cores, 1-8
+ranks oversubscribed): the target of 25 % is missed for every quantity; the misses are at 2 and 4
+ranks, where repeated sweeps differ from each other by 30-100 % (writer processes and ranks
+sharing 2 cores)."""
 
 
 @dataclass(frozen=True)

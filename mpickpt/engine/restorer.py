@@ -51,6 +51,8 @@ class Restorer:
         self.resume = str(resume)
         self.seconds: list[float] = []
         """Wall time of every restore, the slowest rank's (O_load)."""
+        self.partial_seconds: list[float] = []
+        """Wall time of every partial restore (`restore_rows`), the slowest rank's."""
         self.damaged: dict[int, str] = {}
         """Steps whose manifest is damaged or unreadable, with the message (the last listing)."""
         self._reported: set[int] = set()
@@ -105,6 +107,7 @@ class Restorer:
             for step, count in zip(*np.unique(steps, return_counts=True)):
                 written[int(step)] = written.get(int(step), 0) + int(count)
         self._timed(start)
+        self.partial_seconds.append(self.seconds[-1])
         merged: dict[int, int] = {}
         for part in self.topo.control.allgather(written):
             for step, count in part.items():

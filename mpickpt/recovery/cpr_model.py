@@ -5,7 +5,10 @@ steps. Pure functions of given costs, so every rank computes the same answer fro
 - CPR eq. 1 (full recovery), overhead over a job of T_total:
   O_save T_total / T_save + (O_load + T_save / 2 + O_res) T_total / T_fail
   (the lost computation of a failure is half an interval on average).
-- CPR eq. 2 (partial recovery): O_save T_total / T_save + (O_load + O_res) T_total / T_fail.
+- CPR eq. 2 (partial recovery): O_save T_total / T_save + (O_load + O_res) T_total / T_fail, with
+  the O_load of a partial recovery: only the lost shards are read, which at scale is a small part
+  of a full restore (with one O_load for both modes, as CPR writes it, a large job whose full
+  restore is slow never passes the benefit check although partial recovery costs it far less).
 - CPR eq. 4: E[PLS] = 0.5 T_save / (T_fail N_emb), so T_save = 2 PLS N_emb T_fail; with failures
   losing a share L of the embedding shards (L = 1 / N_emb for one node of N_emb), the share
   replaces 1 / N_emb: T_save = 2 PLS T_fail / L.
@@ -38,6 +41,12 @@ class Costs:
     """T_fail: mean time between failures of the job."""
     total: float
     """T_total: failure-free length of the job."""
+    partial_load: float | None = None
+    """O_load of a partial recovery, where only the lost shards are read (None: O_load)."""
+
+    @property
+    def load_partial(self) -> float:
+        return self.load if self.partial_load is None else self.partial_load
 
 
 @dataclass(frozen=True)
@@ -68,7 +77,7 @@ class Decision:
         return (f"expected overhead full {self.full_overhead:.2%} at Young's {self.young:.1f} "
                 f"steps, partial {self.partial_overhead:.2%} at the PLS interval "
                 f"{self.pls_interval:.1f} steps, E[PLS] {self.expected_pls:.4f}; O_save "
-                f"{c.save:.3f}, O_load {c.load:.3f}, O_res {c.reschedule:.3f}, T_fail "
+                f"{c.save:.3f}, O_load {c.load:.3f} (partial {c.load_partial:.3f}), O_res {c.reschedule:.3f}, T_fail "
                 f"{c.mtbf:.1f}, T_total {c.total:.0f} steps")
 
     def as_dict(self) -> dict:
@@ -97,7 +106,7 @@ def full_overhead(c: Costs, interval: float) -> float:
 
 def partial_overhead(c: Costs, interval: float) -> float:
     """CPR eq. 2 over T_total, as a share of T_total. Local."""
-    return c.save / interval + (c.load + c.reschedule) / c.mtbf
+    return c.save / interval + (c.load_partial + c.reschedule) / c.mtbf
 
 
 def benefit_check(c: Costs, target_pls: float, lost_share: float,

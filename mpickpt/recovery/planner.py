@@ -108,19 +108,23 @@ class RecoveryPlanner:
         yet. Collective."""
         ck, rs = self.ckpt, self.restorer
         local = np.array([_recent(ck.save_seconds), _recent(rs.seconds),
-                          _recent(ck.write_seconds), self.clock.seconds_per_step or 0.0])
+                          _recent(ck.write_seconds), self.clock.seconds_per_step or 0.0,
+                          _recent(rs.partial_seconds)])
         agreed = np.empty_like(local)
         self.topo.control.Allreduce(local, agreed, op=_max_op())
-        save_s, load_s, write_s, step_s = agreed.tolist()
+        save_s, load_s, write_s, step_s, partial_s = agreed.tolist()
         clock = StepClock(self.clock.hours_per_step)
         clock.seconds_per_step = step_s or None
         mtbf = clock.steps(self.mtbf) if self.mtbf is not None else None
         if mtbf is None or not step_s:
             return None
         steps = clock.real_steps
-        return Costs(save=steps(save_s), load=steps(load_s or write_s),
+        load = steps(load_s or write_s)
+        # until a partial restore is measured: it reads the lost share of the rows
+        partial = steps(partial_s) if partial_s else load * self.lost_share
+        return Costs(save=steps(save_s), load=load,
                      reschedule=clock.steps(self.config.reschedule) or 0.0, mtbf=mtbf,
-                     total=float(self.total_steps))
+                     total=float(self.total_steps), partial_load=partial)
 
     def mode_for_loss(self) -> str:
         """'partial' or 'full' for a loss parity does not cover (auto). Local."""

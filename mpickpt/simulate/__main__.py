@@ -61,7 +61,8 @@ def table_for(args, ranks: int, mtbf: tuple[str, float], strategies: list[str]) 
                   preempt_mtbf=args.preempt_mtbf * HOUR, target_pls=args.target_pls)
     ec = costs_for(args, ranks)
     rows = {s: simulate(s, sc, ec, args.runs, args.seed) for s in strategies}
-    ok = {s: r for s, r in rows.items() if r["pls"].mean <= args.pls_bound}
+    ok = {s: r for s, r in rows.items()
+          if r["pls"].mean <= args.pls_bound and not r["diverged"]}
     best = min(ok, key=lambda s: ok[s]["overhead"].mean) if ok else None
     out = {"ranks": ranks, "mtbf": mtbf[0], "job_mtbf_h": sc.job_mtbf / HOUR, "rows": rows,
            "best": best, "costs": ec.as_dict()}
@@ -79,6 +80,7 @@ def print_block(t: dict) -> None:
         o, pls = r["overhead"], r["pls"]
         mark = " <- best" if name == t["best"] else ""
         mode = f" ({r['mode']})" if "mode" in r else ""
+        mode += f" never finishes in {r['diverged']:.0%} of runs" if r["diverged"] else ""
         print(f"  {name:<12} {o.mean * 100:8.3f} ± {o.half * 100:5.3f} {r['goodput'].mean:7.4f} "
               f"{pls.mean:7.4f} ± {pls.half:5.4f} {r['interval_s'] / 60:7.1f}mn "
               f"{r['storage_bytes'] / 1e9:10.0f} {r['write_Bps'] / 1e9:10.3f} "

@@ -20,6 +20,8 @@ from mpickpt.simulate.scenario import Scenario
 from mpickpt.simulate.strategies import Strategy
 
 EPS = 1e-9
+MAX_WALL = 20.0
+"""A run stops at this multiple of the failure-free time (see `RunResult.diverged`)."""
 
 
 @dataclass
@@ -51,9 +53,10 @@ class Segment:
     def at(self, dt: float) -> tuple[float, float | None, float | None, int, float]:
         """(progress, newest committed checkpoint, newest taken one, checkpoints taken, stall
         seconds spent) `dt` wall seconds in."""
-        if dt < self.a1:
+        tol = EPS * max(1.0, dt)  # a stall due exactly at `dt` has not begun
+        if dt <= self.a1 + tol:
             return self.p + dt * self.rate, None, None, 0, 0.0
-        j = math.floor((dt - self.a1) / self.cycle) + 1
+        j = math.floor((dt - self.a1 - tol) / self.cycle) + 1
         r = dt - self.a1 - (j - 1) * self.cycle
         base = self.q + (j - 1) * self.interval
         if r < self.stall:
@@ -79,6 +82,9 @@ class RunResult:
     kinds: dict = field(default_factory=lambda: {"rollback": 0, "partial": 0, "rebuild": 0})
     job_ends: int = 0
     checkpoints: int = 0
+    diverged: bool = False
+    """The job had not finished after MAX_WALL x its failure-free time (failures come faster
+    than it recovers): its overhead is a lower bound."""
 
 
 class NodeClocks:
@@ -135,6 +141,9 @@ def simulate_run(strategy: Strategy, sc: Scenario, rng: np.random.Generator) -> 
         committed = com if com is not None else committed
         t = ev
         if ev == done_t:
+            break
+        if t > MAX_WALL * total:
+            res.diverged = True
             break
         p = progress
         if ev == job_t:  # emergency checkpoint of the current step, requeue, relaunch, restore

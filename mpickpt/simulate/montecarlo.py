@@ -50,6 +50,7 @@ def summarize(strategy, sc: Scenario, results: list[RunResult]) -> dict:
            "parts": {k: est(lambda r, k=k: getattr(r, k) / total)
                      for k in ("save", "lost", "recovery", "job", "upkeep")},
            "rollbacks": est(lambda r: r.kinds["rollback"]),
+           "diverged": sum(r.diverged for r in results) / len(results),
            "interval_s": plan.interval, "storage_bytes": plan.storage,
            "write_Bps": plan.bytes / (plan.interval + plan.stall),
            "analytic_pls": analytic_pls(strategy)}

@@ -203,8 +203,9 @@ class Auto(Strategy):
     label = "--recovery auto (defaults)"
 
     def __init__(self, sc, ec):
+        share = sc.expected_lost_share()  # the job's estimate before it measures one
         costs = Costs(save=ec.stall, load=ec.load, reschedule=ec.reschedule, mtbf=sc.job_mtbf,
-                      total=sc.train_seconds)
+                      total=sc.train_seconds, partial_load=ec.load * share)
         self.decision = benefit_check(costs, DEFAULT_TARGET_PLS, sc.expected_lost_share())
         inner = Partial if self.decision.mode == "partial" else Strategy
         self.inner = inner(sc.with_(target_pls=DEFAULT_TARGET_PLS), ec)

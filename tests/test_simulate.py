@@ -1,0 +1,132 @@
+"""The failure simulator against closed forms: no failures, no overhead but the saves; full
+recovery with exponential failures matches the renewal-reward expectation; partial recovery's PLS
+matches CPR eq. 4; Young's interval is the simulated optimum; the same seed gives the same result;
+parity covers what ECRM covers."""
+import math
+
+import numpy as np
+import pytest
+
+from mpickpt.simulate.costs import EventCosts
+from mpickpt.simulate.engine import Segment, simulate_run
+from mpickpt.simulate.montecarlo import simulate
+from mpickpt.simulate.scenario import HOUR, Scenario
+from mpickpt.simulate.strategies import Parity, SavePlan, Strategy, build
+from mpickpt.simulate.__main__ import main as simulate_main
+
+COSTS = EventCosts(stall=30.0, write=0.0, load=300.0, load_node=20.0, rebuild_node=10.0,
+                   reschedule=120.0, relaunch=180.0, full_bytes=1e12)
+
+
+def _exponential(**kw) -> Scenario:
+    base = dict(ranks=64, train_seconds=200 * HOUR, ranks_per_node=8, node_mtbf=80 * HOUR,
+                shape=1.0, multi_prob=0.0, time_limit=0.0)
+    return Scenario(**{**base, **kw})
+
+
+def _with_interval(strategy: Strategy, interval: float) -> Strategy:
+    strategy.plan = SavePlan(**{**strategy.plan.__dict__, "interval": interval})
+    return strategy
+
+
+def _runs(strategy, sc, n, seed=1):
+    return [simulate_run(strategy, sc, np.random.default_rng(c))
+            for c in np.random.SeedSequence(seed).spawn(n)]
+
+
+def test_a_failure_free_job_pays_exactly_its_checkpoint_stalls():
+    sc = _exponential(node_mtbf=1e18)
+    for stall in (0.0, 30.0):
+        s = _with_interval(Strategy(sc, COSTS.with_(stall=stall)), 3600.0)
+        r = simulate_run(s, sc, np.random.default_rng(0))
+        taken = math.ceil(sc.train_seconds / 3600.0) - 1  # none at the very end
+        assert r.failures == 0 and r.checkpoints == taken
+        assert r.wall - sc.train_seconds == pytest.approx(taken * stall, abs=1e-6)
+
+
+def test_full_recovery_matches_the_renewal_reward_expectation():
+    """Exponential failures at rate l, work per interval tau = T + stall, restart cost R:
+    E[time of one interval] = (e^(l tau) - 1)(1/l + R); the last interval has no stall."""
+    sc = _exponential()
+    interval = 2 * HOUR
+    s = _with_interval(Strategy(sc, COSTS), interval)
+    lam = 1.0 / sc.job_mtbf
+    restart = COSTS.reschedule + COSTS.load
+    m = round(sc.train_seconds / interval)
+
+    def segment(tau):
+        return (math.exp(lam * tau) - 1) * (1 / lam + restart)
+    expected = ((m - 1) * segment(interval + COSTS.stall) + segment(interval)) \
+        / sc.train_seconds - 1
+    overheads = [(r.wall - sc.train_seconds) / sc.train_seconds for r in _runs(s, sc, 400)]
+    mean, se = np.mean(overheads), np.std(overheads, ddof=1) / math.sqrt(len(overheads))
+    assert sum(r.failures for r in _runs(s, sc, 5)) > 0
+    assert abs(mean - expected) < 3 * se, (mean, expected, se)
+    assert 0.1 < expected < 1.0  # a regime where failures matter
+
+
+def test_partial_recovery_pls_matches_cpr_eq4():
+    sc = _exponential()
+    ec = COSTS.with_(stall=0.0, load_node=0.0, reschedule=0.0)
+    s = _with_interval(build("cpr", sc, ec), 4 * HOUR)
+    runs = _runs(s, sc, 400)
+    assert all(r.kinds["rollback"] == 0 for r in runs) and sum(r.failures for r in runs) > 100
+    pls = [r.pls for r in runs]
+    # eq. 4: E[PLS] = 0.5 T_save L / T_fail (L = one node's share of the rows)
+    expected = 0.5 * 4 * HOUR * sc.node_share / sc.job_mtbf
+    assert abs(np.mean(pls) - expected) < 3 * np.std(pls, ddof=1) / math.sqrt(len(pls))
+
+
+def test_youngs_interval_minimises_simulated_full_recovery_overhead():
+    sc = _exponential(node_mtbf=400 * HOUR)
+    base = Strategy(sc, COSTS)
+    young = base.plan.interval
+    means = {}
+    for factor in (0.35, 1.0, 3.0):
+        s = _with_interval(Strategy(sc, COSTS), young * factor)
+        means[factor] = np.mean([(r.wall - sc.train_seconds) / sc.train_seconds
+                                 for r in _runs(s, sc, 300, seed=4)])
+    assert means[1.0] < means[0.35] and means[1.0] < means[3.0], means
+
+
+def test_the_same_seed_gives_the_same_result_and_another_seed_another():
+    sc = Scenario(ranks=512)
+    a, b = simulate("cpr", sc, COSTS, 20, seed=7), simulate("cpr", sc, COSTS, 20, seed=7)
+    c = simulate("cpr", sc, COSTS, 20, seed=8)
+    assert a["overhead"] == b["overhead"] and a["pls"] == b["pls"]
+    assert a["overhead"] != c["overhead"]
+
+
+def test_parity_covers_r_nodes_per_group_and_not_during_a_rebuild():
+    sc = Scenario(ranks=80)  # 10 nodes: groups of k + r = 5 nodes
+    p = Parity(sc, COSTS, k=4, r=1)
+    assert p.covers([3], False) and p.covers([0, 5], False)
+    assert not p.covers([3, 4], False) and not p.covers([3], True)
+    assert p.react([3], False).kind == "rebuild" and p.react([3, 4], False).kind == "rollback"
+    assert p.react([3], False).window == pytest.approx(COSTS.rebuild_node / 0.1)
+
+
+def test_segment_counts_commits_only_after_the_write():
+    seg = Segment(p=0.0, origin=0.0, interval=100.0, rate=1.0, stall=10.0, write=50.0)
+    progress, committed, taken, n, spent = seg.at(150.0)  # stall at 100..110, commit at 150
+    assert (progress, committed, taken, n, spent) == (140.0, 100.0, 100.0, 1, 10.0)
+    assert seg.at(149.0)[1] is None
+    assert seg.finish(250.0) == pytest.approx(270.0)  # two stalls before 250 of progress
+
+
+def test_simulate_cli_names_a_best_strategy_and_auto_ratio(tmp_path, capsys):
+    doc = simulate_main(["--ranks", "64", "--mtbf", "cpr", "--runs", "20",
+                         "--json", str(tmp_path / "s.json")])
+    table = doc["tables"][0]
+    assert table["best"] in table["rows"] and table["auto_over_best"] >= 1.0 - 1e-9
+    assert "auto / best overhead" in capsys.readouterr().out
+    assert (tmp_path / "s.json").exists()
+
+
+def test_bad_input_is_named():
+    with pytest.raises(SystemExit, match="unknown strategy 'nope'"):
+        simulate_main(["--strategies", "nope"])
+    with pytest.raises(SystemExit, match="--mtbf 'x'"):
+        simulate_main(["--ranks", "8", "--mtbf", "x", "--runs", "2"])
+    with pytest.raises(ValueError, match="ranks"):
+        Scenario(ranks=0)
