@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mpickpt.simulate.costs import event_costs
 from mpickpt.costmodel import (H100_CLUSTER, QUANTITIES, STATED_ERROR, Constants, Point, Workload,
-                               errors, event_costs, features, fit, fitted_local, samples_of)
+                               errors, features, fit, fitted_local, samples_of)
 
 SWEEP = Path(__file__).resolve().parents[1] / "bench" / "results" / "scaling.json"
 

@@ -43,7 +43,8 @@ def node_mtbf(text: str) -> tuple[str, float]:
 
 def costs_for(args, ranks: int):
     """EventCosts at `ranks` from the cost model. Local."""
-    from mpickpt.costmodel import H100_CLUSTER, Workload, event_costs, fitted_local
+    from mpickpt.costmodel import H100_CLUSTER, Workload, fitted_local
+    from mpickpt.simulate.costs import event_costs
 
     local, constants, _ = fitted_local(args.sweep)
     machine = H100_CLUSTER if args.machine == "h100-cluster" else local

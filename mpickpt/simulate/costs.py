@@ -49,3 +49,25 @@ class EventCosts:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def event_costs(constants, machine, workload, ranks: int,
+                ranks_per_node: int = 8):
+    """The simulator's per-event costs at `ranks` (seconds; bytes). Local."""
+    p = workload.point(ranks, ranks_per_node)
+    theta = constants.theta
+    if workload.compute_s_per_sample is not None:
+        theta = {**theta, "step_s": [workload.compute_s_per_sample, *theta["step_s"][1:]]}
+    c = replace(constants, theta=theta)
+    node = min(ranks_per_node, ranks)
+    one = workload.point(node, ranks_per_node)  # one node's ranks reading alone
+    step = c.predict("step_s", machine, p)
+    return EventCosts(
+        stall=c.predict("stall_s", machine, p),
+        write=c.predict("commit_s", machine, p) - c.predict("stall_s", machine, p),
+        load=c.predict("restore_s", machine, p),
+        load_node=c.predict("partial_s", machine, replace(one, ranks=ranks, nodes=p.nodes)),
+        rebuild_node=c.predict("rebuild_s", machine, p),
+        parity_upkeep=c.predict("parity_upkeep_s", machine, p) / step,
+        dump=p.shard_bytes / machine.memcpy_Bps, dump_load=p.shard_bytes / machine.memcpy_Bps,
+        full_bytes=p.shard_bytes * ranks)
