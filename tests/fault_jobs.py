@@ -76,8 +76,16 @@ class Job:
         rank = rank_of(pid)
         os.kill(pid, sig)
         if sig == signal.SIGKILL:
-            _wait_gone([pid], 10)
+            wait_gone([pid], 10)
         return pid, rank
+
+    def kill_one_and_wait(self, pick, timeout: float = 300) -> tuple[int, float, int]:
+        """SIGKILL one trainer process (`pick` chooses it); returns its MPI rank, the seconds
+        until every other trainer process had exited, and the job's exit code."""
+        pids = self.ranks()
+        pid, rank = self.kill_rank(pick=pick)
+        exited = wait_gone([p for p in pids if p != pid], 30)
+        return rank, exited, self.wait(timeout)
 
     def signal_ranks(self, sig: int) -> list[int]:
         pids = self.ranks()
@@ -112,22 +120,19 @@ def rank_of(pid: int) -> int:
     raise AssertionError(f"process {pid} has no rank in its environment")
 
 
-def _wait_gone(pids, timeout: float) -> float:
+def wait_gone(pids, timeout: float = 30) -> float:
+    """Seconds until every pid has exited (AssertionError past `timeout`)."""
     start = time.monotonic()
     while time.monotonic() - start < timeout:
-        if not [p for p in pids if _alive(p)]:
+        if not [p for p in pids if alive(p)]:
             return time.monotonic() - start
         time.sleep(0.02)
-    raise AssertionError(f"processes {[p for p in pids if _alive(p)]} still alive after "
+    raise AssertionError(f"processes {[p for p in pids if alive(p)]} still alive after "
                          f"{timeout} s")
 
 
-def wait_gone(pids, timeout: float = 30) -> float:
-    """Seconds until every pid has exited (AssertionError past `timeout`)."""
-    return _wait_gone(pids, timeout)
-
-
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """The process exists and has not exited (a zombie has)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from tests.fault_jobs import alive
 from tests.launch import (SMALL_MODEL, descendants, digest_of, read_trace, resumed_step,
                           run_ranks, start_ranks)
 
@@ -36,13 +37,6 @@ def test_sigkill_one_rank_then_resume_is_identical(tmp_path, straight):
     assert sorted(got) == list(range(1, STEPS + 1))
 
 
-def _alive(pid: int) -> bool:
-    """The process exists and has not exited (a zombie has)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _kill_random_process(proc, rng, ckpt, trace, at_step):
@@ -59,8 +53,8 @@ def _kill_random_process(proc, rng, ckpt, trace, at_step):
         time.sleep(0.005)
     time.sleep(rng.uniform(0.0, 0.05))
     procs = [(pid, cmd) for pid, cmd in descendants(proc.pid) if "python" in cmd]
-    ranks = [pid for pid, cmd in procs if "mpickpt.train" in cmd and _alive(pid)]
-    writers = [pid for pid, cmd in procs if "spawn_main" in cmd and _alive(pid)]
+    ranks = [pid for pid, cmd in procs if "mpickpt.train" in cmd and alive(pid)]
+    writers = [pid for pid, cmd in procs if "spawn_main" in cmd and alive(pid)]
     pool = ranks + writers if rng.random() < 0.7 else (writers or ranks)
     assert proc.poll() is None and pool, f"the job ended before step {at_step}: nothing was killed"
     victim = rng.choice(pool)

@@ -23,8 +23,7 @@ import pytest
 
 from mpickpt.model.shard_plan import ShardPlan
 from mpickpt.store.manifest import list_manifests
-from tests.fault_jobs import (Job, digest_in, mpickpt_run, relaunch_step, survivor_steps,
-                              wait_gone)
+from tests.fault_jobs import Job, digest_in, mpickpt_run, relaunch_step, survivor_steps
 from tests.launch import SMALL_MODEL, digest_of, run_ranks
 
 STEPS, INTERVAL = 100, 30
@@ -50,10 +49,7 @@ def parity_trial(ckpt, seed: int, reference: str) -> None:
     try:
         assert job.wait_for_step(target), job.output
         time.sleep(rng.uniform(0.0, 0.03))  # anywhere inside a step
-        pids = job.ranks()
-        pid, rank = job.kill_rank(pick=rng.choice)
-        exited = wait_gone([p for p in pids if p != pid], 30)
-        code = job.wait(300)
+        rank, exited, code = job.kill_one_and_wait(rng.choice)
     finally:
         job.stop()
     out = job.output
@@ -194,10 +190,7 @@ def test_survivors_exit_and_the_relaunch_recovers_under_open_mpi(tmp_path, parit
               env=dict(os.environ, MPI4PY_MPIABI="openmpi"))
     try:
         assert job.wait_for_step(rng.randint(10, STEPS - 20))
-        pids = job.ranks()
-        pid, rank = job.kill_rank(pick=rng.choice)
-        exited = wait_gone([p for p in pids if p != pid], 30)
-        code = job.wait(300)
+        rank, exited, code = job.kill_one_and_wait(rng.choice)
     finally:
         job.stop()
     out = job.output

@@ -1,4 +1,7 @@
 """Fixtures for multi-rank tests (run with `mpiexec -n N python -m mpi4py -m pytest --with-mpi`)."""
+import shutil
+import tempfile
+
 import pytest
 
 
@@ -22,3 +25,15 @@ def topology():
     topo = Topology.from_mpi(MPI.COMM_WORLD, backend="gloo", timeout_s=120)
     yield topo
     topo.close()
+
+
+@pytest.fixture
+def shared_dir(topology):
+    """A temporary directory made by rank 0 and named to every rank, removed after the test.
+    Collective."""
+    path = topology.control.bcast(tempfile.mkdtemp(prefix="mpickpt-mpi-")
+                                  if topology.is_root else None)
+    yield path
+    topology.control.Barrier()
+    if topology.is_root:
+        shutil.rmtree(path, ignore_errors=True)

@@ -2,8 +2,6 @@
 checkpoint's rows and optimizer state (full, quantized incrcp and prioritized kinds, row-wise split
 tables, a whole rank or half of one); every other row, the dense part and the step stay as they
 were; the PLS grows by eq. 3; the failure emulator draws the same failures on every rank."""
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
@@ -44,13 +42,8 @@ def _model(topo):
 
 
 @pytest.fixture
-def ckpt_dir(topology):
-    path = topology.control.bcast(tempfile.mkdtemp(prefix="mpickpt-partial-")
-                                  if topology.is_root else None)
-    yield path
-    topology.control.Barrier()
-    if topology.is_root:
-        shutil.rmtree(path, ignore_errors=True)
+def ckpt_dir(shared_dir):
+    return shared_dir
 
 
 def _train(topo, model, ckpt, steps):

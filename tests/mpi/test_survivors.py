@@ -4,8 +4,6 @@ survivors restore, in a fresh model (the relaunch), exactly the state of the agr
 survivor one step ahead going back one step and the dead rank counted lost; a dump of an earlier
 job whose checkpoint directory was made anew is refused."""
 import os
-import shutil
-import tempfile
 
 import pytest
 import torch
@@ -69,13 +67,8 @@ def _same(topo, a: dict, b: dict, keys=None) -> bool:
 
 
 @pytest.fixture
-def root(topology):
-    path = topology.control.bcast(tempfile.mkdtemp(prefix="mpickpt-surv-")
-                                  if topology.is_root else None)
-    yield path
-    topology.control.Barrier()
-    if topology.is_root:
-        shutil.rmtree(path, ignore_errors=True)
+def root(shared_dir):
+    return shared_dir
 
 
 @pytest.mark.mpi(min_size=1)
