@@ -20,7 +20,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
-from mpickpt.store.shard_file import file_crc32, open_shard, read_rows, verify_file
+from mpickpt.store.durable import file_crc32
+from mpickpt.store.shard_file import open_shard, read_rows, verify_file
 
 MAX_OPEN = 256
 """Files kept open at once (each holds a file descriptor)."""

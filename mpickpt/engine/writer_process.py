@@ -65,7 +65,7 @@ def write_file(spec, arrays: dict, align: int = 0) -> tuple[int, int, int]:
     of the whole file, which the manifest keeps so that `mpickpt verify` can check the file at
     the speed of a sequential read). Datasets of at least `align` bytes start at a multiple of
     `align` (0: packed). Local."""
-    from mpickpt.store.shard_file import file_crc32, fsync_path
+    from mpickpt.store.durable import file_crc32, fsync_path
 
     os.makedirs(os.path.dirname(spec.path), exist_ok=True)
     tmp = spec.path + ".tmp"

@@ -20,7 +20,8 @@ import numpy as np
 from mpickpt.incrcp.bloom import BloomFilter
 from mpickpt.store.chunk_index import ChunkIndex, ChunkRef, commit_index, index_dir
 from mpickpt.store.row_arrays import EncodedRows, open_rows, write_raw
-from mpickpt.store.shard_file import (FORMAT_VERSION, fsync_path, open_hdf5, open_shard, read_rows,
+from mpickpt.store.durable import fsync_path
+from mpickpt.store.shard_file import (FORMAT_VERSION, open_hdf5, open_shard, read_rows,
                                       seal_attributes, write_dataset)
 
 

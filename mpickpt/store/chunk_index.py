@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from mpickpt.store.errors import CheckpointCorruptError
 from mpickpt.store.file_spec import chain_relpath
 from mpickpt.store.sealed_json import dumps_sealed, read_sealed
-from mpickpt.store.shard_file import fsync_path
+from mpickpt.store.durable import fsync_path
 
 INDEX_RE = re.compile(r"^index-(\d{8})\.json$")
 INDEX_VERSION = 2

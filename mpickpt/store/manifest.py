@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 from mpickpt.store.errors import CheckpointError
 from mpickpt.store.sealed_json import DamagedRecord, dumps_sealed, read_sealed
-from mpickpt.store.shard_file import fsync_path
+from mpickpt.store.durable import fsync_path
 
 MANIFEST_RE = re.compile(r"^manifest-(\d{12})\.json$")
 MANIFEST_VERSION = 2

@@ -208,21 +208,3 @@ def verify_file(path: str, opener=None) -> list[str]:
             except (RuntimeError, OSError, KeyError, ValueError) as e:
                 problems.append(f"{path}: dataset /{name} cannot be read: {e}")
     return problems
-
-
-def file_crc32(path: str, block: int = 1 << 22) -> int:
-    """CRC32 of a whole file, read sequentially (the rate the disk and zlib allow). Local."""
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def fsync_path(path: str) -> None:
-    """fsync a file or directory by path. Local."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

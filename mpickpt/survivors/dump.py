@@ -18,10 +18,11 @@ import os
 import shutil
 import time
 import uuid
-import zlib
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+
+from mpickpt.store.durable import file_crc32, fsync_path
 
 DUMP_VERSION = 1
 SHM_ROOT = "/dev/shm"
@@ -111,7 +112,7 @@ def write_dump(directory: str, header: DumpHeader, arrays: dict[str, np.ndarray]
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
-        header.files[name] = {"size": os.path.getsize(path), "crc": _crc(path)}
+        header.files[name] = {"size": os.path.getsize(path), "crc": file_crc32(path)}
         total += header.files[name]["size"]
     with open(os.path.join(tmp, "header.json"), "w") as f:
         json.dump(asdict(header), f)
@@ -121,7 +122,7 @@ def write_dump(directory: str, header: DumpHeader, arrays: dict[str, np.ndarray]
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(tmp, directory)
     if durable:
-        _fsync_dir(os.path.dirname(directory))
+        fsync_path(os.path.dirname(directory))
     return total
 
 
@@ -141,7 +142,7 @@ def read_header(directory: str) -> DumpHeader:
         file = os.path.join(directory, _file(name))
         if not os.path.exists(file) or os.path.getsize(file) != meta["size"]:
             raise DumpError(f"{file}: missing or truncated")
-        if _crc(file) != meta["crc"]:
+        if file_crc32(file) != meta["crc"]:
             raise DumpError(f"{file}: fails its CRC32 (damaged)")
     return header
 
@@ -167,19 +168,3 @@ def remove_dumps(key: str, rank: int, root: str | None) -> None:
 
 def _file(name: str) -> str:
     return name.replace("/", "__") + ".npy"
-
-
-def _crc(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
