@@ -83,13 +83,20 @@ class Strategy:
         return p.stall + p.write + self.ec.requeue + self.ec.relaunch + self.load()
 
 
+def saved_share(ec: EventCosts) -> float:
+    """Mean share of a full checkpoint one save of an incremental chain writes: a baseline every
+    `baseline_every` saves, increments of `incr_share` between. Local."""
+    b = ec.baseline_every
+    return (1 + (b - 1) * ec.incr_share) / b
+
+
 class CheckNRun(Strategy):
     name = "cnr"
     label = "Check-N-Run: incremental + 4-bit quantized, full rollback"
 
     def save_plan(self) -> SavePlan:
         ec, b = self.ec, self.ec.baseline_every
-        share = (1 + (b - 1) * ec.incr_share) / b
+        share = saved_share(ec)
         stall, write = ec.stall * share, ec.write * share * ec.quant_ratio
         chain = ec.full_bytes * ec.quant_ratio * (1 + (b - 1) / 2 * ec.incr_share)
         return SavePlan(young_interval(stall, self.sc.job_mtbf), stall, write,
@@ -105,8 +112,8 @@ class IncrCP(Strategy):
     label = "IncrCP: lossless increments in 2-D chunks, full rollback"
 
     def save_plan(self) -> SavePlan:
-        ec, b = self.ec, self.ec.baseline_every
-        share = (1 + (b - 1) * ec.incr_share) / b
+        ec = self.ec
+        share = saved_share(ec)
         return SavePlan(young_interval(ec.stall * share, self.sc.job_mtbf), ec.stall * share,
                         ec.write * share, ec.full_bytes * share,
                         ec.full_bytes * (1 + ec.incr_share))
