@@ -43,10 +43,10 @@ def node_mtbf(text: str) -> tuple[str, float]:
 
 def costs_for(args, ranks: int):
     """EventCosts at `ranks` from the cost model. Local."""
-    from mpickpt.costmodel import H100_CLUSTER, Workload, fitted_local
+    from mpickpt.costmodel import H100_CLUSTER, Workload
     from mpickpt.simulate.costs import event_costs
 
-    local, constants, _ = fitted_local(args.sweep)
+    local, constants, _ = args.fitted
     machine = H100_CLUSTER if args.machine == "h100-cluster" else local
     ec = event_costs(constants, machine, Workload(), ranks, args.ranks_per_node)
     return ec.with_(reschedule=args.reschedule, relaunch=args.relaunch)
@@ -151,6 +151,8 @@ def parse(argv=None):
         if n not in STRATEGIES:
             raise SystemExit(f"simulate: unknown strategy {n!r}; known: {', '.join(STRATEGIES)}")
     args.names = names
+    from mpickpt.costmodel import fitted_local
+    args.fitted = fitted_local(args.sweep)  # once: every size and MTBF uses the same fit
     return args
 
 
@@ -166,7 +168,7 @@ def main(argv=None) -> dict:
                 tables.append(table_for(args, n, node_mtbf(m), args.names))
                 print_block(tables[-1])
         doc = {"tables": tables}
-    doc["args"] = {k: v for k, v in vars(args).items() if k != "names"}
+    doc["args"] = {k: v for k, v in vars(args).items() if k not in ("names", "fitted")}
     print(f"\n{time.perf_counter() - started:.1f} s", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1, default=_plain))
