@@ -115,19 +115,43 @@ def overhead(report: dict, step_seconds: float, steps: int, reschedule_steps: fl
     return out
 
 
+def half_width(values: list[float]) -> float:
+    """Half-width of the 95 % confidence interval of the mean (normal approximation)."""
+    return 1.96 * statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else \
+        float("inf")
+
+
+def event_costs(runs: list[dict], step_s: float) -> dict:
+    """Per-event costs in failure-free steps, over all runs: the mean save (foreground) and
+    background write per checkpoint, restore per recovery, and the last planned interval (what
+    `mpickpt.simulate`'s cross-check takes as given)."""
+    def mean(key: str) -> float | None:
+        values = [v for r in runs for v in r.get(key, [])]
+        return statistics.mean(values) / step_s if values else None
+    intervals = [r["plans"][-1]["interval"] for r in runs if r.get("plans")
+                 and r["plans"][-1]["interval"] is not None]
+    return {"save_steps": mean("save_seconds"), "write_steps": mean("write_seconds"),
+            "load_steps": mean("restore_seconds"),
+            "interval_steps": statistics.mean(intervals) if intervals else None}
+
+
 def summarize(name: str, runs: list[dict], clean: dict, args, step_s: float) -> dict:
     auc0 = clean["tests"][-1]["auc"]
     res_steps = args.reschedule_minutes / 60 / (56 / args.steps)
     deltas = [r["tests"][-1]["auc"] - auc0 for r in runs]
     heads = [overhead(r, step_s, args.steps, res_steps) for r in runs]
     works = [w for r in runs for w in rework(r, clean)]
+    pls = [r["pls"]["value"] for r in runs]
     return {"config": name, "runs": len(runs),
             "failures": [r["failures"] for r in runs],
             "overhead": {k: statistics.mean(h[k] for h in heads) for k in heads[0]},
+            "overhead_half": half_width([h["total"] for h in heads]),
+            "overheads": [h["total"] for h in heads],
+            "pls_half": half_width(pls), "events": event_costs(runs, step_s),
             "auc_delta": statistics.mean(deltas), "auc_delta_min": min(deltas),
             "auc_delta_max": max(deltas), "auc_deltas": deltas,
             "pls": statistics.mean(r["pls"]["value"] for r in runs),
-            "pls_values": [r["pls"]["value"] for r in runs],
+            "pls_values": pls,
             "rework": statistics.mean(works) if works else None,
             "checkpoints": statistics.mean(r.get("checkpoints", 0) for r in runs)}
 
@@ -175,7 +199,8 @@ def main() -> None:
 
 def line(r: dict) -> str:
     o = r["overhead"]
-    return (f"F {r['fraction']:5.3f} {r['config']:>12}: overhead {o['total']:7.3%} (save "
+    return (f"F {r['fraction']:5.3f} {r['config']:>12}: overhead {o['total']:7.3%} "
+            f"± {r['overhead_half']:.2%} (save "
             f"{o['save']:.3%} load {o['load']:.3%} lost {o['lost']:.3%} res "
             f"{o['reschedule']:.3%}), AUC {r['auc_delta']:+.5f} [{r['auc_delta_min']:+.5f}.."
             f"{r['auc_delta_max']:+.5f}], PLS {r['pls']:.4f}, rework "

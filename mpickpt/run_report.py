@@ -1,7 +1,7 @@
 """RunReport: what a training run did, as JSON for benchmarks (`--run-report PATH`, rank 0).
 
 Per executed step its training step and loss (replays after a rollback appear again), the time of
-the step, every checkpoint save's cost, every loss of shards with its recovery (policy, the step
+the step, every checkpoint save's cost (foreground, and its background write until commit), every loss of shards with its recovery (policy, the step
 training went on from, seconds), the final test metrics, PLS, and the interval planner's history.
 Local: rank 0 keeps and writes it; the other ranks keep nothing.
 """
@@ -57,6 +57,7 @@ class RunReport:
             len(d["recoveries"])
         if trainer.ckpt is not None:
             d["save_seconds"] = trainer.ckpt.save_seconds
+            d["write_seconds"] = trainer.ckpt.write_seconds
             d["restore_seconds"] = trainer.restorer.seconds
             d["checkpoints"] = trainer.ckpt.counters["saved"]
         tmp = f"{self.path}.tmp-{os.getpid()}"
