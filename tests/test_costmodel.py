@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from mpickpt.simulate.costs import event_costs
-from mpickpt.costmodel import (H100_CLUSTER, QUANTITIES, STATED_ERROR, Constants, Point, Workload,
-                               errors, features, fit, fitted_local, samples_of)
+from mpickpt.costmodel import (BOUNDS, H100_CLUSTER, QUANTITIES, STATED_ERROR, Constants, Point,
+                               Workload, bounded_lstsq, errors, features, fit, fitted_local,
+                               samples_of)
 
 SWEEP = Path(__file__).resolve().parents[1] / "bench" / "results" / "scaling.json"
 
@@ -52,3 +53,27 @@ def test_cluster_costs_grow_where_the_filesystem_is_shared():
     assert large.load > small.load > 0  # aggregate bandwidth shared by more ranks
     assert large.full_bytes == pytest.approx(small.full_bytes * 16384 / 64)
     assert 0 < small.load_node <= small.load and small.stall > 0 and small.write > 0
+
+
+def test_bounded_least_squares_keeps_each_constant_in_its_range():
+    rng = np.random.default_rng(0)
+    a = rng.uniform(0.1, 1.0, (12, 3))
+    truth = np.array([2.0, 30.0, 0.5])
+    b = a @ truth
+    assert np.allclose(bounded_lstsq(a, b, (np.inf, np.inf, np.inf)), truth)
+    x = bounded_lstsq(a, b, (np.inf, 4.0, np.inf))  # the true 30 is out of range
+    assert x[1] == pytest.approx(4.0) and (x >= 0).all()
+    x = bounded_lstsq(a, -b, (np.inf, np.inf, np.inf))  # nothing fits: all zero, not negative
+    assert (x == 0).all()
+
+
+def test_the_shipped_fit_stays_within_the_physical_bounds_and_extrapolates_sanely():
+    machine, constants, _ = fitted_local(SWEEP)
+    for q, theta in constants.theta.items():
+        assert all(0 <= t <= b + 1e-9 for t, b in zip(theta, BOUNDS[q])), (q, theta)
+    assert 0 < machine.a2a_Bps <= machine.memcpy_Bps  # a collective on one host is copies
+    assert 0 < machine.allreduce_Bps <= machine.memcpy_Bps
+    big = event_costs(constants, H100_CLUSTER, Workload(), 16384)
+    one_pass = big.full_bytes / H100_CLUSTER.fs_aggregate_Bps
+    assert big.load <= 4 * one_pass + 60 and big.write <= 4 * one_pass + 60
+    assert 0 <= big.parity_upkeep < 0.5
