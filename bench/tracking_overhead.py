@@ -1,10 +1,13 @@
-"""Row-tracking overhead as a share of iteration time (target: <= 1%).
+"""Row-tracking overhead as a share of iteration time (target: <= 1%), and the upkeep of the
+prioritized-save trackers (CPR-MFU, CPR-SSU: the simulator's priority upkeep).
 
     python bench/tracking_overhead.py --steps 300
 
 Single process (MPI singleton), 26 Criteo Kaggle tables / 100, D=16, global batch 2048. Alternates
 blocks of steps with and without the bit-vector attached, so drift in machine load affects both
-equally, and also times the marking calls alone. Writes bench/results/tracking_overhead.json.
+equally, and also times the marking calls alone. Then times the MFU and SSU trackers' updates at the
+owner's count hook alone (r = 0.125), with their memory (CPR Table 1). Writes
+bench/results/tracking_overhead.json.
 """
 from __future__ import annotations
 
@@ -94,13 +97,47 @@ def main() -> None:
         result["kernel_ms"] = sum(a.elapsed_time(b) for a, b in kernel_events) / steps
     result["overhead_pct_wall"] = (result["step_ms_on"] / result["step_ms_off"] - 1) * 100
     result["overhead_pct_mark"] = result["mark_ms"] / result["step_ms_off"] * 100
+    result["priority"] = priority_upkeep(model, batches, steps, sync, result["step_ms_off"])
     print(f"step {result['step_ms_off']:.2f} ms untracked, {result['step_ms_on']:.2f} ms tracked; "
           f"marking {result['mark_ms']:.3f} ms/step = {result['overhead_pct_mark']:.2f}% "
           f"(target <= 1%); wall difference {result['overhead_pct_wall']:+.2f}%; "
           f"{result['bitvector_bytes']} bytes of bits for {result['rows']} rows"
           + (f"; kernel {result['kernel_ms'] * 1e3:.1f} us/step on the side stream" if cuda else ""))
+    for rule, r in result["priority"].items():
+        print(f"{rule}: {r['observe_ms']:.3f} ms/step = {r['upkeep_pct']:.2f}% of a step, "
+              f"{r['bytes']} bytes ({r['bytes'] / result['rows']:.3f} per row)")
     Path(args.out).write_text(json.dumps(result, indent=2))
     topo.close()
+
+
+def priority_upkeep(model, batches, steps: int, sync, step_ms: float) -> dict:
+    """Per-step time of the CPR-MFU and CPR-SSU trackers' updates at the owner's count hook (the
+    training thread pays them), as a share of the untracked step, and their memory. Local."""
+    from mpickpt.track.priority import make_tracker
+
+    emb = model.embeddings
+    ranges = [(s.local_start, s.local_start + s.rows) for s in model.plan.shards_of(emb.topo.rank)]
+    out = {}
+    for rule in ("mfu", "ssu"):
+        tracker = make_tracker(rule, len(emb.local_gids), ranges, emb.device, 0.125,
+                               weight=emb.weight, seed=0)
+        spent = [0.0]
+
+        def observe(rows, counts):
+            t = time.perf_counter()
+            tracker.observe(rows, counts)
+            sync()
+            spent[0] += time.perf_counter() - t
+        remove = emb.add_count_hook(observe)
+        for n in range(steps):
+            if n == 5:
+                spent[0] = 0.0  # warm-up
+            model.train_step(batches[n % len(batches)])
+        remove()
+        ms = spent[0] / (steps - 5) * 1e3
+        out[rule] = {"observe_ms": ms, "upkeep_pct": ms / step_ms * 100,
+                     "bytes": tracker.nbytes}
+    return out
 
 
 if __name__ == "__main__":

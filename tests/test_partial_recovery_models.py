@@ -160,7 +160,8 @@ def test_ssu_keeps_a_bounded_list_with_random_eviction():
     sampled = SubsampledUsed(1000, [(0, 1000)], "cpu", fraction=1.0, seed=2, period=2)
     _feed(sampled, [(list(range(1000)), [1] * 1000)])
     assert 400 < len(sampled.select(1.0)) < 600  # each single lookup kept with probability 1/2
-    assert sampled.nbytes == 1000 * 4 and t.nbytes == 6 * 4  # r x N row ids (int32)
+    # r x N row ids (int32) and a membership bit per row (in int64 words of 32)
+    assert sampled.nbytes == 1000 * 4 + 32 * 8 and t.nbytes == 6 * 4 + 8
 
 
 def test_scar_selects_the_largest_changes_since_the_last_save():

@@ -8,8 +8,9 @@ table shard [lo, hi) of local rows, at most ceil(r x (hi - lo)) rows, the highes
 - `MostFrequentlyUsed` (CPR-MFU): a 4-byte counter per row, the lookups since the row was last
   saved; a save takes the largest counts (ties: the lower row) and clears their counters.
 - `SubsampledUsed` (CPR-SSU): each lookup is sampled with probability 1 / `period`; a list of at
-  most ceil(r x n) sampled rows per table shard, duplicates ignored, random eviction when it
-  overflows (so frequently used rows are likelier to stay); a save takes the list and empties it.
+  most ceil(r x n) sampled rows per table shard, duplicates ignored (a membership bit per row),
+  random eviction when it overflows (so frequently used rows are likelier to stay); a save takes
+  the list and empties it.
 - `LargestChange` (SCAR): the value of every row when it was last saved (100 % of the weights);
   a save takes the rows whose weights moved furthest (L2) since, among rows updated since (and
   moved), and records their new values.
@@ -97,16 +98,51 @@ class MostFrequentlyUsed(PriorityTracker):
         return self.counts.numel() * self.counts.element_size()
 
 
+class RowBits:
+    """A set of local rows as one bit per row (32 rows per int64 word, so adding and removing are
+    one accumulating scatter on any device). Local."""
+
+    def __init__(self, num_rows: int, device):
+        self.words = torch.zeros((num_rows + 31) // 32, dtype=torch.int64, device=device)
+
+    def contains(self, rows: torch.Tensor) -> torch.Tensor:
+        rows = rows.to(torch.int64)
+        return ((self.words[rows >> 5] >> (rows & 31)) & 1).bool()
+
+    def add(self, rows: torch.Tensor) -> None:
+        """`rows`: distinct rows not in the set."""
+        rows = rows.to(torch.int64)
+        self.words.index_put_((rows >> 5,), torch.ones_like(rows) << (rows & 31), accumulate=True)
+
+    def remove(self, rows: torch.Tensor) -> None:
+        """`rows`: distinct rows in the set."""
+        rows = rows.to(torch.int64)
+        self.words.index_put_((rows >> 5,), -(torch.ones_like(rows) << (rows & 31)),
+                              accumulate=True)
+
+    def clear(self) -> None:
+        self.words.zero_()
+
+    @property
+    def nbytes(self) -> int:
+        return self.words.numel() * 8
+
+
 class SubsampledUsed(PriorityTracker):
     """CPR-SSU: a bounded list per table shard of rows seen in subsampled lookups (int32 row
-    ids, so r x 4 bytes per row: r times MFU's memory)."""
+    ids, r x 4 bytes per row, plus a membership bit per row: 0.25 byte). The lists of all table
+    shards live in one tensor (row ids are unique across tables), so a step costs one bit lookup
+    per sampled row and, when a list overflows, one grouped random eviction (a random
+    permutation, then a stable sort by table): no loop over tables."""
 
     def __init__(self, num_rows, ranges, device, fraction: float, seed: int = 0,
                  period: int = SSU_PERIOD):
         super().__init__(num_rows, ranges, device)
         self.period = period
         self.capacity = [budget(hi - lo, fraction) for lo, hi in self.ranges]
-        self.lists = [torch.empty(0, dtype=torch.int32, device=self.device) for _ in self.ranges]
+        self._cap = torch.as_tensor(self.capacity, dtype=torch.int64, device=self.device)
+        self.ids = torch.empty(0, dtype=torch.int32, device=self.device)
+        self.members = RowBits(num_rows, self.device)
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
         self._starts = torch.as_tensor([lo for lo, _ in self.ranges], device=self.device)
 
@@ -114,34 +150,41 @@ class SubsampledUsed(PriorityTracker):
         keep = 1.0 - (1.0 - 1.0 / self.period) ** counts.to(torch.float64)
         drawn = torch.rand(len(rows), generator=self.gen, device=self.device, dtype=torch.float64)
         sampled = rows[drawn < keep].to(torch.int32)
-        if len(sampled) == 0:
+        new = sampled[~self.members.contains(sampled)]
+        if len(new) == 0:
             return
-        table = torch.searchsorted(self._starts, sampled, right=True) - 1
-        for t in torch.unique(table).tolist():
-            new = sampled[table == t]
-            self._add(t, new[~torch.isin(new, self.lists[t])])
-
-    def _add(self, t: int, rows: torch.Tensor) -> None:
-        merged = torch.cat([self.lists[t], rows])
-        over = len(merged) - self.capacity[t]
-        if over > 0:  # random eviction of the overflowing entries
-            order = torch.randperm(len(merged), generator=self.gen, device=self.device)
-            merged = merged[order[over:]]
-        self.lists[t] = merged
+        self.members.add(new)
+        merged = torch.cat([self.ids, new])
+        table = torch.searchsorted(self._starts, merged, right=True) - 1
+        sizes = torch.bincount(table, minlength=len(self.capacity))
+        if bool((sizes <= self._cap).all()):
+            self.ids = merged
+            return
+        # random eviction: shuffle, group by table (stable), keep each table's first `capacity`
+        perm = torch.randperm(len(merged), generator=self.gen, device=self.device)
+        order = perm[torch.sort(table[perm], stable=True).indices]
+        grouped, table = merged[order], table[order]
+        rank = torch.arange(len(merged), device=self.device) - (torch.cumsum(sizes, 0)
+                                                               - sizes)[table]
+        kept = rank < self._cap[table]
+        self.members.remove(grouped[~kept])
+        self.ids = grouped[kept]
 
     def select(self, fraction):
-        return _sorted(self.lists)
+        return _sorted([self.ids])
 
     def saved(self, rows):
-        rows = torch.as_tensor(rows, dtype=torch.int32, device=self.device)
-        self.lists = [lst[~torch.isin(lst, rows)] for lst in self.lists]
+        rows = torch.unique(torch.as_tensor(rows, dtype=torch.int64, device=self.device))
+        self.members.remove(rows[self.members.contains(rows)])
+        self.ids = self.ids[self.members.contains(self.ids)]
 
     def reset(self):
-        self.lists = [lst[:0] for lst in self.lists]
+        self.ids = self.ids[:0]
+        self.members.clear()
 
     @property
     def nbytes(self):
-        return sum(self.capacity) * 4
+        return sum(self.capacity) * 4 + self.members.nbytes
 
 
 class LargestChange(PriorityTracker):
