@@ -3,6 +3,7 @@
     python -m mpickpt.simulate                                   # 8 .. 16384 ranks, 2 MTBFs
     python -m mpickpt.simulate --ranks 512 --mtbf 2000 --runs 500
     python -m mpickpt.simulate --young-sweep --ranks 1024         # Young's interval is the optimum
+    python -m mpickpt.simulate --crosscheck bench/results/partial_recovery_4ranks.json
 
 Per-event costs come from the cost model (`mpickpt.costmodel`): constants fitted on the scaling
 sweep (--sweep) and a machine preset (--machine h100-cluster or local) with a workload per rank.
@@ -24,6 +25,7 @@ from mpickpt.simulate.strategies import STRATEGIES
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SWEEP = REPO / "bench" / "results" / "scaling.json"
+DEFAULT_TRACKING = REPO / "bench" / "results" / "tracking_overhead.json"
 SIZES = (8, 32, 128, 512, 2048, 8192, 16384)
 
 
@@ -49,7 +51,20 @@ def costs_for(args, ranks: int):
     local, constants, _ = args.fitted
     machine = H100_CLUSTER if args.machine == "h100-cluster" else local
     ec = event_costs(constants, machine, Workload(), ranks, args.ranks_per_node)
-    return ec.with_(reschedule=args.reschedule, relaunch=args.relaunch)
+    return ec.with_(reschedule=args.reschedule, relaunch=args.relaunch,
+                    priority_upkeep=args.priority_upkeep)
+
+
+def priority_upkeep(path: str) -> dict:
+    """The MFU and SSU trackers' measured share of a step (bench/tracking_overhead.py); empty
+    when the file has none (the trackers then cost nothing in the simulation). Local."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        print(f"simulate: no tracker upkeep in {path}: prioritized saves' trackers cost 0",
+              file=sys.stderr)
+        return {}
+    return {rule: r["upkeep_pct"] / 100 for rule, r in doc.get("priority", {}).items()}
 
 
 def table_for(args, ranks: int, mtbf: tuple[str, float], strategies: list[str]) -> dict:
@@ -90,6 +105,19 @@ def print_block(t: dict) -> None:
         print(f"  auto / best overhead: {t['auto_over_best']:.3f}")
 
 
+def report_crossovers(tables: list[dict]) -> list[dict]:
+    """Print and return where the best strategy changes with the size. Local."""
+    from mpickpt.simulate.plot import crossovers
+
+    found = crossovers(tables)
+    for c in found:
+        print(f"crossover at node MTBF {c['mtbf']}: best is {c['from']} at {c['from_ranks']} "
+              f"ranks, {c['to']} at {c['to_ranks']}")
+    if not found:
+        print("no crossover: the same strategy is best at every size")
+    return found
+
+
 def young_sweep(args) -> dict:
     """Full recovery's simulated overhead at multiples of Young's interval. Local."""
     from mpickpt.simulate.engine import simulate_run
@@ -117,6 +145,18 @@ def young_sweep(args) -> dict:
     return {"ranks": ranks, "mtbf": label, "points": out}
 
 
+def run_crosscheck(args) -> dict:
+    """The simulator against the partial-recovery benchmark's runs (`simulate.crosscheck`)."""
+    from mpickpt.simulate.crosscheck import crosscheck, table
+
+    try:
+        result = crosscheck(args.crosscheck, runs=max(args.runs, 4000), seed=args.seed)
+    except ValueError as e:
+        raise SystemExit(f"simulate: {e}") from None
+    print(table(result))
+    return result
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(prog="python -m mpickpt.simulate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -128,6 +168,8 @@ def parse(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--machine", choices=("h100-cluster", "local"), default="h100-cluster")
     p.add_argument("--sweep", default=str(DEFAULT_SWEEP), help="scaling sweep JSON to fit on")
+    p.add_argument("--tracking", default=str(DEFAULT_TRACKING),
+                   help="bench/tracking_overhead.py's JSON: the MFU/SSU trackers' upkeep")
     p.add_argument("--ranks-per-node", type=int, default=8)
     p.add_argument("--train-hours", type=float, default=168.0)
     p.add_argument("--shape", type=float, default=0.68, help="gamma shape of node failures")
@@ -141,8 +183,13 @@ def parse(argv=None):
     p.add_argument("--pls-bound", type=float, default=0.1,
                    help="strategies with a larger expected PLS are not ranked")
     p.add_argument("--young-sweep", action="store_true")
+    p.add_argument("--crosscheck", default=None, metavar="JSON",
+                   help="compare with bench/partial_recovery.py's emulated runs in JSON")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--plot", default=None, help="write the overhead-vs-ranks plot (PNG) here")
     args = p.parse_args(argv)
+    if args.crosscheck:
+        return args
     if not Path(args.sweep).exists():
         raise SystemExit(f"simulate: {args.sweep}: no scaling sweep to fit the cost model on "
                          f"(run bench/scaling.py, or pass --sweep)")
@@ -153,13 +200,16 @@ def parse(argv=None):
     args.names = names
     from mpickpt.costmodel import fitted_local
     args.fitted = fitted_local(args.sweep)  # once: every size and MTBF uses the same fit
+    args.priority_upkeep = priority_upkeep(args.tracking)
     return args
 
 
 def main(argv=None) -> dict:
     args = parse(argv)
     started = time.perf_counter()
-    if args.young_sweep:
+    if args.crosscheck:
+        doc = {"crosscheck": run_crosscheck(args)}
+    elif args.young_sweep:
         doc = {"young_sweep": young_sweep(args)}
     else:
         tables = []
@@ -167,8 +217,11 @@ def main(argv=None) -> dict:
             for n in args.ranks:
                 tables.append(table_for(args, n, node_mtbf(m), args.names))
                 print_block(tables[-1])
-        doc = {"tables": tables}
-    doc["args"] = {k: v for k, v in vars(args).items() if k not in ("names", "fitted")}
+        doc = {"tables": tables, "crossovers": report_crossovers(tables)}
+        if args.plot:
+            from mpickpt.simulate.plot import plot
+            plot(tables, args.plot)
+    doc["args"] = {k: v for k, v in vars(args).items() if k not in ("names", "fitted", "priority_upkeep")}
     print(f"\n{time.perf_counter() - started:.1f} s", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1, default=_plain))

@@ -2,7 +2,7 @@
 by `mpickpt.costmodel` for a machine preset, or given directly (cross-checks, tests). Local."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -21,8 +21,8 @@ class EventCosts:
     """Parity rebuild work for one node's ranks (runs inside training steps)."""
     parity_upkeep: float = 0.0
     """Share of a step parity upkeep adds (difference propagation)."""
-    priority_upkeep: float = 0.0
-    """Share of a step the MFU/SSU trackers add."""
+    priority_upkeep: dict = field(default_factory=dict)
+    """Share of a step each prioritized-save tracker adds ('mfu', 'ssu'; absent: 0)."""
     dump: float = 0.0
     """A survivor's dump of its state to node-local memory when a peer dies."""
     dump_load: float = 0.0

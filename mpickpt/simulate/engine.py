@@ -7,6 +7,9 @@ progress on a grid that a rollback returns to; each costs `stall` seconds in the
 any wait for the previous write, and commits `write` seconds after its stall began (a rollback
 goes to the newest committed one; a partial recovery drains the one in flight first, as mpickpt
 does). Failures during a recovery's downtime find the job down and only replace the node.
+`Scenario.failure_clock = 'work'` runs the failure clocks on training work instead of wall time,
+and `inflight_commits` drains the checkpoint in flight before a rollback too (both as mpickpt's
+in-job failure emulator does, for the cross-check with its benchmark).
 """
 from __future__ import annotations
 
@@ -49,6 +52,13 @@ class Segment:
             return (total - self.p) / self.rate
         taken = math.ceil((total - self.q) / self.interval - EPS)
         return (total - self.p) / self.rate + taken * self.stall
+
+    def wall_for_work(self, w: float) -> float:
+        """Wall seconds into the segment at which `w` seconds of training have been done (stalls
+        are not training; a failure due when a stall is due comes before it)."""
+        if w <= self.a1:
+            return w
+        return w + math.ceil((w - self.a1) / (self.interval / self.rate) - EPS) * self.stall
 
     def at(self, dt: float) -> tuple[float, float | None, float | None, int, float]:
         """(progress, newest committed checkpoint, newest taken one, checkpoints taken, stall
@@ -121,7 +131,9 @@ def simulate_run(strategy: Strategy, sc: Scenario, rng: np.random.Generator) -> 
     wait = max(0.0, plan.write - plan.interval / rate)
     stall = plan.stall + wait
     clocks, res = NodeClocks(sc, rng), RunResult()
-    t = p = origin = committed = 0.0
+    t = p = origin = committed = work = 0.0
+    by_work = sc.failure_clock == "work"
+    have_ckpt = False  # until a checkpoint commits, a recovery has nothing to read
     limit = sc.time_limit if sc.time_limit > 0 else math.inf
     alloc_end = limit
     preempt = rng.exponential(sc.preempt_mtbf) if sc.preempt_mtbf > 0 else math.inf
@@ -129,7 +141,9 @@ def simulate_run(strategy: Strategy, sc: Scenario, rng: np.random.Generator) -> 
     while True:
         seg = Segment(p, origin, plan.interval, rate, stall, plan.write)
         f_time, f_node = clocks.peek()
-        if f_time < t:  # failed while the job was down: replaced before it restarts
+        if by_work:  # the node clock counts training work: its wall time in this segment
+            f_time = t + seg.wall_for_work(f_time - work)
+        elif f_time < t:  # failed while the job was down: replaced before it restarts
             clocks.renew(f_node, t)
             continue
         job_t = min(alloc_end, preempt)
@@ -139,6 +153,8 @@ def simulate_run(strategy: Strategy, sc: Scenario, rng: np.random.Generator) -> 
         res.save += spent
         res.checkpoints += n
         committed = com if com is not None else committed
+        have_ckpt = have_ckpt or com is not None
+        work += ev - t - spent
         t = ev
         if ev == done_t:
             break
@@ -152,6 +168,7 @@ def simulate_run(strategy: Strategy, sc: Scenario, rng: np.random.Generator) -> 
             res.job_ends += 1
             t += cost
             committed = origin = p
+            have_ckpt = True
             alloc_end = t + limit
             if ev == preempt:
                 preempt = t + rng.exponential(sc.preempt_mtbf)
@@ -160,19 +177,22 @@ def simulate_run(strategy: Strategy, sc: Scenario, rng: np.random.Generator) -> 
         res.failures += 1
         reaction = strategy.react(nodes, t < rebuild_until)
         res.kinds[reaction.kind] += 1
+        if reaction.kind == "partial" or sc.inflight_commits:
+            # the checkpoint in flight is drained first (a real failure's rollback loses it)
+            committed = taken if taken is not None else committed
+            have_ckpt = have_ckpt or taken is not None
         if reaction.kind == "rollback":
             res.lost += (p - committed) / rate
             p = committed
         elif reaction.kind == "partial":
-            last = taken if taken is not None else committed  # the one in flight is drained
-            committed = last
-            res.pls += min(1.0, len(nodes) * sc.node_share) * (p - last) / total
-        res.recovery += reaction.wall
-        t += reaction.wall
+            res.pls += sc.failure_share(len(nodes)) * (p - committed) / total
+        wall = reaction.wall if have_ckpt else reaction.wall - reaction.load
+        res.recovery += wall
+        t += wall
         if reaction.kind == "rebuild":
             rebuild_until = t + reaction.window
         for node in nodes:
-            clocks.renew(node, t)
+            clocks.renew(node, work if by_work else t)
     res.wall = t
     res.upkeep = total * (1.0 / rate - 1.0)
     return res

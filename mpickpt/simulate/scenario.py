@@ -42,6 +42,15 @@ class Scenario:
     """Wall time of one allocation before Slurm ends it (0: none); a common site maximum."""
     preempt_mtbf: float = 0.0
     """Mean time between preemptions of the job (0: none)."""
+    lost_share: float = 0.0
+    """Share of the embedding rows every failure loses when it is fixed (the partial-recovery
+    benchmark's --failure-fraction); 0: the share of the nodes the failure takes."""
+    failure_clock: str = "wall"
+    """'wall': failures come in wall-clock time (real failures); 'work': in time spent training,
+    replays included, checkpoint stalls and recoveries not (mpickpt's in-job failure emulator)."""
+    inflight_commits: bool = False
+    """A failure lets the checkpoint being written commit before the rollback (failures emulated
+    inside a running job: the writers survive); a real failure loses it."""
     target_pls: float = 0.02
     """PLS a partial-recovery strategy may reach (CPR §6: 0.02 keeps AUC within 0.0003); also the
     accuracy bound under which strategies are ranked."""
@@ -54,6 +63,11 @@ class Scenario:
             raise ValueError("training time, node MTBF and shape must be > 0")
         if not 0 <= self.multi_prob <= 1:
             raise ValueError(f"multi_prob must lie in [0, 1], got {self.multi_prob}")
+        if self.failure_clock not in ("wall", "work"):
+            raise ValueError(f"failure_clock must be 'wall' or 'work', got "
+                             f"{self.failure_clock!r}")
+        if not 0 <= self.lost_share <= 1:
+            raise ValueError(f"lost_share must lie in [0, 1], got {self.lost_share}")
 
     @property
     def nodes(self) -> int:
@@ -69,8 +83,14 @@ class Scenario:
         """Share of the embedding rows one node holds."""
         return min(1.0, self.ranks_per_node / self.ranks)
 
+    def failure_share(self, nodes: int) -> float:
+        """Share of the rows a failure of `nodes` nodes loses."""
+        return self.lost_share or min(1.0, nodes * self.node_share)
+
     def expected_lost_share(self) -> float:
         """Mean share of the rows one failure loses (multi-node failures included)."""
+        if self.lost_share:
+            return self.lost_share
         nodes = (1 - self.multi_prob) + self.multi_prob * min(self.multi_nodes, self.nodes)
         return min(1.0, nodes * self.node_share)
 

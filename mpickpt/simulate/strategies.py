@@ -34,6 +34,9 @@ class Reaction:
     window: float = 0.0
     """Seconds after `wall` during which the recovery is still running (a parity rebuild spread
     over steps at --rebuild-budget): another failure then cannot be rebuilt."""
+    load: float = 0.0
+    """The part of `wall` that reads a checkpoint (before the first one there is none to read:
+    the lost rows start again from their initial values)."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,8 @@ class Strategy:
         return self.ec.load
 
     def react(self, nodes: list[int], rebuilding: bool) -> Reaction:
-        return Reaction("rollback", self.ec.reschedule + self.load())
+        load = self.load()
+        return Reaction("rollback", self.ec.reschedule + load, load=load)
 
     def job_end(self) -> float:
         """A time limit or preemption: an emergency checkpoint in the signal's grace time,
@@ -165,7 +169,8 @@ class Partial(Strategy):
         return SavePlan(t, ec.stall, ec.write, ec.full_bytes, ec.full_bytes)
 
     def react(self, nodes, rebuilding):
-        return Reaction("partial", self.ec.reschedule + self.ec.load_node * len(nodes))
+        load = self.ec.load_node * len(nodes)
+        return Reaction("partial", self.ec.reschedule + load, load=load)
 
 
 class Prioritized(Partial):
@@ -181,11 +186,12 @@ class Prioritized(Partial):
     def save_plan(self) -> SavePlan:
         base, r = super().save_plan(), self.ec.priority_fraction
         return SavePlan(base.interval * r, base.stall * r, base.write * r, base.bytes * r,
-                        base.bytes * 2, self.ec.priority_upkeep)
+                        base.bytes * 2, self.ec.priority_upkeep.get(self.rule, 0.0))
 
     def react(self, nodes, rebuilding):
         # the baseline and the prioritized saves since (about one baseline's worth of rows)
-        return Reaction("partial", self.ec.reschedule + 2 * self.ec.load_node * len(nodes))
+        load = 2 * self.ec.load_node * len(nodes)
+        return Reaction("partial", self.ec.reschedule + load, load=load)
 
 
 class Survivors(Partial):
@@ -198,7 +204,8 @@ class Survivors(Partial):
 
     def react(self, nodes, rebuilding):
         ec = self.ec
-        return Reaction("partial", ec.dump + ec.relaunch + ec.dump_load + ec.load_node * len(nodes))
+        load = ec.load_node * len(nodes)
+        return Reaction("partial", ec.dump + ec.relaunch + ec.dump_load + load, load=load)
 
 
 class Auto(Strategy):
