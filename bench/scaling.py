@@ -194,7 +194,15 @@ def worker(args) -> None:
 
     from mpickpt.topology import Topology
 
-    topo = Topology.from_mpi(MPI.COMM_WORLD.Dup(), backend="gloo")
+    world = MPI.COMM_WORLD
+    if args.expect_ranks and world.Get_size() != args.expect_ranks:
+        if world.Get_rank() == 0:
+            print(f"scaling: expected {args.expect_ranks} ranks in one job, this job has "
+                  f"{world.Get_size()}: under srun, pass the MPI plugin your MPI speaks "
+                  f"(--mpi=pmi2 for MPICH; without it srun starts independent 1-rank jobs)",
+                  file=sys.stderr, flush=True)
+        world.Abort(2)
+    topo = Topology.from_mpi(world.Dup(), backend="gloo")
     root = topo.control.bcast(tempfile.mkdtemp(prefix="mpickpt-scaling-", dir=args.scratch)
                               if topo.is_root else None)
     try:
@@ -236,10 +244,10 @@ def append(path: Path, points: list[dict]) -> None:
 def launch(n: int, args) -> None:
     """One job of `n` ranks running this file's worker."""
     if args.launcher == "srun":
-        cmd = ["srun", "-n", str(n)]
+        cmd = ["srun", f"--mpi={args.srun_mpi}", "-n", str(n)]
     else:
         cmd = [mpiexec_path(), "-n", str(n)]
-    cmd += [sys.executable, __file__, "--worker", *worker_flags(args)]
+    cmd += [sys.executable, __file__, "--worker", "--expect-ranks", str(n), *worker_flags(args)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     started = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True,
@@ -322,7 +330,11 @@ def parse(argv=None):
                    help="checkpoints, restores and recoveries per point (median)")
     p.add_argument("--io-mb", type=int, default=64, help="MB per rank of the I/O microbenchmark")
     p.add_argument("--launcher", choices=("mpiexec", "srun"), default="mpiexec")
+    p.add_argument("--srun-mpi", default="pmi2",
+                   help="srun's MPI plugin (--launcher srun): pmi2 for MPICH, pmix for Open MPI")
     p.add_argument("--nodes", type=int, default=1, help="nodes the ranks run on")
+    p.add_argument("--expect-ranks", type=int, default=0,
+                   help="worker: stop unless the job has this many ranks")
     p.add_argument("--host", default=os.environ.get("MPICKPT_HOST_CLASS", "local"),
                    help="host class the points belong to (the cost model's preset name)")
     p.add_argument("--scratch", default=None, help="checkpoint directory's parent (shared FS)")
