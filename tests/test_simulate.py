@@ -226,3 +226,17 @@ def test_an_emulated_failure_rolls_back_to_the_checkpoint_in_flight():
         runs = _runs(_with_interval(Strategy(run_sc, ec), 2 * HOUR), run_sc, 200)
         lost[inflight] = np.mean([r.lost / max(r.failures, 1) for r in runs if r.failures])
     assert lost[True] < 0.7 * lost[False]
+
+
+def test_youngs_interval_counts_the_wait_for_a_long_write():
+    from mpickpt.simulate.strategies import young_with_writes
+
+    mtbf = 10 * HOUR
+    assert young_with_writes(30.0, 0.0, mtbf) == pytest.approx(math.sqrt(2 * 30.0 * mtbf))
+
+    def cost(t, stall, write):
+        return (stall + max(0.0, write - t)) / t + t / (2 * mtbf)
+    for write in (600.0, 3000.0, 20000.0):  # shorter, about as long and longer than Young's
+        best = min(np.linspace(10.0, 40000.0, 40000), key=lambda t: cost(t, 30.0, write))
+        t = young_with_writes(30.0, write, mtbf)
+        assert cost(t, 30.0, write) <= cost(best, 30.0, write) + 1e-6, (write, t, best)

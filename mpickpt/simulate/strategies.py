@@ -55,6 +55,20 @@ class SavePlan:
     """Share added to every step (parity, priority trackers)."""
 
 
+def young_with_writes(stall: float, write: float, mtbf: float) -> float:
+    """Young's interval when a checkpoint cannot start before the previous one's write is done,
+    so that O_save = stall + the wait max(0, write - T), as the trainer measures it and re-plans
+    from: the T that minimises O_save(T) / T + T / (2 T_fail). Local."""
+    t = young_interval(stall, mtbf)
+    if t >= write:
+        return t
+
+    def cost(t: float) -> float:
+        return (stall + max(0.0, write - t)) / t + t / (2.0 * mtbf)
+    waiting = young_interval(stall + write, mtbf)  # the optimum while every save waits
+    return min((c for c in (write, waiting) if c <= write), key=cost)
+
+
 class Strategy:
     """Full checkpoints at Young's interval, full rollback on every failure."""
 
@@ -69,8 +83,8 @@ class Strategy:
 
     def save_plan(self) -> SavePlan:
         ec = self.ec
-        return SavePlan(young_interval(ec.stall, self.sc.job_mtbf), ec.stall, ec.write,
-                        ec.full_bytes, ec.full_bytes)
+        return SavePlan(young_with_writes(ec.stall, ec.write, self.sc.job_mtbf), ec.stall,
+                        ec.write, ec.full_bytes, ec.full_bytes)
 
     def load(self) -> float:
         """A full rollback's restore."""
@@ -103,7 +117,7 @@ class CheckNRun(Strategy):
         share = saved_share(ec)
         stall, write = ec.stall * share, ec.write * share * ec.quant_ratio
         chain = ec.full_bytes * ec.quant_ratio * (1 + (b - 1) / 2 * ec.incr_share)
-        return SavePlan(young_interval(stall, self.sc.job_mtbf), stall, write,
+        return SavePlan(young_with_writes(stall, write, self.sc.job_mtbf), stall, write,
                         ec.full_bytes * share * ec.quant_ratio, chain)
 
     def load(self) -> float:
@@ -118,8 +132,8 @@ class IncrCP(Strategy):
     def save_plan(self) -> SavePlan:
         ec = self.ec
         share = saved_share(ec)
-        return SavePlan(young_interval(ec.stall * share, self.sc.job_mtbf), ec.stall * share,
-                        ec.write * share, ec.full_bytes * share,
+        return SavePlan(young_with_writes(ec.stall * share, ec.write * share, self.sc.job_mtbf),
+                        ec.stall * share, ec.write * share, ec.full_bytes * share,
                         ec.full_bytes * (1 + ec.incr_share))
 
     def load(self) -> float:
