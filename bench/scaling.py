@@ -62,11 +62,16 @@ def timed(topo, fn) -> float:
     return slowest(topo, time.perf_counter() - start)
 
 
-def median_timed(topo, fn, repeat: int) -> float:
-    """The median over `repeat` runs of `timed(fn)` (one slow outlier on a shared machine does
-    not make the point). Collective."""
+def aggregate(values: list[float], how: str) -> float:
+    """The median of repeated measurements (one slow outlier does not make the point), or their
+    minimum (on a shared machine interference only adds time). Local."""
     import statistics
-    return statistics.median(timed(topo, fn) for _ in range(repeat))
+    return min(values) if how == "min" else statistics.median(values)
+
+
+def repeated_timed(topo, fn, args) -> float:
+    """`timed(fn)` --repeat times, aggregated by --aggregate. Collective."""
+    return aggregate([timed(topo, fn) for _ in range(args.repeat)], args.aggregate)
 
 
 def mode_flags(mode: str, n: int, args) -> tuple[list[str], int]:
@@ -112,7 +117,7 @@ def measure_mode(topo, mode: str, args, root: str) -> dict:
         commits.append(stalls[-1] + timed(topo, ckpt.quiesce))
         manifest = list_manifests(ckpt_dir)[-1]
         writes.append(float(manifest.stats["write_seconds"]))
-    stall, commit, write = (sorted(v)[len(v) // 2] for v in (stalls, commits, writes))
+    stall, commit, write = (aggregate(v, args.aggregate) for v in (stalls, commits, writes))
     out = {"mode": mode, "ranks": n, "global_batch": batch, "step_s": step,
            "samples_per_s": batch / step, "phases_s": slow,
            "local_rows": [model.plan.local_rows(r) for r in range(n)],
@@ -126,12 +131,11 @@ def measure_mode(topo, mode: str, args, root: str) -> dict:
            "write_s": write,
            "files": len(manifest.files)}
     out["write_MBps_per_rank"] = out["ckpt_bytes"] / n / 1e6 / max(out["write_s"], 1e-9)
-    out["restore_s"] = median_timed(topo, lambda: trainer.restorer.restore(latest=True),
-                                    args.repeat)
+    out["restore_s"] = repeated_timed(topo, lambda: trainer.restorer.restore(latest=True), args)
     lost = Loss.of_ranks([n - 1], at, model.plan)
     pls = PLSAccount(total_samples=batch * 10 ** 6)
     partial = PartialRecovery(ckpt, trainer.restorer, model, pls, batch, lambda line: None)
-    out["partial_s"] = median_timed(topo, lambda: partial.recover(lost), args.repeat)
+    out["partial_s"] = repeated_timed(topo, lambda: partial.recover(lost), args)
     out["lost_rows"] = model.plan.local_rows(n - 1)
     if trainer.parity is not None:
         guard = trainer.parity
@@ -141,7 +145,7 @@ def measure_mode(topo, mode: str, args, root: str) -> dict:
             guard.fail([n - 1])
             guard.start_rebuild([n - 1], at)
             guard.settle()
-        out["rebuild_s"] = median_timed(topo, rebuild, args.repeat)
+        out["rebuild_s"] = repeated_timed(topo, rebuild, args)
     trainer.close()
     ckpt.close()
     return out
@@ -217,7 +221,8 @@ def worker(args) -> None:
         for p in points:
             p.update(machine=machine, host=args.host, cores=cores,
                      oversubscribed=topo.world_size > cores * args.nodes, quick=args.quick,
-                     launcher=args.launcher, nodes=args.nodes, date=time.strftime("%Y-%m-%d"))
+                     launcher=args.launcher, nodes=args.nodes, date=time.strftime("%Y-%m-%d"),
+                     repeat=args.repeat, aggregate=args.aggregate)
         append(Path(args.out), points)
     topo.close()
 
@@ -265,7 +270,7 @@ def mpiexec_path() -> str:
 
 def worker_flags(args) -> list[str]:
     keep = ("modes", "batch", "weak_scale_down", "strong_scale_down", "strong_ranks", "steps",
-            "warmup", "io_mb", "repeat", "out", "host", "launcher", "nodes")
+            "warmup", "io_mb", "repeat", "aggregate", "out", "host", "launcher", "nodes")
     flags = [f for k in keep for f in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
     return flags + (["--quick"] if args.quick else []) + \
         (["--scratch", args.scratch] if args.scratch else [])
@@ -327,7 +332,9 @@ def parse(argv=None):
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeat", type=int, default=3,
-                   help="checkpoints, restores and recoveries per point (median)")
+                   help="checkpoints, restores and recoveries per point")
+    p.add_argument("--aggregate", choices=("median", "min"), default="median",
+                   help="how the repeats make the point")
     p.add_argument("--io-mb", type=int, default=64, help="MB per rank of the I/O microbenchmark")
     p.add_argument("--launcher", choices=("mpiexec", "srun"), default="mpiexec")
     p.add_argument("--srun-mpi", default="pmi2",
