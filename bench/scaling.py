@@ -14,7 +14,8 @@ from 2 ranks):
 - step time and its phases (route, all-to-all, lookup, dense, allreduce, optimizer, update hooks =
   parity upkeep, data), mean and slowest rank, and samples/s;
 - a checkpoint: stall (the snapshot), bytes and write throughput per rank, commit latency (save
-  called to manifest committed);
+  called to manifest committed); each checkpoint and recovery timing the fastest of --repeat 5
+  (--aggregate min: on a shared machine interference only adds time; median on request);
 - restore of the whole model, partial recovery of the last rank's shard, parity rebuild of it;
 - machine parameters by microbenchmark: memcpy bandwidth with every rank copying, write+fsync
   throughput per rank with every rank writing, file-create latency, all-to-all and allreduce
@@ -331,10 +332,10 @@ def parse(argv=None):
                    help="strong scaling's global batch is --batch x this")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--repeat", type=int, default=3,
+    p.add_argument("--repeat", type=int, default=5,
                    help="checkpoints, restores and recoveries per point")
-    p.add_argument("--aggregate", choices=("median", "min"), default="median",
-                   help="how the repeats make the point")
+    p.add_argument("--aggregate", choices=("median", "min"), default="min",
+                   help="how the repeats make the point (min: interference only adds time)")
     p.add_argument("--io-mb", type=int, default=64, help="MB per rank of the I/O microbenchmark")
     p.add_argument("--launcher", choices=("mpiexec", "srun"), default="mpiexec")
     p.add_argument("--srun-mpi", default="pmi2",

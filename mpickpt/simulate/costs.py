@@ -57,7 +57,8 @@ def event_costs(constants, machine, workload, ranks: int,
     p = workload.point(ranks, ranks_per_node)
     theta = constants.theta
     if workload.compute_s_per_sample is not None:
-        theta = {**theta, "step_s": [workload.compute_s_per_sample, *theta["step_s"][1:]]}
+        # the measured rate includes the per-step fixed costs: the fitted one is not added
+        theta = {**theta, "step_s": [workload.compute_s_per_sample, *theta["step_s"][1:-1], 0.0]}
     c = replace(constants, theta=theta)
     node = min(ranks_per_node, ranks)
     one = workload.point(node, ranks_per_node)  # one node's ranks reading alone
