@@ -5,8 +5,9 @@ Each swept quantity of `bench/scaling.py` is a sum of terms; each term is a name
 per-client and aggregate filesystem bandwidth, file-create latency, cores per node) applied to
 what the job moves at that size (rows and bytes per rank from the shard plan, samples per rank),
 times a per-rank constant (`Constants`: seconds of compute per sample, copies per staged byte,
-exchanges per step, fixed costs) fitted on the sweep's measured points by non-negative least
-squares on relative error. `check` reports the model's error at every measured point.
+exchanges per step, fixed costs) fitted on the sweep's measured points by least squares on
+relative error, each constant within [0, its bound in `BOUNDS`]. `errors` reports the model's
+error at every measured point.
 
 Oversubscription (more ranks on a node than cores, as on this 2-core machine at 4 and 8 ranks) is
 a machine fact: every CPU-bound term is stretched by ranks-per-node / cores.
