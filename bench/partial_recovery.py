@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from mpickpt.mpiexec import mpiexec
+from mpickpt.simulate.montecarlo import Estimate
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -115,12 +116,6 @@ def overhead(report: dict, step_seconds: float, steps: int, reschedule_steps: fl
     return out
 
 
-def half_width(values: list[float]) -> float:
-    """Half-width of the 95 % confidence interval of the mean (normal approximation)."""
-    return 1.96 * statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else \
-        float("inf")
-
-
 def event_costs(runs: list[dict], step_s: float) -> dict:
     """Per-event costs in failure-free steps, over all runs: the mean save (foreground) and
     background write per checkpoint, restore per recovery, and the last planned interval (what
@@ -145,9 +140,9 @@ def summarize(name: str, runs: list[dict], clean: dict, args, step_s: float) -> 
     return {"config": name, "runs": len(runs),
             "failures": [r["failures"] for r in runs],
             "overhead": {k: statistics.mean(h[k] for h in heads) for k in heads[0]},
-            "overhead_half": half_width([h["total"] for h in heads]),
+            "overhead_half": Estimate.of([h["total"] for h in heads]).half,
             "overheads": [h["total"] for h in heads],
-            "pls_half": half_width(pls), "events": event_costs(runs, step_s),
+            "pls_half": Estimate.of(pls).half, "events": event_costs(runs, step_s),
             "auc_delta": statistics.mean(deltas), "auc_delta_min": min(deltas),
             "auc_delta_max": max(deltas), "auc_deltas": deltas,
             "pls": statistics.mean(r["pls"]["value"] for r in runs),

@@ -113,10 +113,10 @@ def main() -> None:
 def priority_upkeep(model, batches, steps: int, sync, step_ms: float) -> dict:
     """Per-step time of the CPR-MFU and CPR-SSU trackers' updates at the owner's count hook (the
     training thread pays them), as a share of the untracked step, and their memory. Local."""
-    from mpickpt.track.priority import make_tracker
+    from mpickpt.track.priority import make_tracker, shard_ranges
 
     emb = model.embeddings
-    ranges = [(s.local_start, s.local_start + s.rows) for s in model.plan.shards_of(emb.topo.rank)]
+    ranges = shard_ranges(model.plan, emb.topo.rank)
     out = {}
     for rule in ("mfu", "ssu"):
         tracker = make_tracker(rule, len(emb.local_gids), ranges, emb.device, 0.125,

@@ -25,7 +25,7 @@ from mpickpt.kinds.registry import kind_named
 from mpickpt.store.chunk_index import load_index
 from mpickpt.store.file_spec import FileSpec, dense_relpath, extra_spec, shard_attrs, shard_specs
 from mpickpt.store.manifest import Manifest, apply_retention, list_manifests, write_manifest
-from mpickpt.track.priority import make_tracker
+from mpickpt.track.priority import make_tracker, shard_ranges
 
 
 class RankState:
@@ -67,8 +67,7 @@ class LocalChain:
                                      self._sum, self._max) for r in range(plan.world_size)]
         if priority is not None:  # what attach() does on a model: a tracker beside each shard
             for state, p in zip(self.ranks, self.planners):
-                ranges = [(s.local_start, s.local_start + s.rows)
-                          for s in plan.shards_of(state.rank)]
+                ranges = shard_ranges(plan, state.rank)
                 p.kind.tracker = make_tracker(priority, len(state.gids), ranges, "cpu",
                                               save_fraction,
                                               torch.from_numpy(state.arrays["weight"]))

@@ -13,9 +13,9 @@ import pytest
 from mpickpt.simulate.costs import EventCosts
 from mpickpt.simulate.crosscheck import crosscheck
 from mpickpt.simulate.engine import Segment, simulate_run
-from mpickpt.simulate.montecarlo import simulate
+from mpickpt.simulate.montecarlo import run_many, simulate
 from mpickpt.simulate.scenario import HOUR, Scenario
-from mpickpt.simulate.strategies import Parity, SavePlan, Strategy, build
+from mpickpt.simulate.strategies import Parity, Strategy, build
 from mpickpt.simulate.plot import crossovers
 from mpickpt.simulate.__main__ import main as simulate_main
 
@@ -33,13 +33,12 @@ def _exponential(**kw) -> Scenario:
 
 
 def _with_interval(strategy: Strategy, interval: float) -> Strategy:
-    strategy.plan = SavePlan(**{**strategy.plan.__dict__, "interval": interval})
+    strategy.plan = strategy.plan.with_(interval=interval)
     return strategy
 
 
 def _runs(strategy, sc, n, seed=1):
-    return [simulate_run(strategy, sc, np.random.default_rng(c))
-            for c in np.random.SeedSequence(seed).spawn(n)]
+    return run_many(strategy, sc, n, seed)
 
 
 def test_a_failure_free_job_pays_exactly_its_checkpoint_stalls():

@@ -49,11 +49,10 @@ class Priority(Kind):
         self._remove = None
 
     def attach(self, model) -> str:
-        from mpickpt.track.priority import make_tracker
+        from mpickpt.track.priority import make_tracker, shard_ranges
 
         emb = model.embeddings
-        ranges = [(s.local_start, s.local_start + s.rows)
-                  for s in model.plan.shards_of(emb.topo.rank)]
+        ranges = shard_ranges(model.plan, emb.topo.rank)
         self.tracker = make_tracker(self.rule, len(emb.local_gids), ranges, emb.device,
                                     self.fraction, weight=emb.weight, seed=emb.topo.rank)
         self._remove = emb.add_count_hook(self.tracker.observe)

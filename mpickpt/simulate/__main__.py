@@ -120,10 +120,8 @@ def report_crossovers(tables: list[dict]) -> list[dict]:
 
 def young_sweep(args) -> dict:
     """Full recovery's simulated overhead at multiples of Young's interval. Local."""
-    from mpickpt.simulate.engine import simulate_run
-    from mpickpt.simulate.montecarlo import Estimate
-    from mpickpt.simulate.strategies import SavePlan, Strategy
-    import numpy as np
+    from mpickpt.simulate.montecarlo import Estimate, run_many
+    from mpickpt.simulate.strategies import Strategy
 
     label, mtbf = node_mtbf(args.mtbf[0])
     ranks = args.ranks[0]
@@ -134,10 +132,9 @@ def young_sweep(args) -> dict:
     out = []
     for factor in (0.25, 0.5, 0.71, 1.0, 1.41, 2.0, 4.0):
         s = Strategy(sc, base.ec)
-        s.plan = SavePlan(**{**base.plan.__dict__, "interval": base.plan.interval * factor})
-        rngs = np.random.SeedSequence(args.seed).spawn(args.runs)
-        e = Estimate.of([(simulate_run(s, sc, np.random.default_rng(r)).wall
-                          - sc.train_seconds) / sc.train_seconds for r in rngs])
+        s.plan = base.plan.with_(interval=base.plan.interval * factor)
+        e = Estimate.of([(r.wall - sc.train_seconds) / sc.train_seconds
+                         for r in run_many(s, sc, args.runs, args.seed)])
         out.append({"factor": factor, "interval_s": s.plan.interval, "overhead": e.mean,
                     "half": e.half})
         print(f"  {factor:5.2f} x Young ({s.plan.interval / 60:7.1f} min): overhead "

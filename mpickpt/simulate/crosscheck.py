@@ -25,8 +25,9 @@ import json
 from pathlib import Path
 
 from mpickpt.simulate.costs import EventCosts
+from mpickpt.simulate.montecarlo import run_many, summarize
 from mpickpt.simulate.scenario import HOUR, Scenario
-from mpickpt.simulate.strategies import SavePlan, build
+from mpickpt.simulate.strategies import build
 
 EMULATED_HOURS = 56.0
 JOB_MTBF_HOURS = 28.0
@@ -85,8 +86,8 @@ def check_row(doc: dict, row: dict, runs: int, seed: int) -> dict | None:
     ec, interval = costs_for(doc, row, step)
     strategy = build(name, sc, ec)
     own = strategy.plan.interval
-    strategy.plan = SavePlan(**{**strategy.plan.__dict__, "interval": interval})
-    sim = _simulate(strategy, sc, runs, seed)
+    strategy.plan = strategy.plan.with_(interval=interval)
+    sim = summarize(strategy, sc, run_many(strategy, sc, runs, seed))
     bench = {"overhead": row["overhead"]["total"], "overhead_half": row["overhead_half"],
              "pls": row["pls"], "pls_half": row["pls_half"],
              "failures": sum(row["failures"]) / len(row["failures"])}
@@ -99,17 +100,6 @@ def check_row(doc: dict, row: dict, runs: int, seed: int) -> dict | None:
     out["agree"] = {k: abs(out["sim"][k] - bench[k]) <= bench[f"{k}_half"] + out["sim"][f"{k}_half"]
                     for k in ("overhead", "pls")}
     return out
-
-
-def _simulate(strategy, sc: Scenario, runs: int, seed: int) -> dict:
-    import numpy as np
-
-    from mpickpt.simulate.engine import simulate_run
-    from mpickpt.simulate.montecarlo import summarize
-
-    children = np.random.SeedSequence(seed).spawn(runs)
-    return summarize(strategy, sc, [simulate_run(strategy, sc, np.random.default_rng(c))
-                                    for c in children])
 
 
 def crosscheck(path: str | Path, runs: int = 4000, seed: int = 0) -> dict:

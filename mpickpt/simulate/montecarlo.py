@@ -30,12 +30,16 @@ class Estimate:
         return f"{self.mean:.4g} ± {self.half:.2g}"
 
 
+def run_many(strategy, sc: Scenario, runs: int, seed: int = 0) -> list[RunResult]:
+    """`runs` runs of `strategy`, one child seed each (the same seed, the same runs). Local."""
+    return [simulate_run(strategy, sc, np.random.default_rng(c))
+            for c in np.random.SeedSequence(seed).spawn(runs)]
+
+
 def simulate(name: str, sc: Scenario, ec: EventCosts, runs: int, seed: int = 0) -> dict:
     """`runs` runs of strategy `name`; their summary with confidence intervals. Local."""
     strategy = build(name, sc, ec)
-    children = np.random.SeedSequence(seed).spawn(runs)
-    results = [simulate_run(strategy, sc, np.random.default_rng(c)) for c in children]
-    return summarize(strategy, sc, results)
+    return summarize(strategy, sc, run_many(strategy, sc, runs, seed))
 
 
 def summarize(strategy, sc: Scenario, results: list[RunResult]) -> dict:

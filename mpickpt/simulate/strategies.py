@@ -11,7 +11,7 @@ Reactions to a failure of some nodes:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mpickpt.recovery.config import DEFAULT_TARGET_PLS
 from mpickpt.recovery.cpr_model import (Costs, benefit_check, expected_pls, pls_interval,
@@ -53,6 +53,9 @@ class SavePlan:
     """Bytes kept to restore the newest checkpoint (its baseline and increments)."""
     upkeep: float = 0.0
     """Share added to every step (parity, priority trackers)."""
+
+    def with_(self, **kw) -> "SavePlan":
+        return replace(self, **kw)
 
 
 def young_with_writes(stall: float, write: float, mtbf: float) -> float:
@@ -153,8 +156,7 @@ class Parity(Strategy):
         super().__init__(sc, ec)
 
     def save_plan(self) -> SavePlan:
-        plan = super().save_plan()
-        return SavePlan(**{**plan.__dict__, "upkeep": self.ec.parity_upkeep})
+        return super().save_plan().with_(upkeep=self.ec.parity_upkeep)
 
     def covers(self, nodes: list[int], rebuilding: bool) -> bool:
         if rebuilding or self.sc.nodes < self.k + self.r:

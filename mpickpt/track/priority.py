@@ -28,6 +28,11 @@ SSU_PERIOD = 2
 """CPR §6.1 samples every second data point (a sampling period of 2)."""
 
 
+def shard_ranges(plan, rank: int) -> list[tuple[int, int]]:
+    """The local row ranges [lo, hi) of `rank`'s table shards. Local."""
+    return [(s.local_start, s.local_start + s.rows) for s in plan.shards_of(rank)]
+
+
 def budget(rows: int, fraction: float) -> int:
     """Rows a save may write of a table shard of `rows` rows. Local."""
     return min(rows, max(1, math.ceil(fraction * rows))) if rows else 0
