@@ -262,9 +262,10 @@ def plot(rows: list[dict], path: Path) -> None:
         if full:
             axes[0].axhline(full[0]["overhead"]["total"] * 100, ls="--", lw=0.8,
                             color=axes[0].lines[-1].get_color())
-    axes[0].set(xscale="log", xlabel="target PLS", ylabel="failure overhead (%)",
+    scale = "log" if any(r["config"].startswith("vanilla") for r in rows) else "linear"
+    axes[0].set(xscale=scale, xlabel="target PLS", ylabel="failure overhead (%)",
                 title="CPR-vanilla overhead (dashed: full recovery)")
-    axes[1].set(xscale="log", xlabel="target PLS", ylabel="test AUC - failure-free",
+    axes[1].set(xscale=scale, xlabel="target PLS", ylabel="test AUC - failure-free",
                 title="CPR-vanilla accuracy")
     pts = [(p, d) for r in rows if r["config"] != "full"
            for p, d in zip(r["pls_values"], r["auc_deltas"])]
