@@ -88,3 +88,36 @@ def test_gap_control_and_round_trip(topology, ckpt_dir):
     for p, q in zip(fresh.dense.parameters(), model.dense.parameters()):
         assert torch.equal(p, q)
     assert fresh.digest() == model.digest()
+
+
+def _one_step(topology, model):
+    world = topology.world_size
+    stream = SyntheticStream(SyntheticConfig(table_sizes=SIZES))
+    reader = PrefetchReader(stream, global_batch=8 * world, rank=topology.rank, world=world,
+                            state=SyntheticPosition())
+    model.train_step(reader.next())
+    reader.close()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("stop", ["close", "abort"])
+@pytest.mark.parametrize("kind", [{"kind": "consecutive"}, {"priority": "mfu"},
+                                  {"priority": "scar"}])
+def test_stopping_the_manager_detaches_every_tracker(topology, ckpt_dir, kind, stop):
+    model = make_model(topology)
+    emb = model.embeddings
+    before = (list(emb.index_hooks), list(emb.count_hooks), list(emb.update_hooks))
+    mgr, _ = manager(topology, model, ckpt_dir, **kind)
+    assert len(emb.index_hooks) == len(before[0]) + 1  # the modified-row bit vector
+    assert len(emb.count_hooks) == len(before[1]) + ("priority" in kind)  # MFU/SCAR tracker
+    tracker = mgr.incremental.tracker
+    _one_step(topology, model)
+    if tracker is not None:
+        assert tracker.count() > 0  # attached: a step marks rows
+        tracker.extract()
+    getattr(mgr, stop)()
+    getattr(mgr, stop)()  # safe twice
+    assert (emb.index_hooks, emb.count_hooks, emb.update_hooks) == before
+    _one_step(topology, model)
+    if tracker is not None:
+        assert tracker.count() == 0  # detached: a further step marks nothing
