@@ -92,11 +92,6 @@ def values_from(cls, args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, _dest(cls, f)) for f, _ in option_fields(cls)}
 
 
-def flag_names(cls) -> dict[str, str]:
-    """Field name -> flag of every option field of `cls` (for error messages). Local."""
-    return {f.name: flag_of(f, meta) for f, meta in option_fields(cls)}
-
-
 def _dest(cls, f: dataclasses.Field) -> str:
     return f"{cls.__name__}__{f.name}"
 

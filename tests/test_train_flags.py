@@ -174,3 +174,32 @@ def test_criteo_files_are_checked_before_training():
     config = TrainConfig.from_args(["--data-generation", "criteo-tsv", "--raw-data-file",
                                     str(SHARED_CRITEO), "--arch-embedding-size", "criteo-kaggle"])
     assert config.data.files(train=True) == (str(SHARED_CRITEO),)
+
+
+TRAINER_SOURCES = ("engine", "faults", "kinds", "parity", "quant", "recovery", "survivors",
+                   "train_flags.py", "trainer.py", "train.py", "stop_signals.py")
+OTHER_TOOLS_FLAGS = {"--fmad": "NVRTC", "--signal": "sbatch / srun"}
+
+
+def test_every_flag_a_message_names_is_declared():
+    """Flags are declared once (in the config dataclasses); error and log texts still name them.
+    A renamed flag must not leave a message pointing at a flag that no longer exists."""
+    import ast
+    import pathlib
+    import re
+
+    import mpickpt
+
+    known = {s for a in build_parser()._actions for s in a.option_strings}
+    root = pathlib.Path(mpickpt.__file__).parent
+    named = {}
+    for entry in TRAINER_SOURCES:
+        for path in ([root / entry] if entry.endswith(".py") else (root / entry).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9](?![\w{-])",
+                                           node.value):
+                        named.setdefault(flag, set()).add(path.name)
+    assert len(named) > 20  # the scan sees the messages
+    stale = {flag: sorted(files) for flag, files in named.items() if flag not in known | set(OTHER_TOOLS_FLAGS)}
+    assert not stale, f"messages name flags the trainer does not declare: {stale}"
