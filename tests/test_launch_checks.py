@@ -1,0 +1,138 @@
+"""Launch checks and the MPICH segment cleanup, as the trainer, mpickpt-run and the sbatch script
+use them: a launcher's task count against MPI's world size (in process, and one real 1-rank
+trainer told by its environment that srun started 2 tasks), and stale `/dev/shm/mpich_shm_*`
+segments named as MPICH names them for a Slurm job step, removed before each run while other jobs'
+segments stay."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpickpt.launch.checks import launch_error, launched_tasks
+from mpickpt.launch.command import cleanup_command
+from mpickpt.launch.mpich_shm import SHM_DIR, remove_segments, world_id
+from mpickpt.launch.relaunch import Relauncher
+from tests.launch import REPO, SMALL_MODEL
+
+
+@pytest.mark.parametrize("name,launcher", [
+    ("SLURM_STEP_NUM_TASKS", "srun"),
+    ("PMI_SIZE", "PMI launcher"),
+    ("OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun"),
+    ("PMIX_SIZE", "PMIx launcher"),
+])
+def test_n_tasks_but_a_world_of_one_is_an_error_naming_the_fix(name, launcher):
+    error = launch_error(1, {name: "2"})
+    assert error is not None
+    assert "launched as 2 separate 1-rank jobs" in error and f"{name}=2" in error
+    assert launcher in error
+    assert "srun --mpi=pmi2" in error and "SRUN_MPI" in error and "mpi4py.get_config()" in error
+
+
+@pytest.mark.parametrize("world,env", [
+    (2, {"SLURM_STEP_NUM_TASKS": "2", "PMI_SIZE": "2"}),  # srun --mpi=pmi2: consistent
+    (4, {"OMPI_COMM_WORLD_SIZE": "4"}),
+    (1, {"SLURM_STEP_NUM_TASKS": "1", "PMI_SIZE": "1"}),  # a 1-rank job is one job
+    (1, {"SLURM_NTASKS": "8"}),  # a batch script's job count is not a step's task count
+    (1, {"SLURM_STEP_NUM_TASKS": ""}),
+    (1, {}),
+])
+def test_consistent_launches_pass(world, env):
+    assert launch_error(world, env) is None
+
+
+def test_the_step_count_is_read_before_the_pmi_one():
+    assert launched_tasks({"SLURM_STEP_NUM_TASKS": "3", "PMI_SIZE": "2"})[0] == 3
+    assert launched_tasks({"PMI_SIZE": "x"}) is None
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "PMI_", "PMIX_", "OMPI_"))}
+    return dict(env, OMP_NUM_THREADS="1",
+                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
+
+
+def test_the_trainer_stops_at_once_when_srun_started_singletons(tmp_path):
+    """What `srun -n 2` without --mpi starts: a process that MPI sees alone while srun says 2."""
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.run([sys.executable, "-m", "mpickpt.train", *SMALL_MODEL, "--num-batches",
+                           "5", "--ckpt-dir", str(ckpt), "--digest"], capture_output=True,
+                          text=True, timeout=120, env=_env(SLURM_STEP_NUM_TASKS="2"))
+    assert proc.returncode == 2, proc.stderr
+    assert "mpickpt-train: error: launched as 2 separate 1-rank jobs" in proc.stderr
+    assert "SLURM_STEP_NUM_TASKS=2" in proc.stderr and "srun --mpi=pmi2" in proc.stderr
+    assert "Traceback" not in proc.stderr and "digest" not in proc.stdout
+    assert not ckpt.exists() or os.listdir(ckpt) == []  # stopped before anything was saved
+
+
+# ---- stale MPICH segments -----------------------------------------------------------------------
+JOB = 987_650_123  # no real job: its segments are made by the test
+
+
+def _segments(shm, job, steps, kind="shm", node=0):
+    paths = []
+    for step in steps:
+        path = os.path.join(shm, f"mpich_{kind}_{world_id(job, step)}_{node}")
+        with open(path, "wb") as f:
+            f.write(b"\0" * 64)
+        paths.append(path)
+    return paths
+
+
+def test_world_id_is_mpichs_name_for_a_slurm_step():
+    # seen on the real cluster (tests/test_slurm_cluster.py): job 4's step 0 left
+    # /dev/shm/mpich_shm_a620f805_0; FNV-1a of "4.0"
+    assert world_id(4, 0) == "a620f805"
+    assert world_id(JOB, 3) != world_id(JOB, 4) != world_id(JOB + 1, 3)
+
+
+def test_the_cleanup_module_removes_this_jobs_stale_segments_in_dev_shm_only():
+    """What the sbatch script runs before each step (through mpickpt-run's cleanup command):
+    `python -m mpickpt.launch.mpich_shm` with the job id from $SLURM_JOB_ID, in /dev/shm."""
+    mine = _segments(SHM_DIR, JOB, [0, 1]) + _segments(SHM_DIR, JOB, [7], "vci", node=3)
+    others = _segments(SHM_DIR, JOB + 1, [0]) + _segments(SHM_DIR, JOB, [300])
+    try:
+        cmd = cleanup_command("srun", None)
+        if cmd is not None:  # srun installed: the module is what it runs on every node
+            assert cmd[-3:] == [sys.executable, "-m", "mpickpt.launch.mpich_shm"]
+        proc = subprocess.run([sys.executable, "-m", "mpickpt.launch.mpich_shm"],
+                              capture_output=True, text=True, timeout=60,
+                              env=_env(SLURM_JOB_ID=str(JOB)))
+        assert proc.returncode == 0, proc.stderr
+        assert [p for p in mine if os.path.exists(p)] == []
+        assert all(os.path.exists(p) for p in others)  # another job's, a step beyond 255
+        assert f"removed 3 stale MPICH segment(s) of job {JOB}" in proc.stderr
+    finally:
+        for p in mine + others:
+            if os.path.exists(p):
+                os.unlink(p)
+
+
+def test_the_cleanup_needs_a_job_id():
+    proc = subprocess.run([sys.executable, "-m", "mpickpt.launch.mpich_shm"],
+                          capture_output=True, text=True, timeout=60, env=_env())
+    assert proc.returncode == 2 and "--job is needed" in proc.stderr
+
+
+def test_mpickpt_run_cleans_before_every_run(tmp_path):
+    """Each run stands for a step that leaves its segment behind when it is killed: the run finds
+    none of its job's segments at its start only because the cleanup ran before it."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    stale = _segments(str(shm), JOB, [0])[0]
+    other = _segments(str(shm), JOB + 1, [0])[0]
+    seen = tmp_path / "seen"
+    run = (f"import os, sys\n"
+           f"open({str(seen)!r}, 'a').write(str(os.path.exists({stale!r})))\n"
+           f"open({stale!r}, 'w').close()\n"  # the step dies and leaves its segment
+           f"sys.exit(0 if os.path.getsize({str(seen)!r}) > 5 else 137)\n")
+    cleanup = [sys.executable, "-m", "mpickpt.launch.mpich_shm", "--job", str(JOB),
+               "--shm-dir", str(shm)]
+    status = Relauncher([sys.executable, "-c", run], max_restarts=2, log_path=None,
+                        cleanup=cleanup, say=lambda line: None).run()
+    assert status == 0
+    assert seen.read_text() == "FalseFalse"  # two runs, each started without the segment
+    assert os.path.exists(other)
+    assert remove_segments([JOB], str(shm)) == [os.path.basename(stale)]
