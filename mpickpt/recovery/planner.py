@@ -16,8 +16,14 @@ most 1/8 of the rows).
 
 Each cost is the median of its last `WINDOW` measurements (one slow save on a busy machine should
 not halve the interval). O_load is the measured restore time, or, before any restore, the
-checkpoint write time (reading a checkpoint back is rarely slower than writing it). A plan is
-logged with its inputs when the mode changes or the interval moves by a quarter or more.
+checkpoint write time (reading a checkpoint back is rarely slower than writing it).
+
+Logging: every plan goes into `history` with its inputs (the run report's `plans`). The log gets a
+plan line, with its inputs, when it is the first, when `--recovery auto` changes mode, or when the
+interval has moved by a quarter or more since the last logged line: the measured costs jitter from
+save to save, and a line at every save (next to the save's own line) would bury the moves that
+matter. At the end of the run, `summary()` logs the last plan with its inputs and how many
+re-plans there were.
 """
 from __future__ import annotations
 
@@ -36,8 +42,11 @@ class RecoveryPlanner:
     """Collective `after_save`; everything else local."""
 
     def __init__(self, topo, config, mode: str, ckpt, restorer, clock: StepClock, mtbf,
-                 lost_share: float, total_steps: int, say):
+                 lost_share: float, total_steps: int, say, reduce_max=None):
+        """`reduce_max`: the collective elementwise max of a float64 array over the ranks
+        (default: an Allreduce on `topo.control`)."""
         self.topo, self.config, self.mode = topo, config, mode
+        self.reduce_max = reduce_max or _allreduce_max(topo)
         self.ckpt, self.restorer, self.clock = ckpt, restorer, clock
         self.mtbf, self.lost_share, self.total_steps, self.say = mtbf, lost_share, total_steps, say
         self.fixed = ckpt.config.fixed_interval if ckpt is not None else None
@@ -46,6 +55,7 @@ class RecoveryPlanner:
         self.decision: Decision | None = None
         self.history: list[dict] = []
         self._logged_interval: int | None = None
+        self._step_seconds = 0.0
 
     @property
     def plans_interval(self) -> bool:
@@ -71,9 +81,11 @@ class RecoveryPlanner:
         if costs is None:
             return
         interval = None
+        mode_changed = False
         if self.mode == "auto":
             decision = benefit_check(costs, self.config.pls_target, self.lost_share)
-            if self.decision is None or decision.mode != self.decision.mode:
+            mode_changed = self.decision is None or decision.mode != self.decision.mode
+            if mode_changed:
                 self.say(decision.explain())
             self.decision = decision
             interval = decision.interval
@@ -81,23 +93,46 @@ class RecoveryPlanner:
             interval = pls_interval(self.config.target_pls, costs.mtbf, self.lost_share)
         elif self.young:
             interval = young_interval(costs.save, costs.mtbf)
+        if interval is None or self.fixed is not None:
+            self._record(step, costs, interval, None)
+            return
+        self.ckpt.schedule.replan(interval * self.share, step)
+        now, last = self.ckpt.schedule.interval, self._logged_interval
+        self._record(step, costs, interval, now)
+        if last is None or mode_changed or abs(now - last) >= LOG_CHANGE * last:
+            self._logged_interval = now
+            self.say(self.plan_line())
+
+    def _record(self, step: int, costs: Costs, interval, planned) -> None:
         self.history.append({"step": step, "costs": costs.__dict__, "interval": interval,
+                             "planned": planned, "why": self._why(costs),
                              "mode": self.decision.mode if self.decision else self.mode})
-        if interval is not None and self.fixed is None:
-            self.ckpt.schedule.replan(interval * self.share, step)
-            now, last = self.ckpt.schedule.interval, self._logged_interval
-            if last is None or abs(now - last) >= LOG_CHANGE * last:
-                self._logged_interval = now
-                self.say(f"checkpoint interval: {now} steps ({self._why(costs)})")
+
+    def plan_line(self) -> str:
+        """The newest plan with its inputs, for the log. Local."""
+        last = self.history[-1]
+        return f"checkpoint interval: {last['planned']} steps ({last['why']})"
+
+    def summary(self) -> list[str]:
+        """Lines for the end of the run: the last plan with its inputs and the number of re-plans
+        (one per save). Local."""
+        planned = [h for h in self.history if h["planned"] is not None]
+        if not planned:
+            return []
+        sizes = [h["planned"] for h in planned]
+        return [f"checkpoint planning: {len(planned)} re-plans, interval {min(sizes)}.."
+                f"{max(sizes)} steps; last at step {planned[-1]['step']}: "
+                f"{planned[-1]['planned']} steps ({planned[-1]['why']})"]
 
     def _why(self, c: Costs) -> str:
         scaled = f", x {self.share:g} for saves of that share of the rows" \
             if self.share < 1 else ""
-        return self._rule(c) + scaled
+        return f"{self._rule(c)}{scaled}; step {self._step_seconds:.4f} s"
 
     def _rule(self, c: Costs) -> str:
         if self.mode == "auto":
-            return f"{self.decision.mode} recovery chosen by CPR's benefit check"
+            return (f"{self.decision.mode} recovery chosen by CPR's benefit check: "
+                    f"{self.decision.inputs()}")
         if self.pls and self.mode == "partial":
             return (f"CPR eq. 4: 2 x PLS {self.config.target_pls:g} x T_fail {c.mtbf:.1f} / "
                     f"lost share {self.lost_share:.3f}")
@@ -110,9 +145,8 @@ class RecoveryPlanner:
         local = np.array([_recent(ck.save_seconds), _recent(rs.seconds),
                           _recent(ck.write_seconds), self.clock.seconds_per_step or 0.0,
                           _recent(rs.partial_seconds)])
-        agreed = np.empty_like(local)
-        self.topo.control.Allreduce(local, agreed, op=_max_op())
-        save_s, load_s, write_s, step_s, partial_s = agreed.tolist()
+        save_s, load_s, write_s, step_s, partial_s = self.reduce_max(local).tolist()
+        self._step_seconds = step_s
         clock = StepClock(self.clock.hours_per_step)
         clock.seconds_per_step = step_s or None
         mtbf = clock.steps(self.mtbf) if self.mtbf is not None else None
@@ -136,7 +170,12 @@ def _recent(values: list[float]) -> float:
     return float(np.median(values[-WINDOW:])) if values else 0.0
 
 
-def _max_op():
-    from mpi4py import MPI
+def _allreduce_max(topo):
+    """The elementwise max over the ranks of `topo.control`. Collective when called."""
+    def reduce(values: np.ndarray) -> np.ndarray:
+        from mpi4py import MPI
 
-    return MPI.MAX
+        out = np.empty_like(values)
+        topo.control.Allreduce(values, out, op=MPI.MAX)
+        return out
+    return reduce

@@ -89,5 +89,5 @@ class FaultTolerance:
         if self.pls.recoveries or self.mode in ("partial", "auto"):
             lines.append(f"PLS {self.pls.value:.5f} after {self.pls.recoveries} partial "
                          f"recoveries (portion of lost samples, CPR eq. 3)")
-        return lines
+        return lines + self.planner.summary()
 
