@@ -31,7 +31,8 @@ class Catalog:
     torn: list[str] = field(default_factory=list)
     """`step-*` directories no readable manifest refers to."""
     leftovers: list = field(default_factory=list)
-    """What killed jobs left (`store.leftovers.Leftover`), removed by the next run."""
+    """What killed jobs left (`store.leftovers.Leftover`): removed by the next run, except stale
+    survivor dumps (removed by a relaunch with survivor dumps on; `Leftover.by` says)."""
 
     def steps(self) -> list[int]:
         return [m.step for m in self.manifests]
@@ -52,6 +53,7 @@ def scan(root: str) -> Catalog:
     cat.manifests.sort(key=lambda m: m.step)
     cat.torn = torn_dirs(root, cat.manifests)
     cat.leftovers = leftovers.find(root, cat.manifests, chains=not cat.bad_manifests)
+    cat.leftovers += leftovers.stale_dumps(root, cat.steps()[-1] if cat.manifests else None)
     return cat
 
 
@@ -123,7 +125,7 @@ def listing(cat: Catalog) -> list[dict]:
     rows = sorted(rows, key=lambda r: (r["step"] is None, r["step"] or 0, r["kind"] is None))
     return rows + [{"step": None, "kind": None, "world_size": None, "files": 1,
                     "bytes": item.bytes, "status": f"leftover: {item.why} "
-                    f"({os.path.relpath(item.path, cat.root)}; the next run removes it)",
+                    f"({os.path.relpath(item.path, cat.root)}; {item.by})",
                     "ckpt_id": None} for item in cat.leftovers]
 
 

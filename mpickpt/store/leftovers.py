@@ -9,10 +9,17 @@ manifest and the chunk index name every file a checkpoint uses. `find` lists the
 the next run removes them at its start (`remove`, on one rank, before any writer of its own has
 started) and `mpickpt ls` shows what is left. Step directories without a manifest are handled
 where they always were (`manifest.torn_dirs`). A temporary whose writer process is still alive on
-this host is left alone. Local: nothing here uses MPI.
+this host is left alone.
+
+Survivor dumps copied to ``<root>/survivors/rank-<r>`` (`--survivor-dumps ckpt`) are only listed
+(`stale_dumps`, for `mpickpt ls`): one no newer than the newest committed checkpoint, left by an
+earlier job of a directory made anew, or cut short is never used, but it is the survivors' code
+that removes them (a relaunch with survivor dumps on, once it has decided not to use them), so the
+restore here never deletes one. Local: nothing here uses MPI.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -21,6 +28,15 @@ from dataclasses import dataclass
 _MANIFEST_TMP = re.compile(r"^\.manifest-\d{12}\.json\.tmp-(\d+)$")
 _PID_TMP = re.compile(r"\.tmp-(\d+)$")
 TEMP_SUFFIXES = (".tmp", ".reserve")
+NEXT_RUN = "the next run removes it"
+SURVIVORS = "survivors"
+"""``<root>/survivors/rank-<r>``: where `survivors.dump` copies a rank's dump (with its
+``header.json``); the root's lineage id is in `LINEAGE_FILE`. Named here, not imported: the store
+does not depend on the survivors package."""
+LINEAGE_FILE = ".mpickpt-lineage"
+_DUMP = re.compile(r"^rank-\d{5}$")
+_DUMP_TMP = re.compile(r"^rank-\d{5}\.tmp-(\d+)$")
+DUMP_REMOVER = "a relaunch with --survivor-dumps shm|ckpt removes it; safe to delete"
 
 
 @dataclass(frozen=True)
@@ -30,6 +46,8 @@ class Leftover:
     path: str
     bytes: int
     why: str
+    by: str = NEXT_RUN
+    """What removes it."""
 
 
 def find(root: str, manifests, chains: bool = True) -> list[Leftover]:
@@ -46,10 +64,10 @@ def find(root: str, manifests, chains: bool = True) -> list[Leftover]:
     committed = {m.ckpt_id for m in manifests}
     for d in sorted(committed):
         out += _temporaries(os.path.join(root, d), "an interrupted write in a committed checkpoint")
-    chains = os.path.join(root, "chains")
+    chains_dir = os.path.join(root, "chains")
     used = {m.chain for m in manifests if m.chain}
-    for chain in sorted(os.listdir(chains)) if os.path.isdir(chains) else []:
-        path = os.path.join(chains, chain)
+    for chain in sorted(os.listdir(chains_dir)) if os.path.isdir(chains_dir) else []:
+        path = os.path.join(chains_dir, chain)
         if chain not in used:
             if not chains:
                 continue
@@ -112,3 +130,51 @@ def _tree_bytes(path: str) -> int:
 def _alive(pid: str) -> bool:
     """A process of that id exists on this host (it may still be writing). Local."""
     return os.path.exists(f"/proc/{pid}")
+
+
+def stale_dumps(root: str, newest_step: int | None) -> list[Leftover]:
+    """Survivor dumps under ``<root>/survivors`` that no relaunch will use: a dump no newer than
+    `newest_step` (the newest committed checkpoint), one of an earlier lineage of the directory,
+    one whose header cannot be read, and the halves of a write whose process is gone. Only the
+    headers are read (no array is checked). Listed, never removed here. Local."""
+    folder = os.path.join(root, SURVIVORS)
+    if not os.path.isdir(folder):
+        return []
+    current = _read_text(os.path.join(root, LINEAGE_FILE))
+    out = []
+    for name in sorted(os.listdir(folder)):
+        tmp = _DUMP_TMP.match(name)
+        if tmp and not _alive(tmp.group(1)):
+            why = f"a survivor dump write interrupted (process {tmp.group(1)} is gone)"
+        elif _DUMP.match(name):
+            why = _stale_dump(os.path.join(folder, name), newest_step, current)
+        else:
+            why = None
+        if why:
+            item = _file(folder, name, why)
+            out.append(Leftover(item.path, item.bytes, why, DUMP_REMOVER))
+    return out
+
+
+def _stale_dump(path: str, newest_step: int | None, lineage: str | None) -> str | None:
+    """Why the dump at `path` will not be used, or None when a relaunch may use it. Local."""
+    try:
+        with open(os.path.join(path, "header.json")) as f:
+            header = json.load(f)
+        step = int(header["step"])
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        return f"a survivor dump whose header cannot be read ({e})"
+    if lineage is not None and header.get("lineage", "") != lineage:
+        return "a survivor dump left by an earlier job (the directory was made anew since)"
+    if newest_step is not None and step <= newest_step:
+        return (f"a survivor dump of step {step}, no newer than the newest committed checkpoint "
+                f"(step {newest_step})")
+    return None
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
