@@ -21,8 +21,8 @@ from mpickpt.incrcp.bloom import BloomFilter
 from mpickpt.store.chunk_index import ChunkIndex, ChunkRef, commit_index, index_dir
 from mpickpt.store.row_arrays import EncodedRows, open_rows, write_raw
 from mpickpt.store.durable import fsync_path
-from mpickpt.store.shard_file import (FORMAT_VERSION, open_hdf5, open_shard, read_rows,
-                                      seal_attributes, write_dataset)
+from mpickpt.store.shard_file import (FORMAT_VERSION, alignment, open_hdf5, open_shard,
+                                      read_rows, seal_attributes, write_dataset)
 
 
 @dataclass
@@ -65,13 +65,15 @@ class BundleBuilder:
         return ChunkRef(self.relpath, table, start, start + n, int(rows["gids"][0]),
                         int(rows["gids"][-1]), column, until, self.GROUP)
 
-    def write(self, root: str, step: int) -> int:
-        """Write the bundle atomically and durably; returns bytes. Nothing when empty. Local."""
+    def write(self, root: str, step: int, align: int = 0) -> int:
+        """Write the bundle atomically and durably; returns bytes. Nothing when empty. Datasets of
+        at least `align` bytes start at a multiple of it, as in checkpoint files (0: packed).
+        Local."""
         if not self.pieces:
             return 0
         path = os.path.join(root, self.relpath)
         tmp = path + ".tmp"
-        with open_hdf5(tmp, "w") as f:
+        with open_hdf5(tmp, "w", **alignment(align)) as f:
             f.attrs.update({"format_version": FORMAT_VERSION, "step": step, "kind": "bundle"})
             group = f.require_group(self.GROUP)
             for name in self.pieces[0]:
@@ -125,9 +127,11 @@ class Extractor:
         self.blooms: dict[tuple, BloomFilter] = {}
 
     def ingest(self, index: ChunkIndex, step: int, new_refs: list[ChunkRef], row_names: list[str],
-               retained: list[int] | None = None, before_commit=None) -> ExtractionStats:
+               retained: list[int] | None = None, before_commit=None,
+               align: int = 0) -> ExtractionStats:
         """Add checkpoint `step`'s chunks, extract duplicates, commit the next index generation,
-        then delete files no longer referenced. `before_commit()` is a fault-injection point."""
+        then delete files no longer referenced. `before_commit()` is a fault-injection point;
+        `align` is the checkpoint's `--ckpt-align` (bundle datasets start at multiples of it)."""
         start = time.perf_counter()
         stats = ExtractionStats(step)
         if step in index.columns:
@@ -145,7 +149,8 @@ class Extractor:
                                                      step, row_names, row0, row1, stats)
                     index.push_row1(table, column, kept, moved)
             index.add_column(step, new_refs)
-            stats.bundle_bytes = row0.write(self.root, step) + row1.write(self.root, step)
+            stats.bundle_bytes = row0.write(self.root, step, align) + row1.write(self.root, step,
+                                                                                align)
             if stats.bundle_bytes:
                 fsync_path(os.path.join(self.root, rel))
             self._remember_blooms(reader, index, step)

@@ -41,7 +41,8 @@ def run_ingest(job: dict, state: dict) -> dict:
         refs = column_refs(root, chain, rank, step, job["parts"])
         retained = [m.step for m in list_manifests(root) if m.chain == chain]
         hook = _crash if job.get("crash_before_commit") else None
-        stats = state["extractor"].ingest(index, step, refs, job["row_names"], retained, hook)
+        stats = state["extractor"].ingest(index, step, refs, job["row_names"], retained, hook,
+                                          job.get("align", 0))
         seconds = time_restore(root, index, step, job["row_names"])
         return {"ok": True, "step": step, "chain": chain, "stats": stats.as_dict(),
                 "restore_seconds": seconds}

@@ -88,7 +88,7 @@ class Incrcp(Kind):
             self.cost.restores.append((step, seconds))
 
     def companion(self, root, config, say):
-        return Ingestion(root, config.incrcp_ratio, config.inject_extract_crash, say)
+        return Ingestion(root, config.incrcp_ratio, config.inject_extract_crash, say, config.align)
 
     def shard_location(self, save, ckpt_id, rank, step, part):
         return column_relpath(save.chain, rank, step, part), "chunk"
@@ -141,8 +141,8 @@ class Ingestion:
     """The trainer's side of the extractor: one ingestion per durable increment, its answers
     logged and fed back into the cost model. Local."""
 
-    def __init__(self, root: str, ratio: float, crash_at: int | None, say):
-        self.root, self.crash_at, self.say = root, crash_at, say
+    def __init__(self, root: str, ratio: float, crash_at: int | None, say, align: int = 0):
+        self.root, self.crash_at, self.say, self.align = root, crash_at, say, align
         self.client = ExtractorClient(root, ratio, say)
         self.count = 0
 
@@ -153,7 +153,7 @@ class Ingestion:
         crash = self.crash_at == self.count and is_root
         self.client.submit({"root": self.root, "chain": chain, "rank": rank, "step": step,
                             "parts": parts, "row_names": sorted(row_names),
-                            "crash_before_commit": crash})
+                            "crash_before_commit": crash, "align": self.align})
 
     def poll(self, kind: Kind, rank: int, drain: bool = False) -> None:
         """Take the extractor's answers (all queued ones with `drain`). Local."""
