@@ -61,6 +61,21 @@ def test_pls_follows_eq3_over_a_scripted_sequence_of_failures():
     assert resumed.value == pytest.approx(by_hand) and resumed.recoveries == 3
 
 
+
+def test_a_full_rollback_returns_the_pls_to_the_checkpoint_it_restores():
+    acct = PLSAccount(total_samples=1000 * 64)
+    acct.partial_recovery(150, 64, [(0.25, 100)])
+    at_400 = acct.to_stats()  # what the checkpoint of step 400 records
+    acct.partial_recovery(420, 64, [(0.5, 400)])
+    assert acct.recoveries == 2
+    change = acct.rolled_back(400, at_400)  # replays 401..420: the second recovery is undone
+    assert change == pytest.approx(-0.5 * 20 * 64 / 64000)
+    assert acct.value == at_400["value"] == pytest.approx(0.25 * 50 / 1000)
+    assert acct.recoveries == 1 and acct.to_stats() == at_400
+    assert acct.rolled_back(0, None) == pytest.approx(-at_400["value"])  # nothing committed
+    assert acct.value == 0.0 and acct.recoveries == 0
+    assert [e.get("rolled_back", False) for e in acct.events] == [False, False, True, True]
+
 # ---- durations, failure processes, the emulator -------------------------------------------------
 def test_durations_parse_and_convert():
     assert Duration.parse("300") == Duration(300.0, "steps") == Duration.parse("300steps")
@@ -165,14 +180,47 @@ def test_ssu_keeps_a_bounded_list_with_random_eviction():
 
 
 def test_scar_selects_the_largest_changes_since_the_last_save():
-    w = torch.zeros(6, 2)
-    t = LargestChange(6, [(0, 6)], "cpu", weight=w)
-    w[1] += 3.0
-    w[4] += 1.0
-    w[5] += 5.0  # changed but never looked up: not a candidate
-    _feed(t, [([1, 2, 4], [1, 1, 1])])
-    assert t.select(0.34).tolist() == [1, 4]  # budget 3: only 1 and 4 moved among 1, 2, 4
-    t.saved(np.array([1]))
-    w[4] += 1.0
-    assert t.select(0.2).tolist() == [4]  # row 1 was saved; row 4 moved by 2 since its save
-    assert t.nbytes == 6 * 2 * 4 + 6 and make_tracker("scar", 6, [(0, 6)], "cpu", 0.5, w).nbytes
+    w = torch.zeros(12, 2)
+    t = LargestChange(12, [(0, 8), (8, 12)], "cpu", weight=w)
+    moved = {1: 1.0, 3: 4.0, 4: 2.0, 6: 3.0}  # looked up and moved: distinct L2 changes
+    for row, by in moved.items():
+        w[row, 0] += by
+    w[7] += 10.0  # moved furthest but never looked up: not a candidate
+    w[9, 1] += 0.5  # table 1: one moved row
+    _feed(t, [([1, 2, 3], [1, 1, 1]), ([4, 6, 9, 10], [1, 1, 1, 1])])  # 2 and 10 did not move
+    assert budget(8, 0.25) == 2 and budget(4, 0.25) == 1
+    # the budget binds in table 0 (4 candidates, 2 slots): exactly the two largest, 3 and 6
+    assert t.select(0.25).tolist() == [3, 6, 9]
+    # with room for every row, only rows both looked up and moved are chosen
+    assert t.select(1.0).tolist() == [1, 3, 4, 6, 9]
+    t.saved(np.array([3, 6, 9]))
+    for row in (3, 6, 9):  # the last-saved values are now the current ones
+        assert torch.equal(t.last_saved[row], w[row]) and not t.dirty[row]
+    assert torch.equal(t.last_saved[[1, 4, 7]], torch.zeros(3, 2))  # unsaved rows keep theirs
+    w[3, 0] += 0.5  # 4.5 from the start, but 0.5 since its save: below rows 4 (2) and 1 (1)
+    _feed(t, [([3], [1])])
+    assert t.select(0.25).tolist() == [1, 4]
+    w[3, 0] += 2.0  # now 2.5 since its save: the largest change again
+    assert t.select(0.25).tolist() == [3, 4]
+    t.reset()  # a baseline wrote every row
+    assert t.select(1.0).tolist() == [] and torch.equal(t.last_saved, w)
+
+
+def test_tracker_memory_follows_cpr_table_1_and_is_what_the_tensors_hold():
+    ranges, n, dim, r = [(0, 300), (300, 500), (500, 537)], 537, 16, 0.125
+    weight = torch.zeros(n, dim)
+    caps = [budget(hi - lo, r) for lo, hi in ranges]
+    assert caps == [38, 25, 5]
+    expected = {"mfu": 4 * n,  # a 4-byte counter per row
+                "ssu": 4 * sum(caps) + 8 * math.ceil(n / 32),  # r x n int32 ids + a bit per row
+                "scar": n * dim * 4 + n}  # the last-saved weights + a dirty byte per row
+    for rule, want in expected.items():
+        t = make_tracker(rule, n, ranges, "cpu", r, weight)
+        assert t.nbytes == want, rule
+        held = [v for v in vars(t).values() if isinstance(v, torch.Tensor) and v is not weight]
+        if rule == "ssu":  # the id list grows up to its bound; the bits are allocated up front
+            held = [t.members.words]
+            want -= 4 * sum(caps)
+            _feed(t, [(list(range(n)), [100] * n)])  # period 2, 100 lookups: all sampled
+            assert len(t.ids) == sum(caps) and t.ids.dtype == torch.int32
+        assert sum(x.untyped_storage().nbytes() for x in held) == want, rule

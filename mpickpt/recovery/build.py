@@ -14,7 +14,7 @@ def build_recovery(mode: str, topo, model, parity, ckpt, restorer, pls, planner,
     """The policies of `mode`: full (roll back), partial (CPR), parity (rebuild, else roll
     back), auto (rebuild where parity covers, else CPR's choice). After a recovery replaced rows,
     parity is re-encoded. Local."""
-    full = FullRollback(ckpt, restorer, topo.world_size, model, start_state)
+    full = FullRollback(ckpt, restorer, topo.world_size, model, start_state, pls)
     partial = PartialRecovery(ckpt, restorer, model, pls, global_batch, say)
     rebuild = [ParityRebuild(parity)] if parity is not None else []
     policies = {"full": [full], "partial": [partial], "parity": [*rebuild, full],

@@ -1,7 +1,8 @@
 """Full recovery: every rank, the dense part and the reader go back to the newest committed
 checkpoint (the checkpoint in flight is let finish first), and training replays from there. With
 nothing committed yet, training starts over from the initial model (a pure function of the seed)
-and the first sample."""
+and the first sample. The PLS goes back with them (`recovery.pls`): the rollback replays every sample
+since the checkpoint, the partial recoveries after it included."""
 from __future__ import annotations
 
 from mpickpt.faults.loss import Loss
@@ -14,9 +15,12 @@ class FullRollback(RecoveryPolicy):
     name = "full"
     action = "falling back to the latest checkpoint"
 
-    def __init__(self, ckpt, restorer, world_size: int, model=None, start_state: dict | None = None):
+    def __init__(self, ckpt, restorer, world_size: int, model=None, start_state: dict | None = None,
+                 pls=None):
+        """`pls`: the job's PLSAccount, returned to the restored checkpoint's value (None: the
+        job keeps no PLS)."""
         self.ckpt, self.restorer, self.world_size = ckpt, restorer, world_size
-        self.model, self.start_state = model, start_state
+        self.model, self.start_state, self.pls = model, start_state, pls
 
     def why_not(self, loss: Loss) -> str | None:
         if self.ckpt is None:
@@ -35,6 +39,20 @@ class FullRollback(RecoveryPolicy):
             self.ckpt.schedule.restart(0)
             self.restorer.say("nothing committed yet: training starts over from the initial "
                               "model")
+            self._pls_back(0, None)
             return Outcome(self.name, 0, self.start_state, everyone)
         self.ckpt.restored(restored)
+        manifest = restored.manifest
+        self._pls_back(restored.step, manifest.stats.get("pls") if manifest is not None else None)
         return Outcome(self.name, restored.step, restored.reader_state, everyone)
+
+    def _pls_back(self, step: int, stats: dict | None) -> None:
+        """The PLS of the checkpoint rolled back to (of the start: 0), logged when it moved.
+        Local."""
+        if self.pls is None:
+            return
+        change = self.pls.rolled_back(step, stats)
+        if change:
+            self.restorer.say(f"full rollback to step {step}: PLS {change:+.5f} = "
+                              f"{self.pls.value:.5f} after {self.pls.recoveries} partial "
+                              f"recoveries (the samples since are replayed)")

@@ -8,9 +8,13 @@ At a partial recovery after step i, each lost shard s goes back to its last save
 with S_k = k x global batch the samples trained up to step k, S_total the samples of the whole
 job, and share_s the shard's share of the embedding rows (CPR's 1 / N_emb for one of N_emb equal
 embedding servers). With prioritized saves the last save of a shard is the newest (partial) one, as
-in CPR's evaluation of MFU and SSU: the rows that save skipped were judged not to matter. The running value travels in every manifest (`stats["pls"]`), so a resumed
-job continues from the PLS of the checkpoint it resumed from: a full rollback undoes the partial
-recoveries after that checkpoint along with everything else. Local.
+in CPR's evaluation of MFU and SSU: the rows that save skipped were judged not to matter.
+
+The running value travels in every manifest (`stats["pls"]`). A full rollback, whether a resumed
+job or one inside a running job (`--recovery full`, `parity` or `auto`), returns the PLS to the
+value of the checkpoint it restores: it replays every sample since, so the partial recoveries after
+that checkpoint are undone with everything else; with nothing committed it starts over from 0.
+Local.
 """
 from __future__ import annotations
 
@@ -23,7 +27,10 @@ class PLSAccount:
 
     total_samples: int
     value: float = 0.0
+    recoveries: int = 0
+    """Partial recoveries counted in `value` (those a rollback undid are not)."""
     events: list[dict] = field(default_factory=list)
+    """What happened to the PLS in this process: partial recoveries and rollbacks."""
 
     def partial_recovery(self, step: int, global_batch: int,
                          lost: list[tuple[float, int]]) -> float:
@@ -32,22 +39,33 @@ class PLSAccount:
         gained = sum(share * (step - saved) * global_batch for share, saved in lost) \
             / max(self.total_samples, 1)
         self.value += gained
+        self.recoveries += 1
         self.events.append({"step": step, "increase": gained, "pls": self.value,
                             "shards": [[share, saved] for share, saved in lost]})
         return gained
 
+    def rolled_back(self, step: int, stats: dict | None) -> float:
+        """A full rollback to the checkpoint of `step` whose manifest recorded `stats` (None:
+        nothing committed, back to the start): the PLS is that checkpoint's again. Returns the
+        change (<= 0). Local."""
+        before = self.value
+        self.value, self.recoveries = _recorded(stats)
+        self.events.append({"step": step, "rolled_back": True, "change": self.value - before,
+                            "pls": self.value})
+        return self.value - before
+
     def to_stats(self) -> dict:
         """What a manifest records. Local."""
-        return {"value": self.value, "partial_recoveries": len(self.events)}
+        return {"value": self.value, "partial_recoveries": self.recoveries}
 
     @classmethod
     def resumed(cls, total_samples: int, stats: dict | None) -> "PLSAccount":
         """The account of a job resumed from a checkpoint whose manifest recorded `stats`."""
-        stats = stats or {}
-        account = cls(total_samples, float(stats.get("value", 0.0)))
-        account.events = [{"resumed": True}] * int(stats.get("partial_recoveries", 0))
-        return account
+        value, recoveries = _recorded(stats)
+        return cls(total_samples, value, recoveries)
 
-    @property
-    def recoveries(self) -> int:
-        return len(self.events)
+
+def _recorded(stats: dict | None) -> tuple[float, int]:
+    """(PLS, partial recoveries) as a manifest's `stats["pls"]` records them. Local."""
+    stats = stats or {}
+    return float(stats.get("value", 0.0)), int(stats.get("partial_recoveries", 0))

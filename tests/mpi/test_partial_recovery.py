@@ -1,7 +1,11 @@
-"""Partial recovery in process on 1, 2 and 4 ranks: the lost shard reloads exactly the latest
-checkpoint's rows and optimizer state (full, quantized incrcp and prioritized kinds, row-wise split
-tables, a whole rank or half of one); every other row, the dense part and the step stay as they
-were; the PLS grows by eq. 3; the failure emulator draws the same failures on every rank."""
+"""Partial recovery in process on 1, 2 and 4 ranks: the lost shard (rank 1's where there are two
+ranks or more, a middle rank on 4) reloads exactly the latest checkpoint's rows and optimizer state
+(full, quantized incrcp and prioritized kinds, row-wise split tables, a whole rank or half of one);
+every other row, the dense part and the step stay as they were; the PLS grows by eq. 3, and a full
+rollback inside the job returns it to the restored checkpoint's; the failure emulator draws the
+same failures on every rank; the prioritized kinds report their trackers' memory."""
+import math
+import re
 
 import numpy as np
 import pytest
@@ -17,14 +21,17 @@ from mpickpt.engine.snapshot import numpy_dtype
 from mpickpt.faults.emulator import FailureEmulator
 from mpickpt.faults.loss import Loss, LostShard
 from mpickpt.faults.process import FailureModel
+from mpickpt.kinds.priority import Priority
 from mpickpt.model.dense import DenseArch
 from mpickpt.model.hybrid import HybridDLRM
 from mpickpt.model.optimizers import OptimizerConfig
 from mpickpt.model.shard_plan import ShardPlanOptions
 from mpickpt.quant.config import QuantConfig
+from mpickpt.recovery.full_rollback import FullRollback
 from mpickpt.recovery.partial import PartialRecovery
 from mpickpt.recovery.pls import PLSAccount
 from mpickpt.store.manifest import list_manifests
+from mpickpt.track.priority import budget
 
 SIZES = (3000, 700, 90, 5)
 BATCH = 32
@@ -46,7 +53,8 @@ def ckpt_dir(shared_dir):
     return shared_dir
 
 
-def _train(topo, model, ckpt, steps):
+def _train(topo, model, ckpt, steps, after=None):
+    """Train `steps` steps, checkpointing when due; `after(step)` after each. Collective."""
     stream = SyntheticStream(SyntheticConfig(table_sizes=SIZES, pooling=2, seed=5))
     state = SyntheticPosition()
     for step in range(1, steps + 1):
@@ -56,6 +64,13 @@ def _train(topo, model, ckpt, steps):
         if ckpt.due(step):
             ckpt.save(step, state.to_dict())
             ckpt.schedule.passed(step)
+        if after is not None:
+            after(step)
+
+
+def _lost_rank(topo) -> int:
+    """Rank 1 where there is one (a middle rank on 4 ranks), else rank 0."""
+    return 1 if topo.world_size >= 2 else 0
 
 
 def _templates(model):
@@ -91,7 +106,7 @@ def test_partial_recovery_reloads_only_the_lost_rows(topology, ckpt_dir, kind, h
     assert manifest.step == 6 and (manifest.kind != "full") == (kind != "full")
     before = {k: v.clone() for k, v in model.row_state().items()}
     dense = {k: v.clone() for k, v in model.dense_state().items()}
-    lost = topo.world_size - 1
+    lost = _lost_rank(topo)
     held = model.plan.local_rows(lost)
     shard = LostShard(lost, 0, held // 2 if half else held, held)
     loss = Loss((shard,), after_step=7)
@@ -156,3 +171,62 @@ def test_the_emulator_draws_the_same_failures_on_every_rank(topology):
     everyone = topology.control.allgather(mine)
     assert all(other == mine for other in everyone)
     assert {s.rank for f in mine for s in f.shards} == set(range(topology.world_size))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_full_rollback_in_the_job_returns_the_pls_to_the_restored_checkpoints(topology,
+                                                                                 ckpt_dir):
+    topo = topology
+    model = _model(topo)
+    ckpt = CheckpointManager(topo, CheckpointConfig(directory=ckpt_dir, interval=2, keep=10,
+                                                    resume="none"), model, log=lambda _: None)
+    restorer = Restorer(topo, ckpt_dir, model, lambda _: None)
+    global_batch = BATCH * topo.world_size
+    pls = PLSAccount(total_samples=100 * global_batch)
+    ckpt.stats_sources.append(lambda: {"pls": pls.to_stats()})  # as the trainer records it
+    partial = PartialRecovery(ckpt, restorer, model, pls, global_batch, lambda _: None)
+    lost = _lost_rank(topo)
+    share = model.plan.local_rows(lost) / sum(SIZES)
+
+    def partial_after(step):
+        if step in (3, 7):  # after the saves at 2 and 6
+            partial.recover(Loss.of_ranks([lost], step, model.plan))
+    _train(topo, model, ckpt, 7, after=partial_after)  # checkpoints at 2, 4, 6
+    first = share * (3 - 2) * global_batch / pls.total_samples
+    assert pls.value == pytest.approx(2 * first) and pls.recoveries == 2
+    ckpt.quiesce()
+    recorded = {m.step: m.stats["pls"] for m in list_manifests(ckpt_dir)}
+    assert recorded[2] == {"value": 0.0, "partial_recoveries": 0}
+    assert recorded[6]["value"] == pytest.approx(first) and recorded[6]["partial_recoveries"] == 1
+    lines = []
+    restorer.say = lines.append
+    full = FullRollback(ckpt, restorer, topo.world_size, model, {}, pls)
+    outcome = full.recover(Loss.of_ranks([lost], 7, model.plan))
+    assert outcome.step == 6
+    # the rollback replays steps 7.. with every row back at step 6: the second recovery is undone
+    assert pls.value == recorded[6]["value"] and pls.recoveries == 1
+    assert pls.events[-1] == {"step": 6, "rolled_back": True, "change": pytest.approx(-first),
+                              "pls": recorded[6]["value"]}
+    assert any(f"full rollback to step 6: PLS -{first:.5f} = {first:.5f} after 1 partial" in line
+               for line in lines), lines
+    ckpt.close()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("rule", ["mfu", "ssu", "scar"])
+def test_prioritized_saves_report_their_trackers_memory(topology, ckpt_dir, rule):
+    model = _model(topology)
+    kind = Priority(sum(SIZES), CheckpointConfig(directory=ckpt_dir, priority=rule,
+                                                 save_fraction=0.25))
+    line = kind.attach(model)
+    kind.detach()
+    rows, dim = model.plan.local_rows(topology.rank), model.embeddings.dim
+    caps = sum(budget(s.rows, 0.25) for s in model.plan.shards_of(topology.rank))
+    expected = {"mfu": 4 * rows,  # CPR Table 1: a 4-byte counter per row
+                "ssu": 4 * caps + 8 * math.ceil(rows / 32),  # r x n int32 ids, a bit per row
+                "scar": rows * dim * 4 + rows}[rule]  # the last-saved fp32 weights, a dirty byte
+    reported = re.search(r"tracker memory (\d+) bytes \(([0-9.]+) MB\) on rank (\d+), "
+                         r"([0-9.]+)% of its embedding rows", line)
+    assert reported, line
+    assert int(reported.group(1)) == expected and int(reported.group(3)) == topology.rank
+    assert float(reported.group(4)) == pytest.approx(100 * expected / (rows * dim * 4), abs=0.01)
