@@ -1,12 +1,12 @@
 """Row-tracking overhead as a share of iteration time (target: <= 1%), and the upkeep of the
-prioritized-save trackers (CPR-MFU, CPR-SSU: the simulator's priority upkeep).
+prioritized-save trackers (CPR-MFU, CPR-SSU: the simulator's priority upkeep; SCAR).
 
     python bench/tracking_overhead.py --steps 300
 
 Single process (MPI singleton), 26 Criteo Kaggle tables / 100, D=16, global batch 2048. Alternates
 blocks of steps with and without the bit-vector attached, so drift in machine load affects both
-equally, and also times the marking calls alone. Then times the MFU and SSU trackers' updates at the
-owner's count hook alone (r = 0.125), with their memory (CPR Table 1). Writes
+equally, and also times the marking calls alone. Then times the MFU, SSU and SCAR trackers'
+updates at the owner's count hook alone (r = 0.125), with their memory (CPR Table 1). Writes
 bench/results/tracking_overhead.json.
 """
 from __future__ import annotations
@@ -111,14 +111,14 @@ def main() -> None:
 
 
 def priority_upkeep(model, batches, steps: int, sync, step_ms: float) -> dict:
-    """Per-step time of the CPR-MFU and CPR-SSU trackers' updates at the owner's count hook (the
-    training thread pays them), as a share of the untracked step, and their memory. Local."""
+    """Per-step time of the CPR-MFU, CPR-SSU and SCAR trackers' updates at the owner's count hook
+    (the training thread pays them), as a share of the untracked step, and their memory. Local."""
     from mpickpt.track.priority import make_tracker, shard_ranges
 
     emb = model.embeddings
     ranges = shard_ranges(model.plan, emb.topo.rank)
     out = {}
-    for rule in ("mfu", "ssu"):
+    for rule in ("mfu", "ssu", "scar"):
         tracker = make_tracker(rule, len(emb.local_gids), ranges, emb.device, 0.125,
                                weight=emb.weight, seed=0)
         spent = [0.0]

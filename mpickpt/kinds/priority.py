@@ -60,9 +60,10 @@ class Priority(Kind):
         return (f"prioritized saves ({self.rule}, r = {self.fraction:g}): at most "
                 f"{self.fraction:.1%} of each table shard per save, a baseline "
                 + (f"every {self.every} saves" if self.every else "only at the start")
-                + f"; tracker memory {self.tracker.nbytes / 1e6:.2f} MB on rank "
-                f"{emb.topo.rank} ({self.tracker.nbytes / max(table_bytes, 1):.2%} of its "
-                f"embedding rows)")
+                + f"; tracker memory {self.tracker.nbytes} bytes "
+                f"({self.tracker.nbytes / 1e6:.2f} MB) on rank {emb.topo.rank}, "
+                f"{self.tracker.nbytes / max(table_bytes, 1):.2%} of its embedding rows "
+                f"(CPR Table 1)")
 
     def detach(self) -> None:
         if self._remove is not None:
