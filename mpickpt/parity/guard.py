@@ -110,6 +110,29 @@ class ParityGuard:
         if self.topo.rank in ranks:
             self.store.parity.fill_(NAN_BITS)
 
+    def rebuilding_here(self) -> bool:
+        """This rank's rows are being rebuilt from parity (not whole yet). Local."""
+        return bool(self.rebuild is not None and self.rebuild.active and self.rebuild.mine)
+
+    def snapshot(self) -> np.ndarray:
+        """A host copy of the parity this rank holds (for a survivor dump). Local."""
+        return self.store.parity.detach().cpu().numpy().copy()
+
+    @torch.no_grad()
+    def restore(self, parity) -> None:
+        """Put back parity taken by `snapshot` (a survivor restored from its dump); ValueError
+        when its shape or type is not this rank's. Local."""
+        held = self.store.parity
+        parity = torch.as_tensor(parity)
+        if parity.shape != held.shape or parity.dtype != held.dtype:
+            raise ValueError(f"parity of shape {tuple(parity.shape)} {parity.dtype} cannot "
+                             f"replace this rank's {tuple(held.shape)} {held.dtype}")
+        held.copy_(parity)
+
+    def unfold(self, fold) -> None:
+        """Take the fold of one step (`ParityStore.last_fold`) back out of the parity. Local."""
+        self.store.unfold(fold)
+
     def resync(self) -> None:
         """Rows were replaced by older values (a rollback): drop any rebuild in progress and
         encode parity afresh. Collective."""

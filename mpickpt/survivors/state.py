@@ -75,15 +75,14 @@ class SurvivorDumps:
         return dirs, total
 
     def _incomplete(self) -> bool:
-        rb = self.parity.rebuild if self.parity is not None else None
-        return bool(rb is not None and rb.active and rb.mine)
+        return self.parity is not None and self.parity.rebuilding_here()
 
     def _arrays(self, last) -> dict[str, np.ndarray]:
         m = self.model
         out = {f"row/{k}": _np(v) for k, v in m.row_state().items()}
         out.update({f"dense/{k}": _np(v) for k, v in m.dense_state().items()})
         if self.parity is not None:
-            out["parity"] = _np(self.parity.store.parity)
+            out["parity"] = self.parity.snapshot()
         if last is None:
             return out
         if last.sparse_applied and last.rows is not None:
@@ -156,7 +155,7 @@ class SurvivorDumps:
         self.model.load_row_state(rows)
         self.model.load_dense_state(dense)
         if self.parity is not None:
-            self.parity.store.parity.copy_(torch.as_tensor(read_array(directory, "parity")))
+            self.parity.restore(read_array(directory, "parity"))
         reader = header.reader_state
         if back:
             reader = self._undo_from(directory, header)
@@ -175,8 +174,8 @@ class SurvivorDumps:
         if dense:
             self.model.load_dense_state(dense)
         if "undo/fold_src" in files and self.parity is not None:
-            self.parity.store.unfold((read_array(directory, "undo/fold_src"),
-                                      torch.as_tensor(read_array(directory, "undo/fold_block"))))
+            self.parity.unfold((read_array(directory, "undo/fold_src"),
+                                torch.as_tensor(read_array(directory, "undo/fold_block"))))
         return header.undo_reader_state
 
     def remove(self) -> None:
