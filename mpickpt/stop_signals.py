@@ -5,7 +5,8 @@ preemption (and SIGKILL `KillWait` seconds later, 30 s by default); `--signal=US
 T seconds before the limit; a user at a terminal sends SIGINT. The handler only records the
 signal; the trainer agrees with every other rank at the next step boundary (the stop vote rides
 the step's dense allreduce) and writes an emergency checkpoint there, committed before the
-process exits with `EXIT_SAVED`. A second SIGINT stops at once (the usual Ctrl-C twice).
+process exits with `EXIT_SAVED` (`EXIT_SAVE_FAILED` when that commit failed). A second SIGINT
+stops at once (the usual Ctrl-C twice).
 Background writers and the extractor ignore these signals (`mpickpt.background`), so a signal
 sent to the whole job does not kill a file in the middle. Local.
 """
@@ -19,6 +20,18 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 EXIT_SAVED = 75
 """Exit status of a job that stopped on a signal after committing a checkpoint: EX_TEMPFAIL,
 'try again'; the sbatch script requeues on it, `mpickpt-run` passes it on."""
+EXIT_SAVE_FAILED = 74
+"""Exit status of a job that stopped on a signal but whose emergency checkpoint did not commit
+(EX_IOERR: the writers failed, the disk was full): the newest valid checkpoint is older than the
+step reached. `mpickpt-run` passes it on; the sbatch script requeues from that checkpoint."""
+
+
+def stop_failed_message(name: str, step: int, last_valid: int | None, directory: str) -> str:
+    """What a rank 0 says when the emergency checkpoint of `step` did not commit. Local, pure."""
+    last = f"step {last_valid}" if last_valid is not None else "none"
+    return (f"stopping on {name} after step {step}: the emergency checkpoint of step {step} "
+            f"FAILED (it was not committed; see the messages above); the last valid "
+            f"checkpoint in {directory}: {last}; exit status {EXIT_SAVE_FAILED}")
 
 
 class StopSignals:

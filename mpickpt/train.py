@@ -23,15 +23,16 @@ def _fail(comm, message: str) -> int:
 
 def stop_status(trainer) -> int:
     """0, or how a stop signal ended the run: EXIT_SAVED after an emergency checkpoint
-    committed ("requeue me"), else 128 + the signal's number, the shell's convention."""
+    committed ("requeue me"), EXIT_SAVE_FAILED when its commit failed, else (no checkpoint
+    directory) 128 + the signal's number, the shell's convention."""
     import signal
 
-    from mpickpt.stop_signals import EXIT_SAVED
+    from mpickpt.stop_signals import EXIT_SAVE_FAILED, EXIT_SAVED
 
     if trainer.stopped is None:
         return 0
     if trainer.ckpt is not None:
-        return EXIT_SAVED
+        return EXIT_SAVED if trainer.stop_committed else EXIT_SAVE_FAILED
     return 128 + int(getattr(signal, trainer.stopped, signal.SIGTERM))
 
 

@@ -18,7 +18,7 @@ from mpickpt.progress import ProgressLog
 from mpickpt.faults.loss import Loss
 from mpickpt.recovery.tolerance import FaultTolerance
 from mpickpt.run_report import RunReport
-from mpickpt.stop_signals import StopSignals
+from mpickpt.stop_signals import StopSignals, stop_failed_message
 from mpickpt.survivors.survival import Survival
 from mpickpt.timing import PhaseTimer
 
@@ -80,6 +80,8 @@ class Trainer:
         self.executed = 0
         self.votes = torch.zeros(1)
         self.stopped: str | None = None
+        self.stop_committed = False
+        """The emergency checkpoint of the step a stop signal ended at was committed."""
         if lost:
             self._recover(Loss.of_ranks(lost, self.step, self.model.plan))
         self.survival.start_watch(self._boundary)
@@ -189,7 +191,12 @@ class Trainer:
         self.ckpt.settle()  # committed on rank 0 when this returns there
         write = time.perf_counter() - start
         committed = self.signals.since()
+        self.stop_committed = self.ckpt.newest_committed() == self.step  # collective
         self.ckpt.close()
+        if not self.stop_committed:  # its commit was abandoned (logged, never raised)
+            self.log.say(stop_failed_message(name, self.step, self.restorer.newest_step(),
+                                             self.config.checkpoint.directory))
+            return
         self.log.say(f"stopping on {name} after step {self.step}: checkpoint step {self.step} "
                      + ("committed" if saved else "(the interval's) committed")
                      + f" {committed:.2f} s after the signal ({write:.2f} s to write "
@@ -200,8 +207,12 @@ class Trainer:
         Collective (`dumps_pending` is the same on every rank)."""
         newest = self.ckpt.newest_committed()
         if newest is not None and newest > self.resumed_step:
-            self.survival.drop_dump()
-            self.dumps_pending = False
+            self._drop_dumps(f"checkpoint step {newest} committed")
+
+    def _drop_dumps(self, why: str) -> None:
+        self.survival.drop_dump()
+        self.dumps_pending = False
+        self.log.say(f"survivor dumps of step {self.resumed_step} removed: {why}")
 
     def _finish(self) -> None:
         cfg = self.config
@@ -213,6 +224,8 @@ class Trainer:
             self.ckpt.close()
             if self.dumps_pending:
                 self._drop_dumps_once_replaced()
+            if self.dumps_pending and self.stopped is None:
+                self._drop_dumps("the job completed")  # nothing resumes from them now
         for line in self.faults.summary():
             self.log.say(line)
         if self.stopped is None:

@@ -44,8 +44,10 @@ def test_relaunches_failures_until_one_succeeds_and_logs_each_cause(tmp_path, ca
     assert "run 3 finished" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("status", [2, 75])
-def test_bad_input_and_a_saved_stop_end_the_loop(tmp_path, status):
+@pytest.mark.parametrize("status", [2, 74, 75])
+def test_bad_input_and_a_stop_end_the_loop(tmp_path, status):
+    """2: bad input; 75: stopped on a signal, saved; 74: stopped, the emergency checkpoint
+    failed (a stop was asked for: a relaunch would go against it)."""
     cmd, counter = runs(tmp_path, [status, 0])
     assert Relauncher(cmd, max_restarts=3, log_path=None).run() == status
     assert counter.read_text() == "1"

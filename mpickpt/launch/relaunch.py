@@ -4,9 +4,10 @@
     mpickpt-run --launcher srun --max-restarts 3 -- <trainer flags>     # inside an allocation
 
 What SCR's `scr_srun` does for a job script, for any launcher: each run's exit status decides.
-0 is done; 2 (bad input) and 75 (stopped by a signal, checkpoint committed: "requeue me") end the
-loop and are passed on; anything else (a rank killed, the survivors' 76, an error) relaunches the
-job, up to `--max-restarts` times, after deleting a killed Slurm step's MPICH segments. The
+0 is done; 2 (bad input), 75 (stopped by a signal, checkpoint committed: "requeue me") and 74
+(stopped by a signal, but the emergency checkpoint failed) end the loop and are passed on;
+anything else (a rank killed, the survivors' 76, an error) relaunches the job, up to
+`--max-restarts` times, after deleting a killed Slurm step's MPICH segments. The
 relaunch resumes by itself: survivors from their dumps, the dead ranks by `--recovery`, or
 everything from the newest checkpoint. Every restart is logged with its cause to stderr and, one
 line each, to `<ckpt-dir>/mpickpt-restarts.log` (or `--restart-log`). Signals sent to
@@ -25,10 +26,12 @@ import time
 from dataclasses import dataclass, field
 
 from mpickpt.launch.command import LAUNCHERS, cleanup_command, launch_command
+from mpickpt.stop_signals import EXIT_SAVE_FAILED, EXIT_SAVED
 
-EXIT_BAD_INPUT, EXIT_SAVED, EXIT_PEER_LOST = 2, 75, 76
+EXIT_BAD_INPUT, EXIT_PEER_LOST = 2, 76
 FINAL = {0: "finished", EXIT_BAD_INPUT: "refused its input", EXIT_SAVED:
-         "stopped on a signal with its checkpoint committed"}
+         "stopped on a signal with its checkpoint committed", EXIT_SAVE_FAILED:
+         "stopped on a signal but its emergency checkpoint failed"}
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 _DIED = re.compile(r"peer rank\(s\) \[([0-9, ]+)\] died after step (\d+) \(([^)]*)\)")
 _HYDRA_BAD = re.compile(r"EXIT CODE: (\d+)")
