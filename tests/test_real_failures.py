@@ -1,12 +1,13 @@
-"""Real failures under mpiexec: a rank SIGKILLed from outside the job at a random moment, SIGTERM
-to every rank at a random moment, and the relaunch that follows.
+"""Real failures under mpiexec: a rank SIGKILLed from outside the job at a random moment, a stop
+signal to every rank at a random moment, and the relaunch that follows.
 
 - parity (4 ranks, --parity-k 3): the survivors exit within 30 s of the kill, their dumps and
   parity carry the relaunch to the failure-free digest, and at most one step is replayed;
 - partial recovery (no parity): after the relaunch, the survivors' rows are their rows at the
   agreed step (the failure-free rows there) and the dead rank's rows are its checkpoint's;
-- SIGTERM: the emergency checkpoint's step is the step reached, and the resumed run ends with the
-  uninterrupted digest.
+- SIGTERM, SIGUSR1 and SIGINT: the emergency checkpoint's step is the step reached, the job exits
+  75, and the resumed run ends with the uninterrupted digest; when that checkpoint cannot be
+  written (a full disk), the job says so, names the last valid checkpoint and exits 74.
 Each trial asserts that its kill or signal happened (the process was alive and is gone, the job
 said so)."""
 import os
@@ -23,6 +24,7 @@ import pytest
 
 from mpickpt.model.shard_plan import ShardPlan
 from mpickpt.store.manifest import list_manifests
+from mpickpt.survivors.dump import job_key
 from tests.fault_jobs import Job, digest_in, mpickpt_run, relaunch_step, survivor_steps
 from tests.launch import SMALL_MODEL, digest_of, run_ranks
 
@@ -63,6 +65,12 @@ def parity_trial(ckpt, seed: int, reference: str) -> None:
     assert f"rank {rank} lost" in out and f"parity: rebuilt ranks [{rank}]" in out
     assert digest_in(out) == reference
     assert exited < 30
+    dropped = re.search(rf"survivor dumps of step {agreed} removed: (checkpoint step (\d+) "
+                        rf"committed|the job completed)", out)
+    assert dropped, out[-3000:]  # once a newer checkpoint committed, else at the job's end
+    if agreed < STEPS // INTERVAL * INTERVAL:
+        assert int(dropped.group(2)) > agreed and int(dropped.group(2)) % INTERVAL == 0
+    assert not os.path.exists(f"/dev/shm/mpickpt-survivors-{job_key(str(ckpt))}")
     with open(os.path.join(ckpt, "mpickpt-restarts.log")) as f:
         assert f"rank(s) [{rank}] died" in f.read()
 
@@ -133,11 +141,17 @@ def test_partial_recovery_after_a_sigkill_and_relaunch(tmp_path):
         np.testing.assert_array_equal(got[f"dense/{name}"][...], want[f"dense/{name}"][...])
 
 
-def test_sigterm_at_a_random_moment_commits_the_step_reached(tmp_path):
-    rng = random.Random(7)
+@pytest.fixture(scope="module")
+def uninterrupted():
+    return digest_of(run_ranks(2, "mpickpt.train", *SMALL_MODEL, "--num-batches", str(STEPS),
+                               "--digest"))
+
+
+def stop_trial(tmp_path, sig: int, seed: int, uninterrupted: str) -> None:
+    """One randomized trial: `sig` to every rank at a random moment; the emergency checkpoint
+    holds the step reached, the job exits 75, and the resumed run ends uninterrupted."""
+    rng = random.Random(seed)
     ckpt, report = tmp_path / "ckpt", tmp_path / "report.json"
-    uninterrupted = digest_of(run_ranks(2, "mpickpt.train", *SMALL_MODEL, "--num-batches",
-                                        str(STEPS), "--digest"))
     flags = (*SMALL_MODEL, *FOLLOW, "--ckpt-dir", str(ckpt), "--num-batches", str(STEPS),
              "--digest")
     job = Job(mpickpt_run("-n", "2", "--max-restarts", "0", "--", *flags, "--run-report",
@@ -145,20 +159,86 @@ def test_sigterm_at_a_random_moment_commits_the_step_reached(tmp_path):
     try:
         assert job.wait_for_step(rng.randint(5, STEPS - 10))
         time.sleep(rng.uniform(0.0, 0.03))
-        signalled = job.signal_ranks(signal.SIGTERM)
+        signalled = job.signal_ranks(sig)
         code = job.wait(120)
     finally:
         job.stop()
+    name = signal.Signals(sig).name
     assert len(signalled) == 2 and code == 75, job.output[-3000:]
-    m = re.search(r"stopping on SIGTERM after step (\d+): checkpoint step (\d+) committed "
+    m = re.search(rf"stopping on {name} after step (\d+): checkpoint step (\d+) committed "
                   r"([0-9.]+) s after the signal", job.output)
     assert m, job.output[-3000:]
     reached = job.step
     assert int(m.group(1)) == int(m.group(2)) == reached
     assert max(s.step for s in list_manifests(str(ckpt))) == reached
+    assert "stopped on a signal with its checkpoint committed" in job.output  # mpickpt-run
     resumed = run_ranks(2, "mpickpt.train", *flags)
     assert f"resumed from checkpoint step {reached}" in resumed.stdout, resumed.stdout
     assert digest_of(resumed) == uninterrupted
+
+
+# SIGUSR1 (`--signal=USR1@T`, the time limit's warning) in CI: SIGTERM runs in CI through the
+# Slurm tests (scancel --signal=TERM, scontrol requeue); every signal here under slow.
+def _signals(pairs):
+    return [pytest.param(sig, seed, id=f"{sig.name}-{seed}") for sig, seed in pairs]
+
+
+@pytest.mark.parametrize("sig,seed", _signals([(signal.SIGUSR1, 7)]))
+def test_a_stop_signal_at_a_random_moment_commits_the_step_reached(tmp_path, uninterrupted,
+                                                                   sig, seed):
+    stop_trial(tmp_path, sig, seed, uninterrupted)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,seed", _signals([(s, seed) for seed in (21, 22) for s in (
+    signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)]))
+def test_a_stop_signal_at_a_random_moment_commits_the_step_reached_many(tmp_path,
+                                                                        uninterrupted, sig, seed):
+    stop_trial(tmp_path, sig, seed, uninterrupted)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1700k", "tmpfs", str(mnt)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_stop_whose_checkpoint_cannot_be_written_says_so_and_exits_74(small_tmpfs):
+    """The default model's checkpoint (1.1 MB) fits the 1.7 MB tmpfs once: step 10's commits
+    and stays (retention deletes only after a newer commit), so no emergency checkpoint can."""
+    ckpt = small_tmpfs / "ckpt"
+    job = Job(mpickpt_run("-n", "2", "--max-restarts", "0", "--", "--num-batches", "2000",
+                          "--mini-batch-size", "32", "--print-freq", "1", "--test-num-batches",
+                          "0", "--ckpt-dir", str(ckpt), "--ckpt-interval", "10",
+                          "--ckpt-keep", "1"))
+    try:
+        assert job.wait_for_step(12)
+        deadline = time.monotonic() + 60
+        while "checkpoint step 10 committed" not in job.output:
+            assert time.monotonic() < deadline and job.proc.poll() is None, job.output[-3000:]
+            time.sleep(0.05)
+        signalled = job.signal_ranks(signal.SIGINT)
+        code = job.wait(120)
+    finally:
+        job.stop()
+    out = job.output
+    assert len(signalled) == 2 and code == 74, out[-3000:]
+    m = re.search(r"stopping on SIGINT after step (\d+): the emergency checkpoint of step \d+ "
+                  r"FAILED .*the last valid checkpoint in (\S+): step (\d+); exit status 74",
+                  out)
+    assert m, out[-3000:]
+    step = int(m.group(1))
+    assert step > 10 and m.group(2) == str(ckpt) and int(m.group(3)) == 10
+    assert f"checkpoint step {step} committed" not in out
+    assert "No space left on device" in out
+    assert "stopped on a signal but its emergency checkpoint failed" in out  # mpickpt-run
+    assert [s.step for s in list_manifests(str(ckpt))] == [10]
 
 
 OPEN_MPI = "/usr/bin/mpirun.openmpi"

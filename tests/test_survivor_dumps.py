@@ -1,6 +1,7 @@
 """Survivor dumps without a model: a dump is whole or absent, checked by size and CRC, its half-
 written leftovers go with it, and `decide` (the relaunch's agreement) picks the earliest step,
-undoes one step where a survivor got further, and counts every other rank as lost, with why."""
+undoes one step where a survivor got further, and counts every other rank as lost, with why; a
+relaunch that found no dump says that it falls back to the checkpoint."""
 import os
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 from mpickpt.survivors.dump import (DumpError, DumpHeader, dump_dirs, read_array, read_header,
                                     remove_dumps, write_dump)
 from mpickpt.survivors.state import decide
+from mpickpt.survivors.survival import fallback_message, restart_count
 
 
 def _header(step=7):
@@ -90,3 +92,19 @@ def test_decide_refuses_with_the_reason(everyone, newest, parity, reason):
     plan = decide(everyone, newest, parity)
     assert not plan.usable
     assert (reason in plan.reason) if reason else plan.reason == ""
+
+
+def test_a_relaunch_without_dumps_says_it_falls_back_and_a_first_launch_says_nothing():
+    nothing = decide([(None, "no survivor dump")] * 3, None, False)
+    assert fallback_message(nothing.reason, restart=0) is None
+    text = fallback_message(nothing.reason, restart=1)
+    assert text.startswith("relaunch (restart 1): no rank found a survivor dump")
+    assert "other nodes" in text and "falling back to the newest checkpoint" in text
+    damaged = decide([(None, "d: fails its CRC32 (damaged)")], None, False)
+    assert "CRC32" in fallback_message(damaged.reason, restart=0)
+
+
+@pytest.mark.parametrize("value,count", [("3", 3), ("0", 0), ("", 0), ("x", 0)])
+def test_restart_count_is_read_from_mpickpt_run(value, count):
+    assert restart_count({"MPICKPT_RESTART": value}) == count
+    assert restart_count({}) == 0

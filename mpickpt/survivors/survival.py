@@ -42,8 +42,11 @@ class Survival:
     are collective."""
 
     def __init__(self, topo, model, parity, root: str | None, dumps: str, peer_timeout: float,
-                 say):
+                 say, restart: int | None = None):
+        """`restart`: how many times this job was relaunched (default: $MPICKPT_RESTART, which
+        `mpickpt-run` sets; 0 for a first launch)."""
         self.topo, self.model, self.say = topo, model, say
+        self.restart = restart_count(os.environ) if restart is None else restart
         self.peer_timeout = peer_timeout
         self.dumps = SurvivorDumps(topo, model, parity, root, dumps, say) \
             if root is not None and dumps != "off" else None
@@ -60,9 +63,9 @@ class Survival:
             return None, None
         survey = self.dumps.survey(newest_committed)
         if not survey.usable:
-            if survey.reason:  # empty when no rank found any dump: a first launch
-                self.say(f"survivor dumps not used: {survey.reason}; resuming from the "
-                         f"checkpoint")
+            message = fallback_message(survey.reason, self.restart)
+            if message:
+                self.say(message)
             self.dumps.remove()
             return survey, None
         start = time.perf_counter()
@@ -143,6 +146,25 @@ class Survival:
         """Stop watching (tell the neighbours this rank ends normally). Local."""
         if self.watch is not None:
             self.watch.close()
+
+
+def restart_count(environ) -> int:
+    """The relaunch number `mpickpt-run` gives each run in $MPICKPT_RESTART (0: a first launch,
+    or no mpickpt-run). Local."""
+    value = environ.get("MPICKPT_RESTART", "").strip()
+    return int(value) if value.isdigit() else 0
+
+
+def fallback_message(reason: str, restart: int) -> str | None:
+    """What a launch says when the survivor dumps are not used, or None (a first launch that
+    found none). Local and pure."""
+    if reason:
+        return f"survivor dumps not used: {reason}; resuming from the checkpoint"
+    if restart > 0:
+        return (f"relaunch (restart {restart}): no rank found a survivor dump (the relaunch "
+                f"runs on other nodes than the failed run, or the dumps are gone, or the "
+                f"survivors could not write them); falling back to the newest checkpoint")
+    return None
 
 
 def _iso(t: float) -> str:

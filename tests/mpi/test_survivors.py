@@ -4,7 +4,9 @@ survivors restore, in a fresh model (the relaunch), exactly the state of the agr
 survivor one step ahead going back one step and the dead rank counted lost; a dump of an earlier
 job whose checkpoint directory was made anew is refused."""
 import os
+import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from mpickpt.model.optimizers import OptimizerConfig
 from mpickpt.parity.guard import ParityConfig, ParityGuard
 from mpickpt.survivors.dump import LINEAGE_FILE
 from mpickpt.survivors.state import SurvivorDumps
+from mpickpt.survivors.survival import Survival
 
 SIZES = (400, 300, 90, 7)
 BATCH = 16
@@ -147,3 +150,62 @@ def test_dumps_of_an_earlier_job_in_a_remade_directory_are_refused(topology, roo
     survey = Run(topo, root).dumps.survey(None)
     assert not survey.usable and "earlier job" in survey.reason, survey
     run.dumps.remove()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_parity_snapshot_and_restore_through_the_guard(topology, root):
+    """What survivor dumps take from parity and put back, through ParityGuard's public API."""
+    run = Run(topology, root)
+    held = run.parity.snapshot()
+    kept = held.copy()
+    assert held.size and not run.parity.rebuilding_here()
+    run.train(2)
+    assert np.array_equal(held, kept)  # a copy, not a view of the live parity
+    assert not np.array_equal(run.parity.snapshot(), held)  # training folded deltas into it
+    run.parity.restore(held)
+    np.testing.assert_array_equal(run.parity.snapshot(), held)
+    with pytest.raises(ValueError, match="cannot replace"):
+        run.parity.restore(np.zeros((held.shape[0] + 1, 3), dtype=held.dtype))
+    run.dumps.remove()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ckpt_dumps_carry_a_relaunch_whose_shm_dumps_are_gone(topology, root):
+    """--survivor-dumps ckpt, and the relaunch runs on other nodes (simulated: the node-local
+    dumps are deleted): the survivors restore from the checkpoint directory's copy."""
+    topo = topology
+    dead = topo.world_size - 1
+    run = Run(topo, root)
+    run.dumps.mode = "ckpt"
+    run.dumps.survey(None)
+    run.train(3)
+    agreed = run.snapshot()
+    if topo.rank != dead:
+        shm_dir, ckpt_dir = run.dumps.write(run.step, run.state.to_dict(), {}, {dead})[0]
+        shutil.rmtree(shm_dir)  # the relaunch lands on other nodes
+        assert ckpt_dir.startswith(str(root)) and os.path.isdir(ckpt_dir)
+    topo.control.Barrier()
+    relaunch = Run(topo, root)
+    survey = relaunch.dumps.survey(newest_committed=None)
+    assert survey.usable and survey.step == 3 and list(survey.lost) == [dead], survey
+    relaunch.dumps.restore(survey)
+    if topo.rank != dead:
+        assert relaunch.dumps.found.startswith(str(root))  # the checkpoint directory's copy
+        assert _same_local(relaunch.snapshot(), agreed)
+    topo.control.Barrier()
+    relaunch.dumps.remove()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_relaunch_that_finds_no_dump_says_it_falls_back(topology, root):
+    said = []
+    model = _model(topology)
+    first = Survival(topology, model, None, root, "shm", 10.0, said.append, restart=0)
+    survey, found = first.resume(None)
+    assert found is None and survey.reason == "" and said == []  # a first launch: nothing said
+    relaunch = Survival(topology, model, None, root, "shm", 10.0, said.append, restart=2)
+    survey, found = relaunch.resume(None)
+    assert found is None and not survey.usable
+    assert len(said) == 1 and said[0].startswith("relaunch (restart 2): no rank found a "
+                                                 "survivor dump"), said
+    assert "falling back to the newest checkpoint" in said[0]
