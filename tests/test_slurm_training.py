@@ -1,5 +1,6 @@
 """slurm/train.sbatch as shipped, on a real single-node Slurm cluster (tests/slurm_cluster.py):
-a 2-rank job trains to the same digest as `mpiexec -n 2`; `scontrol requeue` mid-run resumes to the
+a 2-rank job trains to the same digest as `mpiexec -n 2`, and with no MPI plugin
+(SRUN_MPI=none) it stops at the launch check with exit 2; `scontrol requeue` mid-run resumes to the
 uninterrupted digest; `scancel --signal=TERM` commits an emergency checkpoint at the step reached
 and the job's own requeue replays no step; a rank SIGKILLed under srun is relaunched inside the
 allocation and the job ends with the failure-free digest (parity on). Skipped with the reason
@@ -97,6 +98,19 @@ def test_the_script_as_shipped_trains_like_mpiexec(slurm, tmp_path, reference):
     assert (result.state, result.exit_code) == ("COMPLETED", 0), text[-3000:]
     assert digest_in(text) == reference(2, 40)
     assert "world of 1" not in text and text.count("digest ") == 1  # one 2-rank job
+
+
+def test_srun_without_an_mpi_plugin_stops_with_the_fix_and_no_requeue(slurm, tmp_path):
+    """SRUN_MPI=none: srun starts 2 singletons; every one stops before training with exit 2,
+    which mpickpt-run and the script pass on (a requeue would fail the same way)."""
+    job, out = submit(slurm, tmp_path, 2, 40, SRUN_MPI="none")
+    result = slurm.wait_job(job, timeout=120)
+    text = out.read_text()
+    assert (result.state, result.exit_code) == ("FAILED", 2), text[-3000:]
+    assert "launched as 2 separate 1-rank jobs: srun (SLURM_STEP_NUM_TASKS=2)" in text
+    assert "srun --mpi=pmi2" in text and "refused its input" in text
+    assert "digest " not in text and "requeueing" not in text and "step 1/" not in text
+    assert slurm.job_info(job)["Restarts"] == "0"
 
 
 def test_scontrol_requeue_mid_run_resumes_to_the_uninterrupted_digest(slurm, tmp_path,
