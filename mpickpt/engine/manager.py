@@ -272,7 +272,8 @@ class CheckpointManager:
         self.commits.close()
         self.incremental.close()
         self.topo.control.Barrier()
-        self.writers.close()
+        for line in self.writers.close():
+            print(f"mpickpt: rank {self.topo.rank}: {line}", flush=True)
         self.snapshots.close()
         self.writers = None
         s = self.counters
@@ -286,7 +287,8 @@ class CheckpointManager:
         """Stop writers and free staging without committing (error paths). Local. Safe twice."""
         if self.writers is None:
             return
-        self.writers.close()
+        for line in self.writers.close():
+            print(f"mpickpt: rank {self.topo.rank}: {line}", flush=True)
         self.snapshots.close()
         self.commits.close()
         self.incremental.abort()

@@ -81,8 +81,10 @@ class WriterPool:
                 return results
         return self.poll()  # parts that failed at submit
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop every writer (after the job in flight). Safe twice. Local."""
+    def close(self, timeout: float = 10.0) -> list[str]:
+        """Stop every writer (after the job in flight). Returns a line for each writer that had
+        died while idle (no part of a checkpoint was lost, but the death must not go unsaid) or
+        had to be killed. Safe twice. Local."""
         self.wait()
         for conn in self._conns:
             try:
@@ -90,10 +92,15 @@ class WriterPool:
             except (OSError, ValueError):
                 pass
         deadline = time.monotonic() + timeout
-        for proc in self._procs:
+        lines = []
+        for i, proc in enumerate(self._procs):
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()  # it ignores the job's signals
+                lines.append(f"writer process {i} did not stop within {timeout:g} s: killed")
+            elif proc.exitcode != 0:
+                lines.append(f"writer process {i} died while idle (exit code {proc.exitcode})")
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
+        return lines
