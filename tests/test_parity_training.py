@@ -31,13 +31,17 @@ def test_two_lost_ranks_are_rebuilt_from_reed_solomon_parity_exactly():
 
 
 def test_more_failures_than_r_fall_back_to_the_checkpoint(tmp_path):
+    """The fallback replaces rows with a checkpoint's; parity is re-encoded from them
+    (`Recovery.rows_replaced`), so a later single loss is rebuilt exactly from that parity."""
     proc = run_ranks(4, "mpickpt.train", *SMALL_MODEL, *STEPS, "--parity-k", "3",
-                     "--inject-failure", "8:1,2", "--ckpt-dir", str(tmp_path / "ck"),
+                     "--inject-failure", "8:1,2/12:3", "--ckpt-dir", str(tmp_path / "ck"),
                      "--ckpt-interval", "5")
     assert digest_of(proc) == _clean("adagrad")
     assert "lost ranks [1, 2], more than --parity-r 1 can rebuild; falling back to the latest " \
            "checkpoint" in proc.stdout
     assert resumed_step(proc.stdout) == 5
+    assert "parity: ranks [3] lost their shards after step 12" in proc.stdout
+    assert "parity: rebuilt ranks [3]" in proc.stdout
 
 
 def test_unrecoverable_loss_stops_with_a_clear_error(tmp_path):

@@ -56,6 +56,9 @@ BAD_INPUTS = [
     (1, ["--ckpt-dir", "{tmp}", "--ckpt-bits", "auto"], r"needs --node-failure-rate"),
     (2, ["--parity-k", "2"], r"multiple of 3, got 2 ranks"),
     (2, ["--inject-failure", "3:1"], r"--inject-failure needs something to recover from"),
+    (2, ["--parity-k", "1", "--inject-failure", "3:0/3:1"], r"--inject-failure names a step twice"),
+    (2, ["--parity-k", "1", "--inject-failure", "3:0/x"], r"--inject-failure must look like STEP"),
+    (2, ["--parity-k", "1", "--inject-failure", "3:0/5:2"], r"names ranks \[2\], but the world"),
     (2, ["--parity-k", "1", "--inject-failure", "3:2"], r"names ranks \[2\], but the world has 2 "
                                                         r"ranks"),
     (2, ["--inject-kill", "3"], r"--inject-kill must look like STEP:RANK\[,RANK...\], got '3'"),
@@ -117,7 +120,7 @@ def test_good_flags_build_every_config(tmp_path):
         "50-40", "--arch-sparse-feature-size", "8", "--arch-mlp-bot", "13-8"])
     assert config.check_world(4).world_size == 4
     assert config.checkpoint.kind == "incrcp" and config.checkpoint.quant.bits == "4"
-    assert config.parity == ParityConfig(k=3) and config.faults.inject_failure.ranks == (1,)
+    assert config.parity == ParityConfig(k=3) and config.faults.inject_failure.events[0].ranks == (1,)
     assert config.table_sizes == (50, 40) and config.arch.dim == 8 and config.global_batch == 64
     assert TrainConfig.from_args([]).checkpoint is None and TrainConfig.from_args([]).parity is None
 
@@ -203,3 +206,17 @@ def test_every_flag_a_message_names_is_declared():
     assert len(named) > 20  # the scan sees the messages
     stale = {flag: sorted(files) for flag, files in named.items() if flag not in known | set(OTHER_TOOLS_FLAGS)}
     assert not stale, f"messages name flags the trainer does not declare: {stale}"
+
+
+def test_scripted_losses_fire_once_each_in_step_order():
+    from mpickpt.faults.injection import FailureScript
+
+    script = TrainConfig.from_args(["--num-batches", "9", "--parity-k", "1", "--inject-failure",
+                                    "7:1/3:0,1"]).faults.inject_failure
+    assert isinstance(script, FailureScript)
+    assert [(e.step, e.ranks) for e in script.events] == [(3, (0, 1)), (7, (1,))]
+    fired = set()
+    assert script.due(2, fired) is None
+    assert script.due(3, fired).ranks == (0, 1)
+    assert script.due(3, fired) is None  # a rollback that replays step 3 does not lose it again
+    assert script.due(7, fired).ranks == (1,) and fired == {3, 7}

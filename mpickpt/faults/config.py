@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mpickpt.faults.injection import FailAt, KillAt
+from mpickpt.faults.injection import FailureScript, KillAt
 from mpickpt.faults.process import FailureModel
 from mpickpt.options import int_at_least, option, positive_float
 
@@ -24,10 +24,10 @@ class FaultConfig:
 
     inject_kill: KillAt | None = option(None, parse=KillAt.parse, metavar="STEP:RANK[,RANK...]")
     """those ranks SIGKILL themselves after step STEP"""
-    inject_failure: FailAt | None = option(None, parse=FailAt.parse,
-                                           metavar="STEP:RANK[,RANK...]")
+    inject_failure: FailureScript | None = option(None, parse=FailureScript.parse,
+                                                  metavar="STEP:RANK[,RANK...][/STEP:...]")
     """after step STEP those ranks lose their shards, optimizer state and parity (NaN) and the
-    job recovers them with --recovery"""
+    job recovers them with --recovery; several losses separated by '/'"""
     failure_model: FailureModel | None = option(None, parse=FailureModel.parse, metavar="MODEL")
     """emulate failures inside the job (CPR §5.1): exponential:MTBF, gamma:SHAPE,SCALE or
     cpr:MTBF (gamma with CPR's fitted shape 0.68); times in steps, or in hours with

@@ -50,10 +50,41 @@ class KillAt(StepRanks):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FailAt(StepRanks):
-    """`--inject-failure STEP:RANK[,RANK...]`: after step STEP those ranks lose their embedding
-    shards, sparse optimizer state and parity (filled with NaN) while the job keeps running."""
+    """One `--inject-failure` event STEP:RANK[,RANK...]: after step STEP those ranks lose their
+    embedding shards, sparse optimizer state and parity (filled with NaN) while the job keeps
+    running."""
 
     FLAG = "--inject-failure"
 
     def due(self, step: int) -> bool:
         return step == self.step
+
+
+@dataclass(frozen=True, slots=True)
+class FailureScript:
+    """`--inject-failure STEP:RANK[,RANK...][/STEP:RANK[,RANK...]...]`: one or more scripted
+    losses, each fired once (a rollback that replays its step does not fire it again)."""
+
+    events: tuple[FailAt, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> "FailureScript":
+        """Parse the events separated by '/', naming the flag in the error. Local."""
+        events = tuple(FailAt.parse(part) for part in text.split("/"))
+        steps = [e.step for e in events]
+        if len(set(steps)) != len(steps):
+            raise ValueError(f"{FailAt.FLAG} names a step twice: {text!r}")
+        return cls(events=tuple(sorted(events, key=lambda e: e.step)))
+
+    def check_world(self, world_size: int) -> None:
+        """Every named rank exists. Local."""
+        for event in self.events:
+            event.check_world(world_size)
+
+    def due(self, step: int, fired: set) -> FailAt | None:
+        """The event after `step` not yet in `fired` (which it joins), or None. Local."""
+        for event in self.events:
+            if event.due(step) and event.step not in fired:
+                fired.add(event.step)
+                return event
+        return None

@@ -37,7 +37,8 @@ class FaultTolerance:
                                        lost_share, config.num_batches, say)
         self.recovery = build_recovery(self.mode, topo, model, parity, ckpt, restorer, self.pls,
                                        self.planner, config.global_batch, say, start_state)
-        self.injected = False
+        self.injected: set[int] = set()
+        """Steps of the scripted losses already fired."""
         if ckpt is not None:
             ckpt.stats_sources.append(lambda: {"pls": self.pls.to_stats()})
             if self.planner.plans_interval:
@@ -64,12 +65,13 @@ class FaultTolerance:
         self.clock.note_step(seconds)
 
     def loss_after(self, step: int) -> Loss | None:
-        """The shards lost after `step`, if any: an `--inject-failure` (once: a rollback replays
-        its step), or the emulator's next failure. Local; the same on every rank."""
+        """The shards lost after `step`, if any: an `--inject-failure` event (each once: a
+        rollback replays its step), or the emulator's next failure. Local; the same on every
+        rank."""
         inject = self.config.faults.inject_failure
-        if inject is not None and inject.due(step) and not self.injected:
-            self.injected = True
-            return Loss.of_ranks(inject.ranks, step, self.model.plan)
+        event = inject.due(step, self.injected) if inject is not None else None
+        if event is not None:
+            return Loss.of_ranks(event.ranks, step, self.model.plan)
         return self.emulator.step_done(step) if self.emulator is not None else None
 
     def recover(self, loss: Loss) -> Outcome:
