@@ -6,8 +6,10 @@
     mpickpt export DIR [--step N] -o FILE [--with-optimizer]
 
 Local: runs without mpiexec and never imports mpi4py (or torch). Exit status: 0 success, 1 when
-verify finds problems or export meets a damaged checkpoint, 2 for usage errors (bad arguments, a
-missing directory, an unknown step).
+verify finds problems or inspect or export meets a damaged checkpoint (a chosen step whose manifest
+is damaged included: the file and the problem are named), 2 for usage errors (bad arguments, a
+missing directory, an unknown step). Without --step, inspect and export say which newer
+checkpoints they passed over and why.
 """
 from __future__ import annotations
 
@@ -82,11 +84,15 @@ def cmd_inspect(args) -> int:
 
 def cmd_verify(args) -> int:
     cat = scan(args.dir)
-    manifests = [select(cat, args.step)[0]] if args.step is not None else cat.manifests
-    if not manifests and not cat.bad_manifests:
+    unreadable = [msg for step, msg in cat.bad_manifests if args.step in (None, step)]
+    if args.step is None:
+        manifests = cat.manifests
+    else:  # a damaged manifest of that step is a problem found, not an unknown step
+        manifests = [] if unreadable else [select(cat, args.step)[0]]
+    if not manifests and not unreadable:
         select(cat, None)  # raises NoSuchCheckpoint: nothing committed to verify
-    bad = 0 if args.step is not None else len(cat.bad_manifests)
-    for _, message in cat.bad_manifests if args.step is None else []:
+    bad = len(unreadable)
+    for message in unreadable:
         print(f"error: {message}")
     for d in cat.torn:
         print(f"warning: {os.path.join(args.dir, d)}: torn checkpoint directory "
@@ -99,8 +105,8 @@ def cmd_verify(args) -> int:
             print("\n".join(f"step {m.step}: {p}" for p in problems) or f"step {m.step}: OK",
                   flush=True)
         rate = session.rate()
-    print(summary(len(manifests) + (len(cat.bad_manifests) if args.step is None else 0), bad,
-                  len(cat.torn)) + f"; checksums of {rate}")
+    print(summary(len(manifests) + len(unreadable), bad, len(cat.torn))
+          + f"; checksums of {rate}")
     return 1 if bad else 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import h5py
 import numpy as np
 import pytest
 
+from mpickpt.cli import main
 from tests.launch import REPO, run_ranks
 
 SIZES = [300, 200, 100, 50]
@@ -252,6 +254,52 @@ def test_export_of_corrupted_checkpoint_fails_without_output(copy, tmp_path):
     assert proc.stderr.startswith(f"mpickpt: error: {victim}: ") and "weight" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert os.listdir(out.parent) == []
+
+
+# ------------------------------------------------------------------------- damaged manifests
+
+def edit_reader_position(root: str, step: int) -> str:
+    """Add one to the reader position recorded in the manifest of `step`; returns its path."""
+    path = os.path.join(root, f"manifest-{step:012d}.json")
+    text = open(path).read()
+    edited = re.sub(r'"sample_index": (\d+)', lambda m: f'"sample_index": {int(m.group(1)) + 1}',
+                    text, count=1)
+    assert edited != text
+    with open(path, "w") as f:
+        f.write(edited)
+    return path
+
+
+def test_a_chosen_step_with_a_damaged_manifest_is_an_error_naming_it(copy, tmp_path, capsys):
+    path = edit_reader_position(copy, 20)
+    out = str(tmp_path / "x.h5")
+    for args in (["inspect", copy], ["export", copy, "-o", out]):
+        assert main([*args, "--step", "20"]) == 1, args
+        err = capsys.readouterr().err
+        assert err.startswith(f"mpickpt: error: checkpoint step 20 cannot be used: {path}: ")
+        assert "fails its checksum" in err and "no committed checkpoint" not in err, err
+    assert not os.path.exists(out)
+    assert main(["verify", copy, "--step", "20"]) == 1
+    said = capsys.readouterr().out
+    assert f"error: {path}: not a valid mpickpt manifest: content fails its checksum" in said
+    assert "1 checkpoint(s) checked, 1 with problems" in said and "step 10" not in said
+
+
+def test_inspect_and_export_say_they_skip_a_damaged_newest_manifest(copy, tmp_path, capsys):
+    path = edit_reader_position(copy, 20)
+    assert main(["inspect", copy, "--json"]) == 0
+    got = capsys.readouterr()
+    assert json.loads(got.out)["step"] == 10
+    assert got.err.startswith(f"mpickpt: note: skipped checkpoint step 20: {path}: ")
+    assert "fails its checksum" in got.err and got.err.rstrip().endswith("using step 10")
+    out = str(tmp_path / "m.h5")
+    assert main(["export", copy, "-o", out]) == 0
+    got = capsys.readouterr()
+    assert got.out.startswith("exported step 10") and f"skipped checkpoint step 20: {path}" in got.err
+    os.remove(os.path.join(copy, "manifest-000000000010.json"))  # the only readable one
+    assert main(["inspect", copy]) == 1
+    err = capsys.readouterr().err
+    assert "no readable manifest" in err and path in err
 
 
 # --------------------------------------------------------------------------------- bad args

@@ -71,7 +71,8 @@ def staleness(root: str, manifest: Manifest) -> dict:
     fmt = format_of(manifest)
     out = {"exact": fmt.exact}
     try:
-        segments = checkpoint_segments(root, manifest, {m.step: m for m in list_manifests(root)})
+        readable = list_manifests(root, [])  # a damaged parent is named by checkpoint_segments
+        segments = checkpoint_segments(root, manifest, {m.step: m for m in readable})
         steps = np.full(int(table_offsets(manifest)[-1]), -1, dtype=np.int64)
         with SegmentReader(root) as reader:
             for seg in segments:

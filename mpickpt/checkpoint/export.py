@@ -43,7 +43,7 @@ def export_checkpoint(root: str, manifest: Manifest, out: str, with_optimizer: b
     checkpoint kind are byte-identical; `provenance` adds where it came from (kind, ckpt_id,
     source_dir, world_size). Returns {"tables": n, "rows": total rows, "bytes": size of `out`}.
     Local."""
-    by_step = {m.step: m for m in list_manifests(root)}
+    by_step = {m.step: m for m in list_manifests(root, [])}  # damaged ones: named if needed
     by_step[manifest.step] = manifest
     for m in [*parent_manifests(manifest, by_step), manifest]:
         check_files(root, m)

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 
 from mpickpt.store import leftovers
+from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import MANIFEST_RE, Manifest, load_manifest, torn_dirs
 
 STEP_DIR_RE = re.compile(r"^step-(\d+)")
@@ -130,11 +131,18 @@ def listing(cat: Catalog) -> list[dict]:
 
 
 def select(cat: Catalog, step: int | None) -> tuple[Manifest, str | None]:
-    """The manifest of `step`, or by default the newest whose files are all present and complete.
+    """The manifest of `step`, or by default the newest whose manifest reads and whose files are
+    all present and complete.
 
-    Returns (manifest, note); the note says when the newest checkpoint was passed over (or when no
-    sound one exists and the newest is returned anyway). NoSuchCheckpoint when there is nothing to
-    choose. Local."""
+    Returns (manifest, note); the note says when newer checkpoints were passed over (a damaged
+    manifest, missing or truncated files) or when no sound one exists and the newest is returned
+    anyway. CheckpointError naming the file when the manifest of `step` is damaged, or when every
+    manifest is; NoSuchCheckpoint when there is nothing to choose. Local."""
+    damaged = dict(cat.bad_manifests)
+    if step is not None and step in damaged:
+        raise CheckpointError(f"checkpoint step {step} cannot be used: {damaged[step]}")
+    if not cat.manifests and damaged:
+        raise CheckpointError(f"{cat.root}: no readable manifest: " + "; ".join(damaged.values()))
     if not cat.manifests:
         raise NoSuchCheckpoint(f"{cat.root}: no committed checkpoint (no readable manifest-*.json)")
     if step is not None:
@@ -144,6 +152,15 @@ def select(cat: Catalog, step: int | None) -> tuple[Manifest, str | None]:
         steps = ", ".join(str(s) for s in cat.steps())
         raise NoSuchCheckpoint(f"{cat.root}: no committed checkpoint at step {step}; "
                                f"committed steps: {steps}")
+    chosen, note = _newest_sound(cat)
+    skipped = [f"skipped checkpoint step {s}: {damaged[s]}"
+               for s in sorted(damaged, reverse=True) if s > chosen.step]
+    if skipped:
+        note = "; ".join(skipped) + (f"; {note}" if note else f"; using step {chosen.step}")
+    return chosen, note
+
+
+def _newest_sound(cat: Catalog) -> tuple[Manifest, str | None]:
     newest = cat.manifests[-1]
     for m in reversed(cat.manifests):
         if is_sound(cat.root, m):
