@@ -2,9 +2,11 @@
 
 ``<dir>/manifest-<step>.json`` is written by rank 0 after every rank reported its files durable:
 temp file, fsync, rename, fsync of the directory. It lists every file of the checkpoint with its
-size and the digest of its HDF5 attributes, so a truncated or deleted file is noticed before any
-HDF5 is opened, and carries a checksum of its own content (`store.sealed_json`): a damaged or edited
-manifest is refused like a damaged shard.
+size and the CRC32 of its bytes, so a truncated or deleted file is noticed before any HDF5 is
+opened and `mpickpt verify` can check a file at the speed of a sequential read, and carries a
+checksum of its own content (`store.sealed_json`): a damaged or edited manifest is refused like a
+damaged shard. The HDF5 attributes restore trusts are covered in each file, by the digest in its
+``/_attrs`` dataset (`store.attr_digest`), not by the manifest.
 """
 from __future__ import annotations
 
@@ -39,8 +41,9 @@ class Manifest:
     plan: dict
     optimizer: str
     files: dict[str, dict]
-    """Relative path -> {"size": bytes, "role": "shard"|"dense", "rank": r, "part": j,
-    "attrs": digest of the file's HDF5 attributes (`store.attr_digest`)}."""
+    """Relative path -> {"size": bytes, "crc32": CRC32 of the whole file, "role":
+    "shard"|"dense"|"extra", "rank": r, "part": j}. (The digest of a file's HDF5 attributes is
+    kept in the file itself, `store.attr_digest`.)"""
     reader_state: dict
     codec: str = "fp32"
     parents: list[int] = field(default_factory=list)
@@ -53,6 +56,9 @@ class Manifest:
     stats: dict = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     version: int = MANIFEST_VERSION
+    source = ""
+    """The file it was read from (`load_manifest`; not a field, never written): where a missing
+    parent's manifest would be, so that a damaged one can be named."""
 
     def shard_files(self) -> list[str]:
         """Relative paths of the embedding shard files, ordered by (rank, part). Local."""
@@ -74,9 +80,21 @@ def parent_manifests(manifest: Manifest, by_step: dict[int, Manifest]) -> list[M
     for step in manifest.parents:
         if step not in by_step:
             raise CheckpointError(f"checkpoint step {manifest.step} ({manifest.kind}) needs step "
-                                  f"{step}, which is not committed (retired or deleted)")
+                                  f"{step}, {_why_absent(manifest, step)}")
         out.append(by_step[step])
     return out
+
+
+def _why_absent(manifest: Manifest, step: int) -> str:
+    """Why parent `step` of `manifest` is not among the readable manifests: its manifest beside
+    `manifest`'s is damaged (named, with the problem), or there is none. Local."""
+    path = manifest_path(os.path.dirname(manifest.source), step) if manifest.source else ""
+    if path and os.path.exists(path):
+        try:
+            load_manifest(path)
+        except ValueError as e:
+            return f"whose manifest cannot be used: {e}"
+    return "which is not committed (retired or deleted)"
 
 
 def manifest_path(root: str, step: int) -> str:
@@ -101,7 +119,9 @@ def load_manifest(path: str) -> Manifest:
     not a valid manifest. Local."""
     try:
         data = read_sealed(path, "version", FIRST_SEALED_VERSION)
-        return Manifest(**data)
+        manifest = Manifest(**data)
+        manifest.source = path
+        return manifest
     except DamagedRecord as e:
         raise ValueError(f"{path}: not a valid mpickpt manifest: {e.reason}") from None
     except (OSError, ValueError, TypeError) as e:

@@ -5,7 +5,8 @@ form (the other keys, sorted, compact separators), so the check does not depend 
 indented. Reading unseals: the checksum is removed and recomputed, and a record whose content does
 not match, or that lacks a checksum where its version requires one, raises `DamagedRecord` naming
 the file. A changed digit of a reader position, a step or a file size is caught that way; the HDF5
-files are covered by their own block checksums and by attribute digests kept in the manifest.
+files are covered by the whole-file CRC32 the manifest records, by their own block checksums and by
+the digest of their attributes each file keeps in ``/_attrs`` (`store.attr_digest`).
 Local: nothing here uses MPI.
 """
 from __future__ import annotations
