@@ -51,3 +51,14 @@ def test_unrecoverable_loss_stops_with_a_clear_error(tmp_path):
     assert proc.returncode == 2
     assert "more than --parity-r 1 can rebuild, and there is no checkpoint to fall back to" \
         in proc.stderr
+
+
+def test_a_loss_before_the_first_checkpoint_starts_over_from_the_initial_model(tmp_path):
+    """Full recovery with nothing committed yet: every rank, the dense part and the reader go back
+    to the start (a pure function of the seed) and the run still ends with the clean digest."""
+    proc = run_ranks(4, "mpickpt.train", *SMALL_MODEL, *STEPS, "--recovery", "full",
+                     "--inject-failure", "3:1", "--ckpt-dir", str(tmp_path / "ck"),
+                     "--ckpt-interval", "10")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "nothing committed yet: training starts over from the initial model" in proc.stdout
+    assert digest_of(proc) == _clean("adagrad")
