@@ -99,4 +99,25 @@ def test_export_rebuilds_the_model_from_its_attributes(tmp_path):
     with h5py.File(export, "r") as f:
         assert f.attrs["format"] == "mpickpt-export-2"
         assert list(f.attrs["mlp_bottom"]) == [13, 16, 8] and list(f.attrs["mlp_top"]) == [14, 12, 6, 1]
-        assert "log(1 + max(x, 0))" in json.loads(f.attrs["inputs"])["dense"]
+        described = json.loads(f.attrs["inputs"])
+        assert "log(1 + max(x, 0))" in described["dense"]
+        # the model's own counts (13 dense features, 3 tables), not Criteo's 26
+        assert described["dense"].startswith("13 features per sample")
+        assert described["sparse"].startswith("3 categorical features")
+        assert "tables 0..2" in described["order"] and "C1..C26" not in described["order"]
+
+
+def test_inputs_follow_the_model_shape():
+    from mpickpt.checkpoint.model_spec import describe
+
+    def inputs(num_dense, num_tables):
+        arch = {"num_dense": num_dense, "num_tables": num_tables, "dim": 4,
+                "bottom": [num_dense, 4], "top": [1]}
+        return json.loads(describe(arch)["inputs"])
+
+    criteo = inputs(13, 26)
+    assert criteo["dense"].startswith("13 features") and criteo["sparse"].startswith("26 ")
+    assert "I1..I13" in criteo["order"] and "C1..C26" in criteo["order"]
+    small = inputs(5, 2)
+    assert small["dense"].startswith("5 features") and small["sparse"].startswith("2 ")
+    assert "dense features 0..4 and tables 0..1" in small["order"]

@@ -16,13 +16,29 @@ import numpy as np
 
 SPEC_VERSION = 1
 
-INPUTS = {
-    "dense": "13 features per sample, each log(1 + max(x, 0)) of Criteo's integer feature x "
-             "(missing: 0); mpickpt's synthetic data is generated in that form",
-    "sparse": "26 categorical features; feature t selects row int(hex id, 16) mod "
-              "table_sizes[t] of table t (missing: row 0); a bag of several rows is pooled by sum",
-    "order": "dense features I1..I13 and tables C1..C26 in Criteo's column order",
-}
+CRITEO = (13, 26)
+"""(dense features, categorical features) of Criteo's click logs (I1..I13, C1..C26)."""
+
+
+def inputs(num_dense: int, num_tables: int) -> dict:
+    """The preprocessing of a model of `num_dense` dense features and `num_tables` tables, as the
+    export's ``inputs`` attribute describes it; Criteo's column names when the model has
+    Criteo's shape. Local."""
+    if (num_dense, num_tables) == CRITEO:
+        order = "dense features I1..I13 and tables C1..C26 in Criteo's column order"
+    else:
+        order = (f"dense features 0..{num_dense - 1} and tables 0..{num_tables - 1} in the order "
+                 f"the data source gives them (mpickpt's synthetic data; Criteo's files have "
+                 f"{CRITEO[0]} and {CRITEO[1]})")
+    return {
+        "dense": f"{num_dense} features per sample, each log(1 + max(x, 0)) of an integer "
+                 f"feature x (missing: 0), Criteo's preprocessing; mpickpt's synthetic data is "
+                 f"generated in that form",
+        "sparse": f"{num_tables} categorical features; feature t selects row int(hex id, 16) mod "
+                  f"table_sizes[t] of table t (missing: row 0); a bag of several rows is pooled "
+                  f"by sum",
+        "order": order,
+    }
 
 
 def architecture(params: dict[str, tuple], dim: int, num_tables: int,
@@ -90,5 +106,6 @@ def describe(arch: dict | None) -> dict:
         "interaction_self": "no (the diagonal z_i . z_i is not used)",
         "top_input": "concat(bottom MLP output, z_i . z_j for (i, j) in interaction_pairs)",
         "output": "logit: click probability = sigmoid(output)",
-        "inputs": json.dumps(INPUTS, sort_keys=True),
+        "inputs": json.dumps(inputs(int(arch["num_dense"]), int(arch["num_tables"])),
+                             sort_keys=True),
     }
