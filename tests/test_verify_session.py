@@ -9,6 +9,7 @@ import h5py
 import pytest
 
 from mpickpt import cli
+from mpickpt.checkpoint import verify_session
 from mpickpt.store.manifest import list_manifests
 from tests.launch import REPO, SMALL_MODEL
 
@@ -37,9 +38,18 @@ def test_each_file_is_opened_once(chain, monkeypatch, capsys):
         return real(name, *args, **kwargs)
 
     monkeypatch.setattr(h5py, "File", counting)
+    read: list[str] = []
+    real_crc = verify_session.file_crc32
+
+    def counting_crc(path, *args, **kwargs):
+        read.append(os.path.abspath(path))
+        return real_crc(path, *args, **kwargs)
+
+    monkeypatch.setattr(verify_session, "file_crc32", counting_crc)
     assert cli.main(["verify", chain]) == 0
     out = capsys.readouterr().out
     files = {os.path.abspath(os.path.join(chain, rel)) for m in manifests for rel in m.files}
+    assert sorted(read) == sorted(files)  # every file's bytes read exactly once
     assert set(opened) <= files and opened  # the shards, for structure and coverage
     assert len(opened) == len(set(opened)), sorted(p for p in opened if opened.count(p) > 1)[:5]
     assert uses > 3 * len(manifests)  # without sharing, verify would open far more

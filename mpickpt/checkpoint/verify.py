@@ -236,11 +236,11 @@ def verify_layered(root: str, manifest: Manifest, session: VerifySession,
     return dedupe(problems)
 
 
-def _segment_gids(reader: SegmentReader, seg) -> np.ndarray:
+def _segment_gids(reader: SegmentReader, seg, session: VerifySession) -> np.ndarray:
     """Every global id a segment holds (rows it reads only to skip left out). Local."""
     parts = []
     for _, group, start, stop, _, _ in reader.groups(seg):
-        gids = reader.gids(seg, group, start, stop)
+        gids = session.gids(reader.path(seg), group, start, stop)
         parts.append(gids[seg.row_orders(len(gids)) != GAP])
     return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
@@ -251,7 +251,7 @@ def layered_coverage(root: str, manifest: Manifest, segments, session: VerifySes
     seen = np.zeros(int(offsets[-1]), dtype=bool)
     with SegmentReader(root, opener=session.open) as reader:
         for seg in segments:
-            gids = session.memo(("segment gids", root, seg), lambda: _segment_gids(reader, seg))
+            gids = session.memo(("segment gids", root, seg), lambda: _segment_gids(reader, seg, session))
             if gids.size and (gids.min() < 0 or gids.max() >= seen.size):
                 return [f"{reader.path(seg)}: global ids outside the model's {seen.size} rows"]
             seen[gids] = True

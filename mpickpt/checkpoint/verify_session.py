@@ -38,6 +38,10 @@ class VerifySession:
         self._checked: dict[str, list[str]] = {}
         self._gids: OrderedDict[tuple, np.ndarray] = OrderedDict()
         self._gid_bytes = 0
+        self._pool: ProcessPoolExecutor | None = None
+        self._intact: set[str] = set()
+        """Files whose bytes equal their sealed manifest's whole-file CRC32: their attribute
+        digest and block checksums cannot tell more, so reads from them skip both."""
         self.opens: dict[str, int] = {}
         """How often each path was opened (1 each unless more than MAX_OPEN were in use)."""
         self.bytes_checked = 0
@@ -51,7 +55,7 @@ class VerifySession:
         if f is not None:
             self._open.move_to_end(path)
             return f
-        f = open_shard(path)
+        f = open_shard(path, check_attrs=path not in self._intact)
         self.opens[path] = self.opens.get(path, 0) + 1
         self._open[path] = f
         while len(self._open) > MAX_OPEN:
@@ -63,6 +67,9 @@ class VerifySession:
         for f in self._open.values():
             f.close()
         self._open.clear()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     def __enter__(self):
         return self
@@ -78,9 +85,14 @@ class VerifySession:
         dataset), every dataset's block checksums. Local."""
         if path not in self._checked:
             start = time.perf_counter()
-            self._checked[path] = check_file(path, crc, self.open)
+            self._record(path, crc, check_file(path, crc, self.open))
             self._count(path, time.perf_counter() - start)
         return self._checked[path]
+
+    def _record(self, path: str, crc: int | None, problems: list[str]) -> None:
+        self._checked[path] = problems
+        if crc is not None and not problems:
+            self._intact.add(path)
 
     def prefetch(self, paths: list[str], crcs: dict | None = None) -> None:
         """Check the files of `paths` not checked yet, `jobs` processes at a time. Local."""
@@ -89,9 +101,10 @@ class VerifySession:
             return
         start = time.perf_counter()
         wanted = [(crcs or {}).get(p) for p in todo]
-        with ProcessPoolExecutor(self.jobs, mp_context=mp.get_context("spawn")) as pool:
-            for path, problems in zip(todo, pool.map(check_file, todo, wanted)):
-                self._checked[path] = problems
+        if self._pool is None:  # one pool for the session: spawning costs more than a small file
+            self._pool = ProcessPoolExecutor(self.jobs, mp_context=mp.get_context("spawn"))
+        for path, crc, problems in zip(todo, wanted, self._pool.map(check_file, todo, wanted)):
+            self._record(path, crc, problems)
         elapsed = time.perf_counter() - start
         for path in todo:
             self._count(path, elapsed / len(todo))
@@ -105,12 +118,15 @@ class VerifySession:
 
     # ---- global ids ---------------------------------------------------------------------------
     def gids(self, path: str, group, start: int, stop: int) -> np.ndarray:
-        """Checksum-verified global ids of rows [start, stop) of `group` of `path`. Local."""
+        """Checksum-verified global ids of rows [start, stop) of `group` of `path` (the block
+        checksums are skipped for an intact file: its whole-file CRC32 covered them). Local."""
         key = (path, group.name, start, stop)
         got = self._gids.get(key)
         if got is not None:
             self._gids.move_to_end(key)
             return got
+        if path in self._intact:
+            return self._keep(key, np.asarray(group["gids"][start:stop]))
         return self._keep(key, read_rows(group["gids"], start, stop, path))
 
     def memo(self, key, compute) -> np.ndarray:
