@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 from mpickpt.checkpoint.describe import describe, format_text
 from mpickpt.checkpoint.export import export_checkpoint
@@ -98,15 +99,18 @@ def cmd_verify(args) -> int:
         print(f"warning: {os.path.join(args.dir, d)}: torn checkpoint directory "
               f"(no manifest refers to it)")
     by_step = {m.step: m for m in cat.manifests}
+    start = time.perf_counter()
     with VerifySession(args.jobs) as session:
         for m in manifests:
             problems = verify_checkpoint(args.dir, m, session, by_step)
             bad += bool(problems)
             print("\n".join(f"step {m.step}: {p}" for p in problems) or f"step {m.step}: OK",
                   flush=True)
-        rate = session.rate()
+        rate, total = session.rate(), session.bytes_checked
+    seconds = time.perf_counter() - start  # structure and coverage included
     print(summary(len(manifests) + len(unreadable), bad, len(cat.torn))
-          + f"; checksums of {rate}")
+          + f"; checksums of {rate}; {seconds:.2f} s in all "
+          f"({total / 1e6 / max(seconds, 1e-9):.0f} MB/s)")
     return 1 if bad else 0
 
 
