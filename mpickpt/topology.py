@@ -201,6 +201,15 @@ def _release_at_exit() -> None:
     own at import), so the interpreter does not abort in the group's destructor at teardown
     ("terminate called without an active exception"). It must not depend on the Topology object:
     a script's main() returns and drops it long before exit, while torch's registry keeps the
-    group. Local: no collective at exit, where a peer may be gone."""
+    group. Local: no collective at exit, where a peer may be gone.
+
+    Objects of the script caught in reference cycles (a model and its hooks) still hold the group
+    until the collector runs; collected here, while the interpreter is whole, instead of during
+    its teardown, where a gloo group's worker threads can abort the process (seen once in CI,
+    exit status -6 after all work was done)."""
+    import gc
+
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
