@@ -65,8 +65,8 @@ _NOTICED = re.compile(r"noticed (\S+Z)\)")
 _RESTORE = re.compile(r"(?:restored from their survivor dumps at step (\d+)(?:.*?) in ([\d.]+) s"
                       r"|resumed from checkpoint step (\d+) .*? in ([\d.]+) s)")
 _REGULAR = re.compile(r"checkpoint step \d+ committed \(\w+\): [\d.]+ MB in ([\d.]+) s")
-_EMERGENCY = re.compile(r"checkpoint step (\d+) committed ([\d.]+) s after the signal "
-                        r"\(([\d.]+) s to write and commit")
+_EMERGENCY = re.compile(r"checkpoint step (\d+) (?:\(the interval's\) )?committed ([\d.]+) s after "
+                        r"the signal \(([\d.]+) s to write and commit")
 
 
 class StampedJob:

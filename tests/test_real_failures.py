@@ -165,8 +165,8 @@ def stop_trial(tmp_path, sig: int, seed: int, uninterrupted: str) -> None:
         job.stop()
     name = signal.Signals(sig).name
     assert len(signalled) == 2 and code == 75, job.output[-3000:]
-    m = re.search(rf"stopping on {name} after step (\d+): checkpoint step (\d+) committed "
-                  r"([0-9.]+) s after the signal", job.output)
+    m = re.search(rf"stopping on {name} after step (\d+): checkpoint step (\d+) "
+                  r"(?:\(the interval's\) )?committed ([0-9.]+) s after the signal", job.output)
     assert m, job.output[-3000:]
     reached = job.step
     assert int(m.group(1)) == int(m.group(2)) == reached
