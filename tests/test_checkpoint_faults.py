@@ -86,18 +86,6 @@ def test_torn_checkpoint_without_manifest_is_ignored(tmp_path, reference):
     assert digest_of(resumed) == digest
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1700k", "tmpfs", str(mnt)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def test_full_disk_abandons_checkpoint_and_training_goes_on(small_tmpfs):
     """One checkpoint of the default model (1.1 MB) fits the 1.7 MB tmpfs; the next cannot while
     the first is kept (retention deletes only after a newer commit)."""

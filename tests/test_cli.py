@@ -8,7 +8,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 
 from mpickpt.cli import main
+from tests.damage import edit_reader_position
 from tests.launch import REPO, run_ranks
 
 SIZES = [300, 200, 100, 50]
@@ -257,18 +257,6 @@ def test_export_of_corrupted_checkpoint_fails_without_output(copy, tmp_path):
 
 
 # ------------------------------------------------------------------------- damaged manifests
-
-def edit_reader_position(root: str, step: int) -> str:
-    """Add one to the reader position recorded in the manifest of `step`; returns its path."""
-    path = os.path.join(root, f"manifest-{step:012d}.json")
-    text = open(path).read()
-    edited = re.sub(r'"sample_index": (\d+)', lambda m: f'"sample_index": {int(m.group(1)) + 1}',
-                    text, count=1)
-    assert edited != text
-    with open(path, "w") as f:
-        f.write(edited)
-    return path
-
 
 def test_a_chosen_step_with_a_damaged_manifest_is_an_error_naming_it(copy, tmp_path, capsys):
     path = edit_reader_position(copy, 20)

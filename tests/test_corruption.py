@@ -23,6 +23,7 @@ import pytest
 
 from mpickpt import cli
 from mpickpt.store.manifest import list_manifests
+from tests.damage import edit_reader_position
 from tests.launch import REPO, SMALL_MODEL, digest_of, resumed_step
 
 STEPS, TOTAL = 16, 22
@@ -171,13 +172,7 @@ def test_an_edited_reader_position_is_refused_and_resume_falls_back(pristine, st
     work = str(tmp_path / "edited")
     shutil.copytree(root, work)
     newest = max(m.step for m in list_manifests(work))
-    path = os.path.join(work, f"manifest-{newest:012d}.json")
-    text = open(path).read()
-    edited = re.sub(r'"sample_index": (\d+)', lambda m: f'"sample_index": {int(m.group(1)) + 1}',
-                    text, count=1)
-    assert edited != text
-    with open(path, "w") as f:
-        f.write(edited)
+    edit_reader_position(work, newest)
     assert cli.main(["verify", work]) == 1
     out = capsys.readouterr().out
     assert f"manifest-{newest:012d}.json" in out and "checksum" in out, out

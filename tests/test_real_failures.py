@@ -197,18 +197,6 @@ def test_a_stop_signal_at_a_random_moment_commits_the_step_reached_many(tmp_path
     stop_trial(tmp_path, sig, seed, uninterrupted)
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1700k", "tmpfs", str(mnt)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def test_a_stop_whose_checkpoint_cannot_be_written_says_so_and_exits_74(small_tmpfs):
     """The default model's checkpoint (1.1 MB) fits the 1.7 MB tmpfs once: step 10's commits
     and stays (retention deletes only after a newer commit), so no emergency checkpoint can."""
