@@ -31,8 +31,8 @@ TEMP_SUFFIXES = (".tmp", ".reserve")
 NEXT_RUN = "the next run removes it"
 SURVIVORS = "survivors"
 """``<root>/survivors/rank-<r>``: where `survivors.dump` copies a rank's dump (with its
-``header.json``); the root's lineage id is in `LINEAGE_FILE`. Named here, not imported: the store
-does not depend on the survivors package."""
+``header.json``); the root's lineage id is in `LINEAGE_FILE`. Both names are defined here and
+imported by `survivors.dump` (the store does not depend on the survivors package)."""
 LINEAGE_FILE = ".mpickpt-lineage"
 _DUMP = re.compile(r"^rank-\d{5}$")
 _DUMP_TMP = re.compile(r"^rank-\d{5}\.tmp-(\d+)$")

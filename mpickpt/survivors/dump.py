@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from mpickpt.store.durable import file_crc32, fsync_path
+from mpickpt.store.leftovers import LINEAGE_FILE, SURVIVORS
 
 DUMP_VERSION = 1
 SHM_ROOT = "/dev/shm"
@@ -61,8 +62,6 @@ def job_key(root: str) -> str:
     return hashlib.sha256(os.path.abspath(root).encode()).hexdigest()[:16]
 
 
-LINEAGE_FILE = ".mpickpt-lineage"
-
 
 def lineage(root: str) -> str:
     """The id of the run lineage a checkpoint directory belongs to, made at its first use (a
@@ -93,7 +92,7 @@ def dump_dirs(key: str, rank: int, root: str | None) -> list[str]:
     """Where rank `rank`'s dump goes: shared memory, and the checkpoint directory if given."""
     out = [os.path.join(SHM_ROOT, f"mpickpt-survivors-{key}", f"rank-{rank:05d}")]
     if root is not None:
-        out.append(os.path.join(root, "survivors", f"rank-{rank:05d}"))
+        out.append(os.path.join(root, SURVIVORS, f"rank-{rank:05d}"))
     return out
 
 
