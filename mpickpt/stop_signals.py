@@ -41,6 +41,9 @@ class StopSignals:
         self.received: str | None = None
         self.at: float | None = None
         self._previous = {}
+        self.muted_until = 0.0
+        self.muted: list[float] = []
+        """Arrival times (perf_counter) of the SIGUSR1s taken for a launcher's death notice."""
 
     def install(self) -> "StopSignals":
         """Take over the stop signals (main thread only). Local."""
@@ -48,7 +51,21 @@ class StopSignals:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
+    def mute_death_notices(self, seconds: float, looking_back: float = 2.0) -> None:
+        """A peer just died and the job recovers in place: MPICH's hydra sends SIGUSR1 to every
+        rank when a rank's PMI connection closes, which is no request to stop. Forget a SIGUSR1
+        that arrived in the last `looking_back` seconds and ignore those of the next `seconds`.
+        SIGTERM and SIGINT are never muted. Local; any thread."""
+        now = time.perf_counter()
+        self.muted_until = max(self.muted_until, now + seconds)
+        if self.received == "SIGUSR1" and self.at is not None and self.at >= now - looking_back:
+            self.muted.append(self.at)
+            self.received, self.at = None, None
+
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGUSR1 and time.perf_counter() < self.muted_until:
+            self.muted.append(time.perf_counter())
+            return
         if self.received is not None and signum == signal.SIGINT:
             os._exit(128 + signum)  # a second Ctrl-C: stop now
         if self.received is None:

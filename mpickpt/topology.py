@@ -7,19 +7,26 @@ pass it to whoever needs it.
 Two channels never mix:
 - `pg`, a torch.distributed process group (NCCL on GPUs, gloo on CPUs): the training data plane
   (embedding all-to-alls, dense gradient allreduce).
-- `control`, a duplicated MPI communicator: checkpoint votes, barriers, failure decisions, gathers for
-  metrics and digests.
+- `control`, a `StoreControl` (a gloo group of its own plus the rendezvous store, with mpi4py's
+  method names): checkpoint votes, barriers, failure decisions, gathers for metrics and digests.
+
+MPI serves only the start: ranks, node layout and the address of the rendezvous store. Both
+channels belong to the job's current generation (`mpickpt.generation`): after a rank's death and
+its replacement, `advance` builds the next generation's groups and every consumer reads `pg`,
+`control` and the side groups from here again, never from a copy of its own.
 """
 from __future__ import annotations
 
 import atexit
-import datetime
 import os
 import socket
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from mpickpt.generation import (DEFAULT_JOIN_TIMEOUT, STORE_VARIABLE, Groups, Rendezvous,
+                                connect_store, host_store)
 
 # Launcher variables that carry the node-local rank, in the order they are trusted.
 LOCAL_RANK_VARIABLES = (
@@ -58,18 +65,6 @@ def choose_backend(requested: str | None = None) -> str:
     return requested
 
 
-def _rendezvous_host() -> str:
-    """Address other ranks use to reach this host (override with MPICKPT_MASTER_ADDR). Local."""
-    override = os.environ.get("MPICKPT_MASTER_ADDR")
-    if override:
-        return override
-    name = socket.gethostname()
-    try:
-        return socket.gethostbyname(name)
-    except OSError:
-        return "127.0.0.1"
-
-
 @dataclass
 class Topology:
     """Everything a rank knows about the job's layout. Build with `from_mpi` (collective)."""
@@ -81,31 +76,133 @@ class Topology:
     hostname: str
     device: torch.device
     backend: str
-    control: object  # mpi4py.MPI.Intracomm, a Dup of the launcher's communicator
+    control: object  # mpickpt.control.StoreControl of the current generation
     pg: object = field(repr=False)  # torch.distributed ProcessGroup for the training data plane
     _owns_default_pg: bool = field(default=False, repr=False)
     _side_groups: dict = field(default_factory=dict, repr=False)
+    rendezvous: Rendezvous | None = field(default=None, repr=False)
+    groups: Groups | None = field(default=None, repr=False)
+    timeout_s: float = 300.0
+    _side_specs: list = field(default_factory=list, repr=False)
+    _store_server: object = field(default=None, repr=False)
+    replacement: bool = False
+    """This process was started to replace a dead rank (it joined a later generation)."""
+
+    @property
+    def generation(self) -> int:
+        """The job's generation this process is in (0 until a membership change). Local."""
+        return self.groups.generation if self.groups is not None else 0
 
     @classmethod
     def from_mpi(cls, comm=None, backend: str | None = None, timeout_s: float = 300.0) -> "Topology":
-        """Build the topology. Collective over `comm` (default MPI.COMM_WORLD).
+        """Build the topology of generation 0. Collective over `comm` (default MPI.COMM_WORLD).
 
-        The torch.distributed rendezvous (address and port) is agreed over MPI, so users set no
-        environment variables: rank 0 opens a TCPStore on a free port and broadcasts it.
+        The rendezvous store is agreed over MPI, so users set no environment variables: rank 0
+        uses the store its node agent hosts ($MPICKPT_STORE, set by `mpickpt-run`) or opens one
+        itself on a free port, and broadcasts the address. Nothing after this uses MPI.
         """
         from mpi4py import MPI
 
-        control = (comm or MPI.COMM_WORLD).Dup()
-        rank, world = control.Get_rank(), control.Get_size()
-        local_rank, local_size = _local_layout(control)
+        comm = comm or MPI.COMM_WORLD
+        rank, world = comm.Get_rank(), comm.Get_size()
+        local_rank, local_size = _local_layout(comm)
         backend = choose_backend(backend)
         device = _device_for(backend, local_rank)
-        pg, owns = _process_group(control, backend, rank, world, timeout_s)
-        topo = cls(rank, world, local_rank, local_size, socket.gethostname(), device, backend,
-                   control, pg, owns)
-        if owns:
-            atexit.register(_release_at_exit)
+        if dist.is_initialized():  # a library user's own group: used as it is, one generation
+            return cls._around_user_group(comm, rank, world, local_rank, local_size, device,
+                                          backend, timeout_s)
+        server, address = None, os.environ.get(STORE_VARIABLE) if rank == 0 else None
+        if rank == 0 and not address:
+            server, address = host_store(timeout_s)
+        address = comm.bcast(address, root=0)
+        rendezvous = Rendezvous(server or connect_store(address, timeout_s), address)
+        generation = rendezvous.current() if rank == 0 else None
+        generation = comm.bcast(generation, root=0)
+        return cls._join(rendezvous, generation, rank, world, local_rank, local_size, device,
+                         backend, timeout_s, server)
+
+    @classmethod
+    def from_store(cls, address: str, rank: int, world: int, local_rank: int = 0,
+                   local_size: int = 1, backend: str | None = None, timeout_s: float = 300.0,
+                   join_timeout_s: float = DEFAULT_JOIN_TIMEOUT) -> "Topology":
+        """Build the topology of a process started to replace `rank` (no MPI): join the first
+        generation whose slot for `rank` is free. Collective with that generation's members."""
+        backend = choose_backend(backend)
+        device = _device_for(backend, local_rank)
+        rendezvous = Rendezvous(connect_store(address, timeout_s), address)
+        generation = rendezvous.generation_for_replacement(rank, join_timeout_s)
+        topo = cls._join(rendezvous, generation, rank, world, local_rank, local_size, device,
+                         backend, timeout_s, None, join_timeout_s)
+        topo.replacement = True
+        for name, parts in rendezvous.side_groups(generation, join_timeout_s):
+            topo._side_specs.append((name, parts))
+            topo._make_group(name, parts)
         return topo
+
+    @classmethod
+    def _join(cls, rendezvous, generation, rank, world, local_rank, local_size, device, backend,
+              timeout_s, server, join_timeout_s: float = DEFAULT_JOIN_TIMEOUT) -> "Topology":
+        rendezvous.register(generation, rank)
+        rendezvous.gather(generation, world, join_timeout_s)
+        groups = Groups(rendezvous, generation, rank, world, backend, timeout_s)
+        topo = cls(rank, world, local_rank, local_size, socket.gethostname(), device, backend,
+                   groups.control, groups.pg, True, rendezvous=rendezvous, groups=groups,
+                   timeout_s=timeout_s, _store_server=server)
+        atexit.register(_release_at_exit)
+        return topo
+
+    @classmethod
+    def _around_user_group(cls, comm, rank, world, local_rank, local_size, device, backend,
+                           timeout_s) -> "Topology":
+        if dist.get_world_size() != world or dist.get_rank() != rank:
+            raise ValueError(
+                f"torch.distributed is already initialised with rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but MPI says rank {rank} of {world}")
+        from mpickpt.control import StoreControl
+
+        server, address = (host_store(timeout_s) if rank == 0 else (None, None))
+        address = comm.bcast(address, root=0)
+        store = server or connect_store(address, timeout_s)
+        control = StoreControl(store, "user/ctl/", rank, world, timeout_s)
+        return cls(rank, world, local_rank, local_size, socket.gethostname(), device, backend,
+                   control, dist.group.WORLD, False, rendezvous=Rendezvous(store, address),
+                   timeout_s=timeout_s, _store_server=server)
+
+    @property
+    def can_advance(self) -> bool:
+        """Whether this topology can move to a next generation (it built its own groups). Local."""
+        return self.groups is not None
+
+    def abort(self) -> None:
+        """Make every collective of the current generation, running or to come, raise (a peer
+        died). Local; any thread; safe twice."""
+        if self.groups is not None:
+            self.groups.abort()
+        elif self.control is not None:
+            self.control.abort()
+
+    def advance(self, dead, join_timeout_s: float = DEFAULT_JOIN_TIMEOUT) -> int:
+        """Leave the current generation (its groups aborted) and join the next one with the
+        processes that replace `dead`: new training group, control channel and side groups (in
+        the order they were first made). Returns the new generation. Collective with the next
+        generation's members; raises `GenerationError` when they do not all come."""
+        if self.groups is None:
+            raise RuntimeError("this topology runs on a process group it did not create; it "
+                               "cannot move to a new generation")
+        old = self.groups
+        old.abort()
+        nxt = self.rendezvous.advance(old.generation, dead)
+        self.rendezvous.publish_side_groups(nxt, self._side_specs)
+        self.rendezvous.register(nxt, self.rank)
+        self.rendezvous.gather(nxt, self.world_size, join_timeout_s)
+        old.release()
+        self.groups = Groups(self.rendezvous, nxt, self.rank, self.world_size, self.backend,
+                             self.timeout_s)
+        self.pg, self.control = self.groups.pg, self.groups.control
+        self._side_groups = {}
+        for name, parts in self._side_specs:
+            self._make_group(name, parts)
+        return nxt
 
     @property
     def is_root(self) -> bool:
@@ -118,7 +215,8 @@ class Topology:
         call for `name` (collective then; every rank must ask in the same order), cached after
         (local)."""
         if name not in self._side_groups:
-            self._side_groups[name] = dist.new_group(backend=self.backend)
+            self._side_specs.append((name, None))
+            self._make_group(name, None)
         return self._side_groups[name]
 
     def part_group(self, name: str, parts: list[list[int]]):
@@ -127,22 +225,33 @@ class Topology:
         first call for `name` (collective then: every rank creates every part, in the same
         order), cached after (local)."""
         if name not in self._side_groups:
-            mine = None
-            for part in parts:
-                group = dist.new_group(ranks=part, backend=self.backend)
-                if self.rank in part:
-                    mine = group
-            if mine is None:
+            if not any(self.rank in part for part in parts):
                 raise ValueError(f"rank {self.rank} is in none of the parts {parts}")
-            self._side_groups[name] = mine
+            self._side_specs.append((name, [list(p) for p in parts]))
+            self._make_group(name, parts)
         return self._side_groups[name]
+
+    def _make_group(self, name: str, parts) -> None:
+        """Create a side group (parts None: over all ranks). Collective."""
+        if parts is None:
+            group = dist.new_group(backend=self.backend)
+        else:
+            group = None
+            for part in parts:
+                made = dist.new_group(ranks=part, backend=self.backend)
+                if self.rank in part:
+                    group = made
+        self._side_groups[name] = group
+        if self.groups is not None:
+            self.groups.side[name] = group
 
     def barrier(self) -> None:
         """Barrier on the control channel. Collective."""
         self.control.Barrier()
 
     def close(self) -> None:
-        """Release the process group (if this object created it) and the control channel. Collective."""
+        """Release the process group (if this object created it) and the control channel.
+        Local: nothing here waits for a peer."""
         if self.pg is not None and self._owns_default_pg and dist.is_initialized():
             dist.destroy_process_group()
         self.pg = None
@@ -170,29 +279,6 @@ def _device_for(backend: str, local_rank: int) -> torch.device:
     device = torch.device("cuda", local_rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     return device
-
-
-def _process_group(control, backend: str, rank: int, world: int, timeout_s: float):
-    """Create the training process group with a rendezvous agreed over MPI. Collective."""
-    if dist.is_initialized():
-        if dist.get_world_size() != world or dist.get_rank() != rank:
-            raise ValueError(
-                f"torch.distributed is already initialised with rank {dist.get_rank()} of "
-                f"{dist.get_world_size()}, but MPI says rank {rank} of {world}")
-        return dist.group.WORLD, False
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = None
-    if rank == 0:
-        host = _rendezvous_host()
-        store = dist.TCPStore(host, 0, world, True, timeout=timeout, wait_for_workers=False)
-        address = (host, store.port)
-    else:
-        address = None
-    host, port = control.bcast(address, root=0)
-    if rank != 0:
-        store = dist.TCPStore(host, port, world, False, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    return dist.group.WORLD, True
 
 
 def _release_at_exit() -> None:

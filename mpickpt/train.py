@@ -37,7 +37,14 @@ def stop_status(trainer) -> int:
 
 
 def main(argv=None) -> int:
-    """Parse, validate on every rank, then train. Collective over MPI.COMM_WORLD."""
+    """Parse, validate on every rank, then train. Collective over MPI.COMM_WORLD; a process
+    started by a node agent to replace a dead rank joins without MPI (`replacement_main`)."""
+    import os
+
+    from mpickpt.generation import REPLACES_VARIABLE
+
+    if os.environ.get(REPLACES_VARIABLE):
+        return replacement_main(argv)
     from mpi4py import MPI
 
     from mpickpt.data.criteo_tsv import CriteoFormatError
@@ -61,6 +68,7 @@ def main(argv=None) -> int:
     if error:
         return _fail(comm, error)
     topo = Topology.from_mpi(comm, backend=config.run.backend)
+    _tell_agent(topo)
     try:
         trainer = Trainer(topo, config, signals=signals)
     except CheckpointError as e:  # every rank agreed on it inside restore()
@@ -72,14 +80,81 @@ def main(argv=None) -> int:
     except (CriteoFormatError, Unrecoverable, CheckpointError) as e:
         # found mid-stream, on every rank at the same step (the same lines, the same injected
         # failure, an agreed restore), so this exit is collective
-        status = _fail(comm, str(e))
-        comm.Barrier()
+        status = _fail(topo.control, str(e))
+        topo.control.Barrier()
     finally:
         trainer.close()
+    return _leave(topo, status)
+
+
+def replacement_main(argv=None) -> int:
+    """A trainer started by its node agent in place of a dead one: join the survivors' next
+    generation over the rendezvous store (no MPI), recover the lost shard, train on. Collective
+    with that generation."""
+    import os
+
+    from mpickpt.generation import REPLACES_VARIABLE, STORE_VARIABLE
+    from mpickpt.recovery.base import Unrecoverable
+    from mpickpt.stop_signals import StopSignals
+    from mpickpt.store.errors import CheckpointError
+    from mpickpt.topology import Topology, local_rank_from_env
+    from mpickpt.train_flags import TrainConfig
+    from mpickpt.trainer import Trainer
+
+    signals = StopSignals().install()
+    rank, _, world = os.environ[REPLACES_VARIABLE].partition("/")
+    config = TrainConfig.from_args(argv)  # the flags the job started with: already checked
+    topo = Topology.from_store(os.environ[STORE_VARIABLE], int(rank), int(world),
+                               local_rank_from_env() or 0, backend=config.run.backend,
+                               join_timeout_s=config.recovery.join_timeout)
+    trainer = Trainer(topo, config, signals=signals)
+    status = 0
+    try:
+        trainer.run()
+        status = stop_status(trainer)
+    except (Unrecoverable, CheckpointError) as e:
+        status = _fail(topo.control, str(e))
+    finally:
+        trainer.close()
+    return _leave(topo, status)
+
+
+def _tell_agent(topo) -> None:
+    """Leave the store's address where this rank's node agent finds it for a replacement."""
+    import os
+
+    from mpickpt.generation import AGENT_VARIABLE
+
+    folder = os.environ.get(AGENT_VARIABLE)
+    if folder and topo.rendezvous is not None and topo.rendezvous.address:
+        tmp = os.path.join(folder, "store.tmp")
+        with open(tmp, "w") as f:
+            f.write(topo.rendezvous.address)
+        os.replace(tmp, os.path.join(folder, "store"))
+
+
+def _leave(topo, status: int) -> int:
+    """Release the groups and say this rank is done with the store. After a change of
+    generation, MPI_Finalize would wait forever for the dead rank (and a replacement never
+    joined MPI): the exit hooks run and the process ends without it."""
+    import atexit
+    import os
+
+    generation = topo.generation
+    if topo.rendezvous is not None:
+        try:
+            topo.rendezvous.store.add("finished", 1)
+        except (RuntimeError, OSError):
+            pass
     # Both exits release the process group: a gloo group left to the interpreter's teardown can
     # abort the process ("terminate called without an active exception", exit status 6).
     topo.close()
-    return status
+    if generation == 0 and not topo.replacement:
+        return status
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

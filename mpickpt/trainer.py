@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 import torch
 
@@ -16,10 +17,12 @@ from mpickpt.model.hybrid import HybridDLRM
 from mpickpt.parity.guard import ParityGuard
 from mpickpt.progress import ProgressLog
 from mpickpt.faults.loss import Loss
+from mpickpt.generation import AGENT_VARIABLE, GenerationError
 from mpickpt.recovery.tolerance import FaultTolerance
 from mpickpt.run_report import RunReport
 from mpickpt.stop_signals import StopSignals, stop_failed_message
-from mpickpt.survivors.survival import Survival
+from mpickpt.survivors.inplace import InPlace, Rejoined
+from mpickpt.survivors.survival import COMM_ERRORS, Survival
 from mpickpt.timing import PhaseTimer
 
 # The synthetic test set is the same planted stream far beyond any training index.
@@ -68,9 +71,18 @@ class Trainer:
         rec = config.recovery
         self.survival = Survival(topo, self.model, self.parity, config.checkpoint and
                                  config.checkpoint.directory, rec.survivor_dumps,
-                                 rec.peer_timeout, self.log.say)
+                                 rec.peer_timeout, self.log.say,
+                                 in_place=rec.in_place == "on" and bool(
+                                     os.environ.get(AGENT_VARIABLE)),
+                                 on_notice=lambda: self.signals.mute_death_notices(10.0))
+        self.in_place = InPlace(topo, self.model, self.survival.undo, self.parity,
+                                rec.join_timeout)
+        self.generations: list[dict] = []
+        """One record per in-place recovery this process took part in."""
+        self._left_at = None
         self.dumps_pending = False
-        self.step, start, pls, lost = self._resume(first)
+        self.step, start, pls, lost = self._join_as_replacement() if topo.replacement \
+            else self._resume(first)
         self.resumed_step = self.step
         self.faults = FaultTolerance(config, topo, self.model, self.ckpt, self.restorer,
                                      self.parity, self.log.say, self.step, pls, first.to_dict())
@@ -106,6 +118,26 @@ class Trainer:
         return (restored.step, position_from_dict(restored.reader_state),
                 restored.manifest.stats.get("pls"), [])
 
+    def _join_as_replacement(self):
+        """A process that replaces a dead rank: agree with the survivors on the step and take
+        the dense part, reader position and PLS from them (the shard itself is recovered after
+        the trainer is built, by `--recovery`). Collective with the generation's members."""
+        joined = self.in_place.replacement()
+        self._take_over(joined)
+        self._joined = joined
+        return joined.step, position_from_dict(joined.reader), joined.pls, joined.replaced
+
+    def _take_over(self, joined: Rejoined) -> None:
+        """Checkpointing continues from the agreed step: a new baseline next, the job's attempt
+        id and interval. Local."""
+        if self.ckpt is not None:
+            self.ckpt.resumed_at(joined.step)
+            if joined.attempt is not None:
+                self.ckpt.attempt = joined.attempt
+            if joined.interval is not None:
+                self.ckpt.schedule.interval = joined.interval
+                self.ckpt.schedule.restart(joined.step)
+
     def _make_reader(self, start) -> PrefetchReader:
         cfg = self.config
         allowance = self.ckpt.allowance(self.step, cfg.num_batches) if self.ckpt else None
@@ -116,12 +148,82 @@ class Trainer:
 
     def run(self) -> None:
         """Train up to `num_batches` steps (or to the end of the data, or a stop signal).
-        Collective. A peer's death ends this rank through `Survival` (exit EXIT_PEER_LOST)."""
+        Collective. A peer's death either moves the job to its next generation in place (this
+        process goes on) or ends this rank through `Survival` (exit EXIT_PEER_LOST)."""
+        if self.topo.replacement:
+            self._joined_log(self._joined, 0.0)
+        while True:
+            try:
+                self._loop()
+                self._finish()
+                return
+            except Exception as e:
+                dead = self.survival.failed(e)  # re-raises unless a peer died
+                self._rejoin(dead)
+
+    def _rejoin(self, dead: set[int]) -> None:
+        """In place: undo the step the death interrupted, leave the broken generation, form the
+        next one with the dead ranks' replacements and agree on a step, then recover the
+        replaced shards by `--recovery`. Collective with the next generation's members. Falls
+        back to a relaunch (dump, exit EXIT_PEER_LOST) when the generation cannot be formed."""
+        started = time.perf_counter()
+        with self.model.state_lock:
+            self._left_at = self._boundary()
+            self.survival.undo.undo_current()
+        dead = dead | self.survival.leave_generation()
+        step, reader, pls = self._left_at
+        self.reader.close()
+        attempt = interval = None
+        if self.ckpt is not None:
+            abandoned = self.ckpt.leave_generation()
+            attempt, interval = self.ckpt.attempt, self.ckpt.schedule.interval
+            if abandoned:
+                self.log.say(f"checkpoint(s) of step(s) {abandoned} abandoned: rank(s) "
+                             f"{sorted(dead)} died before they were written everywhere")
+        self.log.say(f"rank(s) {sorted(dead)} died after step {step}: the survivors keep their "
+                     f"processes and wait for the replacement(s) (generation "
+                     f"{self.topo.generation + 1})")
         try:
-            self._loop()
-            self._finish()
-        except Exception as e:
-            self.survival.failed(e)  # re-raises unless a peer died
+            joined = self.in_place.survivor(dead, step, reader, pls, attempt, interval)
+        except (GenerationError, *COMM_ERRORS) as e:
+            self.survival.give_up_in_place(dead, str(e))
+        self._left_at = None
+        left = time.perf_counter() - started
+        self.step = joined.step
+        self._take_over(joined)
+        self.reader = self._make_reader(position_from_dict(joined.reader))
+        self.log.restart_at(self.step)
+        if joined.replaced:
+            self._recover(Loss.of_ranks(joined.replaced, self.step, self.model.plan))
+        self.survival.start_watch(self._boundary)
+        self.signals.mute_death_notices(3.0)
+        self._joined_log(joined, left, dead)
+
+    def _joined_log(self, joined: Rejoined, seconds: float, dead=None) -> None:
+        """Log one in-place recovery (rank 0) and append it to the restart log. Collective
+        (the recovery's time is the max over the members)."""
+        total = self.topo.control.allreduce(seconds, op="max")
+        record = {"generation": joined.generation, "step": joined.step,
+                  "replaced": joined.replaced, "undone": joined.undone,
+                  "pids": joined.pids, "seconds": round(total, 3),
+                  "phases": {k: round(v, 3) for k, v in joined.seconds.items()},
+                  "recovery": self.faults.mode}
+        self.generations.append(record)
+        if not self.topo.is_root:
+            return
+        phases = ", ".join(f"{k} {v:.2f} s" for k, v in record["phases"].items())
+        line = (f"in-place recovery: generation {joined.generation} at step {joined.step}: "
+                f"rank(s) {joined.replaced} replaced by new process(es) (pid "
+                f"{', '.join(str(joined.pids[r]) for r in joined.replaced)}); the others kept "
+                f"their processes" + (f", rank(s) {joined.undone} went back one step"
+                                      if joined.undone else "")
+                + f"; {record['recovery']} recovery of the replaced shard(s); {total:.2f} s "
+                  f"on the survivors ({phases})")
+        self.log.say(line)
+        if self.config.checkpoint is not None:
+            path = os.path.join(self.config.checkpoint.directory, "mpickpt-restarts.log")
+            with open(path, "a") as f:
+                f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} {line}\n")
 
     def _loop(self) -> None:
         cfg = self.config
@@ -170,7 +272,9 @@ class Trainer:
 
     def _boundary(self) -> tuple[int, dict, dict]:
         """(last completed step, reader position there, PLS stats) for a survivor dump."""
-        undo = self.survival.dumps.undo if self.survival.dumps is not None else None
+        if self._left_at is not None:  # left the generation: the reader is closed
+            return self._left_at
+        undo = self.survival.undo
         at = undo.current.reader_before if undo is not None and undo.current is not None \
             else self.reader.state().to_dict()
         return self.step, at, self.faults.pls.to_stats()

@@ -1,11 +1,11 @@
 """Commit protocol: ranks report durability over the control channel; rank 0 writes the manifest.
 
-Reports travel as non-blocking MPI sends on the control communicator (never the training group), so
-a rank never waits for another rank's writer. Rank 0 collects them whenever the manager polls; when
+Reports travel as messages on the control channel (through the rendezvous store, never the training
+group), so a rank never waits for another rank's writer. Rank 0 collects them whenever the manager polls; when
 all ranks reported for a step it either commits (manifest, then retention) or abandons the
 checkpoint (deletes its directory; the previous committed checkpoint stays valid). The filesystem
 work of a commit (manifest fsyncs, deleting retired checkpoints) runs on one background thread, in
-order, so polling never blocks training; MPI calls stay on the training thread.
+order, so polling never blocks training; control calls stay on the training thread.
 """
 from __future__ import annotations
 
@@ -76,6 +76,18 @@ class CommitCoordinator:
             for future in self._io_futures:
                 future.result()
             self._io_futures = []
+
+    def forget_pending(self, why: str) -> list[int]:
+        """The generation these reports travel in is gone: abandon every checkpoint still
+        waiting for reports (rank 0 removes its directory in the background) and drop the
+        messages. Returns the abandoned steps. Local."""
+        self._sends, self._early = [], defaultdict(list)
+        steps = sorted(self.pending)
+        for step in steps:
+            pending = self.pending.pop(step)
+            self._io_futures.append(self._io.submit(
+                self._abandon, pending, [{"ok": False, "error": why}]))
+        return steps
 
     def close(self) -> None:
         """Stop the commit thread after its queued work. Local."""

@@ -34,13 +34,11 @@ class IncrementalSaves:
         self.companion = kind.companion(root, config, say)
 
     def _allreduce(self, op: str):
-        from mpi4py import MPI
+        topo = self.topo
 
-        comm, mpi_op = self.topo.control, getattr(MPI, op)
-
-        def reduce(values):
+        def reduce(values):  # the channel of the generation current at the call
             out = np.empty_like(values)
-            comm.Allreduce(values, out, op=mpi_op)
+            topo.control.Allreduce(values, out, op=op)
             return out
         return reduce
 

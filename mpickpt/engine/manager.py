@@ -27,6 +27,7 @@ import uuid
 
 import numpy as np
 
+from mpickpt.control import MAX
 from mpickpt.engine.commit import CommitCoordinator, PendingCheckpoint
 from mpickpt.engine.config import DEFAULT_INTERVAL, CheckpointConfig
 from mpickpt.engine.incremental import IncrementalSaves
@@ -45,7 +46,9 @@ class CheckpointManager:
         self.topo, self.config, self.model = topo, config, model
         self.log = log or (lambda line: print(line, flush=True) if topo.is_root else None)
         self.root = os.path.abspath(config.directory)
-        self.attempt = topo.control.bcast(uuid.uuid4().hex[:8] if topo.is_root else None, root=0)
+        # a replacement process takes the job's attempt id from a survivor when it joins
+        self.attempt = None if getattr(topo, "replacement", False) else \
+            topo.control.bcast(uuid.uuid4().hex[:8] if topo.is_root else None, root=0)
         remove_stale_areas()
         self.snapshots = Snapshotter(model, with_dense=topo.is_root)
         self.writers = WriterPool(config.writers)
@@ -130,6 +133,20 @@ class CheckpointManager:
         if fallback:
             self.say(fallback)
 
+    def leave_generation(self) -> list[int]:
+        """A peer died: the checkpoints in flight cannot commit (the dead rank's part is
+        missing). Wait for this rank's writers (their results are dropped), have rank 0
+        abandon what it was waiting for (directories removed, the newest committed checkpoint
+        stays the newest), and make the next save a new baseline. Returns the abandoned steps
+        (rank 0; empty elsewhere). Local."""
+        if self.writers is None:
+            return []
+        self.writers.wait()
+        self._in_flight = None
+        self._last_submitted = None
+        self.incremental.reset()
+        return self.commits.forget_pending("a rank died before every rank had written it")
+
     def newest_committed(self) -> int | None:
         """The newest step this manager committed, or None. Collective (rank 0 knows)."""
         mine = max(self.commits.committed) if self.topo.is_root and self.commits.committed \
@@ -164,7 +181,7 @@ class CheckpointManager:
         """Snapshot now and write in the background; False if skipped (the overlap policy
         `skip`, unless `wait`). Collective."""
         start = time.perf_counter()
-        busy = self.topo.control.allreduce(int(self.writers.busy), op=_max_op())
+        busy = self.topo.control.allreduce(int(self.writers.busy), op=MAX)
         if busy and not self._make_room(step, wait):
             return False  # tracked rows stay marked for the next checkpoint
         if self.incremental.tracks_rows:
@@ -205,7 +222,7 @@ class CheckpointManager:
         results = self.writers.wait()
         if results is not None:
             self._report(results)
-        waited = self.topo.control.allreduce(time.perf_counter() - start, op=_max_op())
+        waited = self.topo.control.allreduce(time.perf_counter() - start, op=MAX)
         self.counters["waits"] += 1
         self.counters["wait_seconds"] += waited
         self.say(f"checkpoint step {step}: waited {waited * 1e3:.0f} ms for the previous "
@@ -303,9 +320,3 @@ def _architecture(model) -> dict:
         return {}
     return {"model": {"num_dense": a.num_dense, "num_tables": a.num_tables, "dim": a.dim,
                       "bottom": list(a.bottom), "top": list(a.top)}}
-
-
-def _max_op():
-    from mpi4py import MPI
-
-    return MPI.MAX

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from mpickpt.control import MAX
 from mpickpt.checkpoint.load import committed, load_checkpoint, load_row_range
 from mpickpt.engine.snapshot import numpy_dtype
 from mpickpt.store import leftovers
@@ -153,7 +154,7 @@ class Restorer:
 
     def _timed(self, start: float) -> None:
         self.seconds.append(self.topo.control.allreduce(time.perf_counter() - start,
-                                                        op=_max_op()))
+                                                        op=MAX))
 
     def _remove_leftovers(self, manifests: list[Manifest]) -> None:
         """Once, at the job's first restore (no writer of this job runs yet): rank 0 removes what
@@ -218,9 +219,3 @@ class Restorer:
                                                  dtype=torch.uint8))
         m = loaded.manifest
         return Restored(m.step, m.reader_state, m)
-
-
-def _max_op():
-    from mpi4py import MPI
-
-    return MPI.MAX

@@ -1,22 +1,135 @@
-"""`python -m mpickpt.launch.rank_wrapper CMD...`: run one rank's command as a child and exit
-with its status, never by a signal.
+"""`python -m mpickpt.launch.rank_wrapper CMD...`: the node agent of one rank. It runs the rank's
+trainer as a child, outlives it, and exits with its status, never by a signal.
 
-MPICH's hydra proxy SIGKILLs every rank of its node at its next event (any line of output) once
-it reaps a rank that a signal ended, `-disable-auto-cleanup` or not; a rank that exits with a
-status only makes it send SIGUSR1 to the others. The survivors of a killed rank need a moment to
-undo their step and dump their state, so `mpickpt-run` starts each rank under this wrapper: a rank
-killed by signal N becomes a wrapper exiting with 128 + N. The wrapper shares the rank's process
-group, so the launcher's signals reach the rank directly; the wrapper itself only outlives them
-(forwarding them would deliver each twice: a second SIGINT stops a rank at once). Local.
+Two jobs:
+- **Deaths by a signal become exit statuses.** MPICH's hydra proxy SIGKILLs every rank of its node
+  at its next event once it reaps a rank that a signal ended, `-disable-auto-cleanup` or not; a
+  rank that exits with a status only makes it send SIGUSR1 to the others. The wrapper is what
+  hydra started, so a trainer killed by signal N shows as a wrapper exiting with 128 + N. The
+  wrapper shares the rank's process group, so the launcher's signals reach the rank directly; it
+  only outlives them (forwarding them would deliver each twice: a second SIGINT stops a rank at
+  once).
+- **In-place recovery** (`MPICKPT_IN_PLACE=1`, set by `mpickpt-run`): the agent of launcher rank
+  0 hosts the job's rendezvous store (so the store outlives rank 0's trainer), and every agent
+  starts a replacement when its trainer is killed by a signal: the same command, without MPI, told
+  which rank it replaces (`MPICKPT_REPLACES`) and where the store is. The replacement joins the
+  survivors' next generation (`mpickpt.generation`). A trainer that exits with a status (done,
+  bad input, stopped on a signal, or a survivor leaving for a relaunch) is not replaced.
+Local.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 
 from mpickpt.background import JOB_SIGNALS
+
+IN_PLACE_VARIABLE = "MPICKPT_IN_PLACE"
+RESPAWNS_VARIABLE = "MPICKPT_RESPAWNS"
+DEFAULT_RESPAWNS = 3
+"""Replacements one agent starts before it lets a death end its rank (a relaunch then)."""
+_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+_SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
+_MPI_ONLY = ("PMI_FD", "PMI_PORT", "PMI_ID", "PMI_RANK", "PMI_SIZE", "PMI_HOSTNAME",
+             "PMIX_RANK", "PMIX_NAMESPACE", "PMIX_SERVER_URI2", "PMIX_SERVER_URI21")
+FINISH_WAIT = 10.0
+"""Seconds the store's host waits, after its own trainer ended, for the other ranks to finish
+with the store."""
+
+
+def launcher_slot(environ) -> tuple[int | None, int | None]:
+    """(rank, size) the launcher gave this process, from its variables, or None each. Local."""
+    def first(names):
+        for name in names:
+            value = environ.get(name, "").strip()
+            if value.isdigit():
+                return int(value)
+        return None
+    return first(_RANK_VARIABLES), first(_SIZE_VARIABLES)
+
+
+class Agent:
+    """One rank's agent. `run()` returns the exit status to leave with. Local."""
+
+    def __init__(self, cmd: list[str], environ=None, say=None):
+        self.cmd = cmd
+        self.env = dict(os.environ if environ is None else environ)
+        self.rank, self.size = launcher_slot(self.env)
+        self.in_place = self.env.get(IN_PLACE_VARIABLE) == "1" and self.rank is not None \
+            and (self.size or 0) > 1
+        value = self.env.get(RESPAWNS_VARIABLE, "").strip()
+        self.respawns_left = int(value) if value.isdigit() else DEFAULT_RESPAWNS
+        self.say = say or (lambda m: print(f"mpickpt-agent: {m}", file=sys.stderr, flush=True))
+        self.store = self.address = None
+        self.folder: str | None = None
+        self.respawned = 0
+
+    def run(self) -> int:
+        from mpickpt.generation import AGENT_VARIABLE, STORE_VARIABLE
+
+        env = dict(self.env)
+        if self.in_place:
+            self.folder = tempfile.mkdtemp(prefix=f"mpickpt-agent-{self.rank}-")
+            env[AGENT_VARIABLE] = self.folder
+            if self.rank == 0:
+                from mpickpt.generation import host_store
+
+                self.store, self.address = host_store()
+                env[STORE_VARIABLE] = self.address
+        try:
+            child = subprocess.Popen(self.cmd, close_fds=False, env=env)  # PMI_FD goes along
+            _close_pmi_fd(self.env)
+            status = child.wait()
+            while status < 0 and self._can_replace():
+                child = self._replace(child.pid, -status, env)
+                status = child.wait()
+            self._wait_for_finish(status)
+            return status
+        finally:
+            if self.folder:
+                shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _can_replace(self) -> bool:
+        return self.in_place and self.respawns_left > 0 and self._store_address() is not None
+
+    def _store_address(self) -> str | None:
+        """The store's address: hosted here, or left by the trainer in the agent's folder."""
+        if self.address is None and self.folder:
+            try:
+                with open(os.path.join(self.folder, "store")) as f:
+                    self.address = f.read().strip() or None
+            except OSError:
+                return None
+        return self.address
+
+    def _replace(self, pid: int, signum: int, env: dict) -> subprocess.Popen:
+        from mpickpt.generation import REPLACES_VARIABLE, STORE_VARIABLE
+
+        self.respawns_left -= 1
+        self.respawned += 1
+        self.say(f"rank {self.rank}: its trainer (pid {pid}) was killed by "
+                 f"{_signal_name(signum)}; starting a replacement in place (respawn "
+                 f"{self.respawned}, {self.respawns_left} left)")
+        child_env = {k: v for k, v in env.items() if k not in _MPI_ONLY}
+        child_env[REPLACES_VARIABLE] = f"{self.rank}/{self.size}"
+        child_env[STORE_VARIABLE] = self._store_address()
+        return subprocess.Popen(self.cmd, env=child_env)
+
+    def _wait_for_finish(self, status: int) -> None:
+        """The store's host stays until every rank said it is done with the store (or a
+        while), so that a rank finishing last does not lose it."""
+        if self.store is None or status != 0:
+            return
+        deadline = time.monotonic() + FINISH_WAIT
+        while time.monotonic() < deadline:
+            if int(self.store.add("finished", 0)) >= (self.size or 1):
+                return
+            time.sleep(0.05)
 
 
 def main(argv=None) -> int:
@@ -26,9 +139,7 @@ def main(argv=None) -> int:
         return 2
     for sig in JOB_SIGNALS:  # a handler, not SIG_IGN: the rank starts with default dispositions
         signal.signal(sig, _outlive)
-    child = subprocess.Popen(cmd, close_fds=False)  # PMI_FD and the like go to the rank
-    _close_pmi_fd()
-    status = child.wait()
+    status = Agent(cmd).run()
     sys.stdout.flush()
     sys.stderr.flush()
     # at once: an interpreter shutting down restores the default dispositions, and a SIGUSR1
@@ -36,14 +147,21 @@ def main(argv=None) -> int:
     os._exit(status if status >= 0 else 128 - status)
 
 
-def _close_pmi_fd() -> None:
+def _close_pmi_fd(environ) -> None:
     """The rank owns the PMI connection; a copy held here would outlive its MPI_Finalize."""
-    fd = os.environ.get("PMI_FD", "")
+    fd = environ.get("PMI_FD", "")
     if fd.isdigit():
         try:
             os.close(int(fd))
         except OSError:
             pass
+
+
+def _signal_name(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
 
 
 def _outlive(signum, frame) -> None:

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from mpickpt.launch.command import LAUNCHERS, cleanup_command, launch_command
+from mpickpt.launch.rank_wrapper import IN_PLACE_VARIABLE
 from mpickpt.stop_signals import EXIT_SAVE_FAILED, EXIT_SAVED
 
 EXIT_BAD_INPUT, EXIT_PEER_LOST = 2, 76
@@ -86,7 +87,10 @@ class Relauncher:
     """The relaunch loop of one job. `run()` returns the exit status to pass on. Local."""
 
     def __init__(self, command: list[str], max_restarts: int, log_path: str | None,
-                 cleanup: list[str] | None = None, say=None):
+                 cleanup: list[str] | None = None, say=None, in_place: bool = True):
+        """`in_place`: the rank agents replace a trainer killed by a signal inside the run
+        (survivors keep their processes); a relaunch is then the fallback."""
+        self.in_place = in_place
         self.command, self.max_restarts = command, max_restarts
         self.log_path, self.cleanup = log_path, cleanup
         self.say = say or (lambda m: print(f"mpickpt-run: {m}", file=sys.stderr, flush=True))
@@ -121,7 +125,8 @@ class Relauncher:
     def _one_run(self) -> tuple[int, RunWatch, float]:
         if self.cleanup:  # a requeued job's first step needs it too
             subprocess.run(self.cleanup, check=False, stdin=subprocess.DEVNULL)
-        env = dict(os.environ, MPICKPT_RESTART=str(self.restarts), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, MPICKPT_RESTART=str(self.restarts), PYTHONUNBUFFERED="1",
+                   **({IN_PLACE_VARIABLE: "1"} if self.in_place else {}))
         watch, start = RunWatch(), time.monotonic()
         self._proc = subprocess.Popen(self.command, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, env=env, bufsize=0)
@@ -160,14 +165,22 @@ def _pump(src, dst, watch: RunWatch) -> None:
         dst.flush()
 
 
-def ckpt_dir_of(flags: list[str]) -> str | None:
-    """The --ckpt-dir among trainer flags, if any. Local."""
+def flag_value(flags: list[str], name: str) -> str | None:
+    """The value of trainer flag `name` ("--name V" or "--name=V"), if given. Local."""
     for i, flag in enumerate(flags):
-        if flag == "--ckpt-dir" and i + 1 < len(flags):
+        if flag == name and i + 1 < len(flags):
             return flags[i + 1]
-        if flag.startswith("--ckpt-dir="):
+        if flag.startswith(name + "="):
             return flag.split("=", 1)[1]
     return None
+
+
+def ckpt_dir_of(flags: list[str]) -> str | None:
+    """The --ckpt-dir among trainer flags, if any. Local."""
+    return flag_value(flags, "--ckpt-dir")
+
+
+
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -216,8 +229,8 @@ def main(argv=None) -> int:
     if log:
         os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
     nodes = os.environ.get("SLURM_JOB_NUM_NODES")
-    return Relauncher(command, args.max_restarts, log,
-                      cleanup_command(args.launcher, nodes)).run()
+    return Relauncher(command, args.max_restarts, log, cleanup_command(args.launcher, nodes),
+                      in_place=flag_value(flags, "--in-place") == "on").run()
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ class ParityStore:
 
     def __init__(self, topo, embeddings, k: int, r: int):
         self.topo, self.k, self.r = topo, k, r
-        self.pg = topo.side_group("parity")
+        topo.side_group("parity")  # created here (collective), read per call after
         self._flight: _Exchange | None = None
         plan = embeddings.plan
         world = topo.world_size
@@ -67,10 +67,21 @@ class ParityStore:
         """(sender positions, received block) of the last fold, for `unfold`."""
         # r = 1 rebuilds XOR-reduce the survivors' units onto the lost rank (gloo has BXOR;
         # NCCL has not, and sends them all to the lost rank instead)
-        self.group_pg = None
-        if r == 1 and topo.backend == "gloo":
-            self.group_pg = topo.part_group("parity-groups", [
+        self._xor_reduce = r == 1 and topo.backend == "gloo"
+        if self._xor_reduce:
+            topo.part_group("parity-groups", [
                 list(range(L.base, L.base + L.g)) for L in self.layouts])
+
+    @property
+    def pg(self):
+        """The upkeep's side group of the current generation."""
+        return self.topo.side_group("parity")
+
+    @property
+    def group_pg(self):
+        """This rank's parity group's own group of the current generation (None: rebuilds send
+        the units to the lost rank instead of XOR-reducing them)."""
+        return self.topo.part_group("parity-groups", []) if self._xor_reduce else None
 
     def nbytes(self) -> int:
         """Bytes of parity held here."""

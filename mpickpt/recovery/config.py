@@ -60,6 +60,13 @@ class RecoveryConfig:
     peer_timeout: float = option(10.0, parse=positive_float, metavar="S")
     """seconds of silence after which a peer's node counts as dead (a killed process is seen
     at once)"""
+    in_place: str = option("off", choices=("on", "off"))
+    """on: when a peer dies, the survivors keep their processes and a respawned process takes
+    the dead rank's place in a new generation of the job (needs mpickpt-run under MPICH's
+    mpiexec, whose rank agents respawn); off: survivors exit for a relaunch"""
+    join_timeout: float = option(60.0, parse=positive_float, metavar="S")
+    """seconds the members of a new generation wait for each other (the replacement included)
+    before the in-place recovery gives up and the job falls back to a relaunch"""
 
     def __post_init__(self):
         if self.mode is not None and self.mode not in MODES:

@@ -173,9 +173,7 @@ def _recent(values: list[float]) -> float:
 def _allreduce_max(topo):
     """The elementwise max over the ranks of `topo.control`. Collective when called."""
     def reduce(values: np.ndarray) -> np.ndarray:
-        from mpi4py import MPI
-
         out = np.empty_like(values)
-        topo.control.Allreduce(values, out, op=MPI.MAX)
+        topo.control.Allreduce(values, out, op="max")
         return out
     return reduce

@@ -44,11 +44,13 @@ class Survey:
 class SurvivorDumps:
     """One rank's dumps. Construction is local and hooks the undo log into the model."""
 
-    def __init__(self, topo, model, parity, root: str, mode: str, say):
+    def __init__(self, topo, model, parity, root: str, mode: str, say,
+                 undo: StepUndo | None = None):
+        """`undo`: the rank's undo log (made here when not given)."""
         self.topo, self.model, self.parity, self.root = topo, model, parity, os.path.abspath(root)
         self.mode, self.say = mode, say
         self.key = job_key(self.root)
-        self.undo = StepUndo(model, parity.store if parity is not None else None)
+        self.undo = undo or StepUndo(model, parity.store if parity is not None else None)
         self.lineage = ""
         """This job's lineage id (set by `survey`, recorded in every dump)."""
         self.found: str | None = None

@@ -20,8 +20,10 @@ import sys
 import threading
 import time
 
+from mpickpt.control import MAX
 from mpickpt.liveness import PeerWatch
 from mpickpt.survivors.state import SurvivorDumps
+from mpickpt.survivors.undo import StepUndo
 
 EXIT_PEER_LOST = 76
 """Exit status of a survivor: a peer died, this rank's state is dumped (with --survivor-dumps),
@@ -42,18 +44,28 @@ class Survival:
     are collective."""
 
     def __init__(self, topo, model, parity, root: str | None, dumps: str, peer_timeout: float,
-                 say, restart: int | None = None):
+                 say, restart: int | None = None, in_place: bool = False, on_notice=None):
         """`restart`: how many times this job was relaunched (default: $MPICKPT_RESTART, which
-        `mpickpt-run` sets; 0 for a first launch)."""
+        `mpickpt-run` sets; 0 for a first launch). `in_place`: a death aborts the generation's
+        groups and the trainer forms the next generation (`mpickpt.survivors.inplace`) instead
+        of this rank dumping and exiting; `on_notice()` runs on the watch thread when a death
+        becomes known (the trainer mutes the launcher's death notice, hydra's SIGUSR1)."""
         self.topo, self.model, self.say = topo, model, say
         self.restart = restart_count(os.environ) if restart is None else restart
         self.peer_timeout = peer_timeout
-        self.dumps = SurvivorDumps(topo, model, parity, root, dumps, say) \
+        self.in_place = in_place and topo.can_advance and topo.world_size > 1
+        self.on_notice = on_notice
+        wants_undo = self.in_place or (root is not None and dumps != "off")
+        self.undo = StepUndo(model, parity.store if parity is not None else None) \
+            if wants_undo else None
+        self.dumps = SurvivorDumps(topo, model, parity, root, dumps, say, self.undo) \
             if root is not None and dumps != "off" else None
         self.watch: PeerWatch | None = None
         self.state_at_boundary = None
         self._lock = threading.Lock()
         self.surviving = False
+        self.dead: set[int] = set()
+        """Ranks whose death ended the current generation (in place), until it is replaced."""
 
     # ---- the relaunch -----------------------------------------------------------------------------
     def resume(self, newest_committed: int | None):
@@ -70,7 +82,7 @@ class Survival:
             return survey, None
         start = time.perf_counter()
         restored = self.dumps.restore(survey)
-        took = self.topo.control.allreduce(time.perf_counter() - start, op=_max_op())
+        took = self.topo.control.allreduce(time.perf_counter() - start, op=MAX)
         back = f" ({', '.join(f'rank {r}' for r in survey.undo)} went back one step)" \
             if survey.undo else ""
         self.say(f"relaunch: ranks {survey.survivors} restored from their survivor dumps at step "
@@ -92,27 +104,57 @@ class Survival:
             self.watch = PeerWatch(self.topo.control, self._on_death, self.peer_timeout)
 
     def begin_step(self, step: int, reader_before: dict) -> None:
-        if self.dumps is not None:
-            self.dumps.undo.begin(step, reader_before)
+        if self.undo is not None:
+            self.undo.begin(step, reader_before)
 
     def end_step(self) -> None:
-        if self.dumps is not None:
-            self.dumps.undo.complete()
+        if self.undo is not None:
+            self.undo.complete()
 
-    def failed(self, error: BaseException) -> None:
-        """The main thread's collective failed: if a peer died, let the watch thread finish
-        (it exits the process); else re-raise. Local."""
+    def failed(self, error: BaseException) -> set[int]:
+        """The main thread's collective failed: if a peer died, return the dead ranks (in
+        place: the trainer forms the next generation) or let the watch thread finish (it exits
+        the process); else re-raise. Local."""
         dead = self.watch.wait_for_death(GRACE) if self.watch is not None and \
             isinstance(error, COMM_ERRORS) else set()
         if not dead:
             raise error
+        if self.in_place:
+            with self._lock:
+                return set(self.dead) or dead
         while True:  # the watch thread dumps and ends the process
             time.sleep(1.0)
 
     def _on_death(self, dead: set[int]) -> None:
         """On the watch thread, the moment a death is known."""
-        if not self.watch.closed:  # not once this rank ends normally
-            self.survive(dead, self.watch.how)
+        if self.watch.closed:  # not once this rank ends normally
+            return
+        if self.on_notice is not None:
+            self.on_notice()
+        if self.in_place:
+            with self._lock:
+                self.dead |= set(dead)
+            self.topo.abort()  # the main thread's collectives raise now, or at their next call
+            return
+        self.survive(dead, self.watch.how)
+
+    def leave_generation(self) -> set[int]:
+        """Stop watching the broken generation's ring (no goodbye: it is gone) and hand over
+        the dead ranks. Local."""
+        if self.watch is not None:
+            self.watch.close(goodbye=False)
+            self.watch = None
+        with self._lock:
+            dead, self.dead = set(self.dead), set()
+        return dead
+
+    def give_up_in_place(self, dead: set[int], why: str) -> None:
+        """The next generation could not be formed: leave as a survivor does without in-place
+        recovery (dump with --survivor-dumps, exit EXIT_PEER_LOST for a relaunch). Never
+        returns. Local."""
+        self.say(f"in-place recovery failed ({why}); falling back to a relaunch")
+        self.surviving = False
+        self.survive(dead, f"in-place recovery failed: {why}")
 
     def survive(self, dead: set[int], cause: str) -> None:
         """Dump this rank's state at its last completed step, say so, and exit with
@@ -170,9 +212,3 @@ def fallback_message(reason: str, restart: int) -> str | None:
 def _iso(t: float) -> str:
     """Wall-clock time in UTC with milliseconds, for lining a death up with other logs."""
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
-
-
-def _max_op():
-    from mpi4py import MPI
-
-    return MPI.MAX

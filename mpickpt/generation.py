@@ -1,0 +1,190 @@
+"""Generations of a job: who is in it now, and the groups its members talk over.
+
+A job starts in generation 0. Every change of membership (a rank died and a replacement takes its
+place) starts the next generation: its members meet at the rendezvous (a TCPStore, hosted by a
+process that outlives trainers: the node agent of rank 0 under `mpickpt-run`), and build a new
+training process group and a new control channel (`mpickpt.control.StoreControl`) under the
+generation's own key prefix. The old generation's groups are aborted, never waited on, so no
+survivor hangs on a dead peer. MPI is not used after the job started: a replacement process never
+joins MPI at all.
+
+Store keys (all under the job's store; G is a generation number):
+- `gen`: the current generation. A survivor moves it from G to G+1 with compare-and-set, so every
+  survivor that saw the same death agrees on the next number.
+- `g<G>/in/<rank>`: the pid of the process that holds `rank` in generation G. A replacement takes
+  the first generation whose slot for its rank is free.
+- `g<G>/dead`: the dead ranks that ended generation G, as the first survivor saw them.
+- `g<G>/pg/...`, `g<G>/ctl/...`: the rendezvous of G's training group and control channel.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+
+import torch.distributed as dist
+
+from mpickpt.control import StoreControl
+
+STORE_VARIABLE = "MPICKPT_STORE"
+"""host:port of a rendezvous store hosted outside the trainers (set by the node agent)."""
+AGENT_VARIABLE = "MPICKPT_AGENT_DIR"
+"""Set by the node agent (`mpickpt.launch.rank_wrapper`) that supervises this trainer: a folder
+of its own where the trainer leaves the store's address for a replacement."""
+REPLACES_VARIABLE = "MPICKPT_REPLACES"
+"""Set by the node agent for a process it started to replace a dead trainer: "rank/world"."""
+DEFAULT_JOIN_TIMEOUT = 120.0
+"""Seconds a generation's members wait for each other before the in-place recovery gives up and
+the job falls back to a relaunch."""
+
+
+class GenerationError(RuntimeError):
+    """A generation could not be formed (a member never came, the store is gone)."""
+
+
+def rendezvous_host() -> str:
+    """Address other ranks reach this host at (override with MPICKPT_MASTER_ADDR). Local."""
+    override = os.environ.get("MPICKPT_MASTER_ADDR")
+    if override:
+        return override
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def host_store(timeout_s: float = 300.0):
+    """A TCPStore server on a free port of this host; returns (store, "host:port"). Local."""
+    host = rendezvous_host()
+    store = dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    return store, f"{host}:{store.port}"
+
+
+def connect_store(address: str, timeout_s: float = 300.0):
+    """A client of the store at "host:port". Local."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{STORE_VARIABLE}={address!r}: expected host:port")
+    return dist.TCPStore(host, int(port), None, False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class Rendezvous:
+    """The store seen by one process: generation numbers and memberships. Local calls, except
+    that `gather` waits for the other members."""
+
+    def __init__(self, store, address: str | None):
+        self.store, self.address = store, address
+
+    def current(self) -> int:
+        """The job's current generation. Local."""
+        return int(self.store.add("gen", 0))
+
+    def advance(self, from_generation: int, dead) -> int:
+        """Start the generation after `from_generation` (no effect if a peer already did, or a
+        later one already started); returns the generation to join now. Local."""
+        self.record_dead(from_generation, dead)
+        self.store.compare_set("gen", str(from_generation), str(from_generation + 1))
+        return self.current()
+
+    def dead_of(self, generation: int) -> list[int]:
+        """The ranks whose death ended `generation`, as recorded (empty if none). Local."""
+        key = f"g{generation}/dead"
+        if not self.store.check([key]):
+            return []
+        text = self.store.get(key).decode()
+        return [int(r) for r in text.split(",") if r]
+
+    def record_dead(self, generation: int, dead) -> None:
+        """Record the ranks whose death ended `generation` (the first record stays). Local."""
+        self.store.compare_set(f"g{generation}/dead", "", ",".join(map(str, sorted(dead))))
+
+    def slot_taken(self, generation: int, rank: int) -> bool:
+        return self.store.check([f"g{generation}/in/{rank}"])
+
+    def publish_side_groups(self, generation: int, specs: list) -> None:
+        """Record the side groups every member of `generation` creates, in order (the first
+        record stays). Local."""
+        import json
+
+        self.store.compare_set(f"g{generation}/sides", "", json.dumps(specs))
+
+    def side_groups(self, generation: int, timeout_s: float) -> list:
+        """The side groups of `generation` as published (waits for them). Local."""
+        import json
+
+        self.store.wait([f"g{generation}/sides"], datetime.timedelta(seconds=timeout_s))
+        return json.loads(self.store.get(f"g{generation}/sides"))
+
+    def register(self, generation: int, rank: int) -> None:
+        """Claim `rank` in `generation` for this process. Local."""
+        self.store.set(f"g{generation}/in/{rank}", str(os.getpid()))
+
+    def gather(self, generation: int, world: int, timeout_s: float) -> dict[int, int]:
+        """Wait until every rank of `generation` registered; returns rank -> pid. Raises
+        GenerationError naming the missing ranks past `timeout_s`, or if a later generation
+        started meanwhile (a further death). Waits for the others."""
+        keys = [f"g{generation}/in/{r}" for r in range(world)]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.current() > generation:
+                raise GenerationError(f"generation {generation} was overtaken by generation "
+                                      f"{self.current()} while it formed (another death)")
+            if self.store.check(keys):
+                return {r: int(self.store.get(k)) for r, k in enumerate(keys)}
+            if time.monotonic() > deadline:
+                missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+                raise GenerationError(f"generation {generation}: rank(s) {missing} did not join "
+                                      f"within {timeout_s:.0f} s")
+            time.sleep(0.01)
+
+    def generation_for_replacement(self, rank: int, timeout_s: float) -> int:
+        """The generation a process started to replace `rank` joins: the current one if its slot
+        is free, else (the survivors have not moved on yet) the next one, once it starts. Local."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            g = self.current()
+            if not self.slot_taken(g, rank):
+                return g
+            if time.monotonic() > deadline:
+                raise GenerationError(f"rank {rank}: generation {g} still holds this rank after "
+                                      f"{timeout_s:.0f} s, and no survivor started the next one")
+            time.sleep(0.02)
+
+
+class Groups:
+    """The process groups of one generation: the training group (torch.distributed's default
+    group, so the data plane's calls need no change), the control channel, and the side groups
+    created on it. Construction is collective over the generation's members."""
+
+    def __init__(self, rendezvous: Rendezvous, generation: int, rank: int, world: int,
+                 backend: str, timeout_s: float):
+        self.generation, self.backend = generation, backend
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.PrefixStore(f"g{generation}/pg/", rendezvous.store)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timeout)
+        self.pg = dist.group.WORLD
+        self.control = StoreControl(rendezvous.store, f"g{generation}/ctl/", rank, world,
+                                    timeout_s)
+        self.side: dict[str, object] = {}
+
+    def abort(self) -> None:
+        """Make every collective in progress or to come on this generation's groups raise.
+        Local; safe from any thread and twice."""
+        self.control.abort()
+        for group in [self.pg, *self.side.values()]:
+            try:
+                group.abort()
+            except (RuntimeError, AttributeError):
+                pass
+
+    def release(self) -> None:
+        """Drop this generation's groups (after `abort`, or at the end). Local."""
+        self.side.clear()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,105 @@
+"""InPlace: after a rank's death the survivors keep their processes; a replacement process takes
+the dead rank's place in the job's next generation.
+
+The survivors' side (`survivor`), once the trainer undid the step the death interrupted: leave the
+broken generation (its groups are aborted), meet the replacement at the rendezvous, then agree.
+The replacement's side (`replacement`) runs the same agreement right after it joined. Agreement,
+the same on every member: each survivor says which step it completed and whether it can go back
+one; the job continues from the earliest (a survivor one step ahead undoes it with its undo
+record, as at a relaunch from survivor dumps); the first survivor hands the replacement the dense
+part, the reader position, the PLS account, the checkpoint attempt id and the interval. The
+replacement's shard (rows and optimizer state) is then recovered by `--recovery` like any lost
+shard: parity rebuild while training goes on, the shard's last checkpoint (partial), or a full
+rollback of every rank, all in place.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from mpickpt.generation import GenerationError
+
+
+@dataclass
+class Rejoined:
+    """What the members of a new generation agreed on (the same on every member)."""
+
+    generation: int
+    step: int
+    reader: dict
+    pls: dict | None
+    replaced: list[int]
+    """Ranks held by replacement processes: their shards must be recovered."""
+    undone: list[int]
+    """Survivors that went back one step to reach `step`."""
+    attempt: str | None
+    interval: int | None
+    pids: dict[int, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+class InPlace:
+    """One rank's part in forming a new generation. Construction is local."""
+
+    def __init__(self, topo, model, undo, parity, join_timeout_s: float):
+        self.topo, self.model, self.undo, self.parity = topo, model, undo, parity
+        self.join_timeout_s = join_timeout_s
+
+    def survivor(self, dead, step: int, reader: dict, pls: dict | None, attempt: str | None,
+                 interval: int | None) -> Rejoined:
+        """Leave the broken generation and form the next one with the replacements of `dead`.
+        `step`, `reader`: this rank's last completed step and the reader position there.
+        Collective with the next generation's members; raises GenerationError when a member
+        never comes or a further death overtakes the formation."""
+        start = time.perf_counter()
+        generation = self.topo.advance(dead, self.join_timeout_s)
+        joined = time.perf_counter()
+        out = self._agree(step, reader, pls, attempt, interval)
+        out.seconds.update(join=joined - start, agree=time.perf_counter() - joined)
+        out.generation = generation
+        return out
+
+    def replacement(self) -> Rejoined:
+        """The replacement's side, right after `Topology.from_store` joined it. Collective."""
+        start = time.perf_counter()
+        out = self._agree(None, None, None, None, None)
+        out.seconds.update(agree=time.perf_counter() - start)
+        out.generation = self.topo.generation
+        return out
+
+    @torch.no_grad()
+    def _agree(self, step, reader, pls, attempt, interval) -> Rejoined:
+        me, control = self.topo.rank, self.topo.control
+        last = self.undo.last if self.undo is not None else None
+        mine = {"step": step, "pid": os.getpid(),
+                "back": step is not None and last is not None and last.step == step}
+        everyone = control.allgather(mine)
+        survivors = [r for r, e in enumerate(everyone) if e["step"] is not None]
+        if not survivors:
+            raise GenerationError("no member of the new generation holds the training state")
+        agreed = min(everyone[r]["step"] for r in survivors)
+        undone = [r for r in survivors if everyone[r]["step"] != agreed]
+        for r in undone:
+            if everyone[r]["step"] != agreed + 1 or not everyone[r]["back"]:
+                raise GenerationError(f"rank {r} completed step {everyone[r]['step']} and "
+                                      f"cannot go back to step {agreed}")
+        if me in undone:
+            with self.model.state_lock:
+                reader = self.undo.undo_last()
+        first = survivors[0]
+        shared = control.bcast({"dense": {k: v.detach().cpu() for k, v in
+                                          self.model.dense_state().items()},
+                                "reader": reader, "pls": pls, "attempt": attempt,
+                                "interval": interval} if me == first else None, root=first)
+        replaced = [r for r, e in enumerate(everyone) if e["step"] is None]
+        if me in replaced:
+            self.model.load_dense_state(shared["dense"])
+            self.model.embeddings.wipe_rows([me])
+            if self.parity is not None:
+                self.parity.lose_parity([me])
+        return Rejoined(self.topo.generation, agreed, shared["reader"], shared["pls"], replaced,
+                        undone, shared["attempt"], shared["interval"],
+                        {r: e["pid"] for r, e in enumerate(everyone)})
