@@ -1,0 +1,90 @@
+"""In-place recovery of a real death (`--in-place on` under mpickpt-run and MPICH's mpiexec): a
+trainer is SIGKILLed from outside at a random step; its node agent starts a replacement, the
+survivors keep their processes and form the next generation with it, the lost shard is recovered
+by `--recovery`, and the job ends with exit 0, no relaunch and the failure-free digest."""
+from __future__ import annotations
+
+import random
+import re
+import time
+
+import pytest
+
+from tests.fault_jobs import Job, alive, digest_in, mpickpt_run
+from tests.launch import run_ranks
+
+FLAGS = ["--num-batches", "120", "--mini-batch-size", "256", "--print-freq", "1",
+         "--test-num-batches", "0", "--digest", "--ckpt-interval", "20", "--parity-k", "3"]
+_IN_PLACE = re.compile(r"in-place recovery: generation (\d+) at step (\d+): rank\(s\) \[(\d+)\] "
+                       r"replaced")
+
+
+@pytest.fixture(scope="module")
+def clean_digest(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("clean")
+    proc = run_ranks(4, "mpickpt.train", *FLAGS, "--ckpt-dir", str(root / "ckpt"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return digest_in(proc.stdout)
+
+
+def _trial(tmp_path, seed: int, recovery: str) -> tuple[Job, dict]:
+    rng = random.Random(seed)
+    kill_at = rng.randint(22, 45)
+    job = Job(mpickpt_run("-n", "4", "--max-restarts", "1", "--", *FLAGS, "--ckpt-dir",
+                          str(tmp_path / "ckpt"), "--recovery", recovery, "--in-place", "on"))
+    try:
+        assert job.wait_for_step(kill_at), job.output
+        before = job.ranks()
+        assert len(before) == 4, job.output
+        pid, rank = job.kill_rank(pick=lambda pids: pids[rng.randrange(len(pids))])
+        reached = job.step
+        after = _trainers_after_recovery(job)
+        code = job.wait(240)
+    finally:
+        job.stop()
+    return job, {"pid": pid, "rank": rank, "reached": reached, "code": code,
+                 "survivors": [p for p in before if p != pid], "after": after}
+
+
+def _trainers_after_recovery(job: Job, timeout: float = 90) -> list[int]:
+    """The trainer pids right after the job logged its in-place recovery."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and job.proc.poll() is None:
+        if _IN_PLACE.search(job.output):
+            return job.ranks()
+        time.sleep(0.05)
+    return []
+
+
+@pytest.mark.parametrize("seed", [3])
+def test_a_killed_rank_is_replaced_in_place_with_parity(tmp_path, clean_digest, seed):
+    job, t = _trial(tmp_path, seed, "parity")
+    out = job.output
+    assert f"rank {t['rank']}: its trainer (pid {t['pid']}) was killed by SIGKILL" in out, out
+    found = _IN_PLACE.findall(out)
+    assert len(found) == 1, out
+    generation, step, replaced = map(int, found[0])
+    assert (generation, replaced) == (1, t["rank"]), out
+    assert step >= t["reached"] - 1, f"more than one step replayed: {step} < {t['reached']}-1"
+    assert "relaunching" not in out and "exiting for a relaunch" not in out, out
+    assert t["code"] == 0, out
+    assert digest_in(out) == clean_digest, out
+    assert "parity: rebuilt ranks" in out, out
+    # the survivors kept their processes; one new process took the dead rank's place
+    assert set(t["survivors"]) <= set(t["after"]), (t, out)
+    assert len(t["after"]) == 4 and t["pid"] not in t["after"], (t, out)
+    assert not [p for p in t["after"] if alive(p)], "a trainer outlived the job"
+    assert (tmp_path / "ckpt" / "mpickpt-restarts.log").read_text().count("in-place recovery") \
+        == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(10, 30))
+@pytest.mark.parametrize("recovery", ["parity", "partial"])
+def test_in_place_randomized(tmp_path, clean_digest, seed, recovery):
+    job, t = _trial(tmp_path, seed, recovery)
+    out = job.output
+    assert t["code"] == 0 and len(_IN_PLACE.findall(out)) == 1, out
+    assert "relaunching" not in out, out
+    if recovery == "parity":
+        assert digest_in(out) == clean_digest, out
