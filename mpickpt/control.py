@@ -10,7 +10,9 @@ only to start the job.
 Objects travel pickled. Reductions (`allreduce`, `Allreduce`) take the op names below. Point-to-
 point messages (`isend`, `iprobe`, `recv`) go through the store: a sender numbers its message with
 an atomic counter per (destination, tag), the receiver takes them in that order, so no message
-waits for its receiver to be inside a call. Every method but `isend`, `iprobe`, `recv`,
+waits for its receiver to be inside a call. A TCPStore client is not for two threads at once (a
+blocking `wait` on one holds the connection that another thread's `set` needs: measured here as a
+30 s timeout in one run of three), so a process calls its channel from one thread. Every method but `isend`, `iprobe`, `recv`,
 `Get_rank` and `Get_size` is collective over the generation's ranks.
 """
 from __future__ import annotations
@@ -78,14 +80,14 @@ class StoreControl:
         return self.size
 
     def Barrier(self) -> None:  # noqa: N802
-        self.pg.barrier().wait()
+        self._group().barrier().wait()
 
     def bcast(self, obj=None, root: int = 0):
         payload = _pickle(obj) if self.rank == root else None
         size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        self.pg.broadcast([size], opts).wait()
+        self._group().broadcast([size], opts).wait()
         buf = payload if payload is not None else torch.empty(int(size[0]), dtype=torch.uint8)
         if int(size[0]):
             self.pg.broadcast([buf], opts).wait()
@@ -94,7 +96,7 @@ class StoreControl:
     def allgather(self, obj) -> list:
         payload = _pickle(obj)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        self.pg.allgather([sizes], [torch.tensor([len(payload)], dtype=torch.int64)]).wait()
+        self._group().allgather([sizes], [torch.tensor([len(payload)], dtype=torch.int64)]).wait()
         longest = max(int(s[0]) for s in sizes)
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[:len(payload)] = payload
@@ -124,7 +126,7 @@ class StoreControl:
         t = torch.from_numpy(np.ascontiguousarray(sendbuf).copy())
         opts = dist.AllreduceOptions()
         opts.reduceOp = _TENSOR_OPS[name]
-        self.pg.allreduce([t], opts).wait()
+        self._group().allreduce([t], opts).wait()
         recvbuf[...] = t.numpy()
 
     # ---- messages through the store (local) ----------------------------------------------------
@@ -153,6 +155,13 @@ class StoreControl:
         return self._mailbox(self.rank, tag) + str(self._next_in.get(tag, 1))
 
     # ---- life cycle -----------------------------------------------------------------------------
+    def _group(self):
+        """The gloo group, or a RuntimeError once the channel is aborted: an aborted group of one
+        rank would otherwise still complete its collectives."""
+        if self.closed:
+            raise RuntimeError(f"control channel {self.prefix!r} was aborted")
+        return self.pg
+
     def abort(self) -> None:
         """Make every call in progress or to come on this channel raise. Local; any thread."""
         if not self.closed:

@@ -1,0 +1,112 @@
+"""In process: the control channel over gloo + a real TCPStore (two ranks as two threads), the
+rendezvous' generation and slot rules, and the muting of hydra's SIGUSR1 death notice."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from mpickpt.control import StoreControl
+from mpickpt.generation import GenerationError, Rendezvous, connect_store, host_store
+from mpickpt.stop_signals import StopSignals
+
+
+def _on_two_ranks(fn):
+    """Run fn(control) on two ranks (threads) of one StoreControl group; their results."""
+    _, address = host_store(30)
+    out, errors = [None, None], []
+
+    def rank(r):
+        try:  # a client of its own, as a process has
+            out[r] = fn(StoreControl(connect_store(address, 30), "t/", r, 2, 30))
+        except Exception as e:  # reported below, with the rank
+            errors.append((r, e))
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return out
+
+
+def test_control_collectives_and_messages_match_their_mpi_meaning():
+    def work(c):
+        r = c.Get_rank()
+        got = {"bcast": c.bcast({"from": r} if r == 1 else None, root=1),
+               "allgather": c.allgather("x" * (r + 1)),
+               "gather": c.gather(r * 10, root=0),
+               "max": c.allreduce(r + 0.5, op="MAX"),
+               "sum": c.allreduce(r + 1, op="sum")}
+        arr, out = np.array([r, 5 - r], dtype=np.float64), np.empty(2)
+        c.Allreduce(arr, out, op="max")
+        got["Allreduce"] = out.tolist()
+        if r == 1:
+            for i in range(3):
+                c.isend({"n": i}, dest=0, tag=7)
+        c.Barrier()
+        if r == 0:
+            got["probe"] = c.iprobe(tag=7)
+            got["msgs"] = [c.recv(tag=7)["n"] for _ in range(3)]
+            got["empty"] = c.iprobe(tag=7)
+        return got
+    zero, one = _on_two_ranks(work)
+    assert zero["bcast"] == one["bcast"] == {"from": 1}
+    assert zero["allgather"] == ["x", "xx"]
+    assert zero["gather"] == [0, 10] and one["gather"] is None
+    assert zero["max"] == one["max"] == 1.5 and zero["sum"] == 3
+    assert zero["Allreduce"] == one["Allreduce"] == [1.0, 5.0]
+    assert zero["probe"] and zero["msgs"] == [0, 1, 2] and not zero["empty"]
+
+
+def test_an_aborted_control_channel_raises_instead_of_waiting():
+    store, _ = host_store(30)
+    c = StoreControl(store, "solo/", 0, 1, 30)
+    c.Barrier()
+    c.abort()
+    with pytest.raises(RuntimeError):
+        c.Barrier()
+
+
+def test_rendezvous_generations_and_replacement_slots():
+    store, address = host_store(30)
+    rv = Rendezvous(store, address)
+    assert rv.current() == 0
+    for r in range(3):
+        rv.register(0, r)
+    assert rv.gather(0, 3, 5) == {r: os.getpid() for r in range(3)}
+    # rank 1 died: its slot in generation 0 is taken, so a replacement waits for generation 1
+    found = []
+    waiter = threading.Thread(target=lambda: found.append(rv.generation_for_replacement(1, 10)))
+    waiter.start()
+    time.sleep(0.2)
+    assert not found, "joined the broken generation"
+    assert rv.advance(0, {1}) == 1
+    assert rv.advance(0, {1}) == 1, "a second survivor must not start generation 2"
+    waiter.join(10)
+    assert found == [1] and rv.dead_of(0) == [1]
+    rv.register(1, 0)
+    with pytest.raises(GenerationError, match=r"rank\(s\) \[1, 2\] did not join"):
+        rv.gather(1, 3, 0.3)
+
+
+def test_hydra_death_notice_is_muted_but_not_sigterm():
+    signals = StopSignals().install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)  # arrived just before the death was known
+        time.sleep(0.05)
+        assert signals.received == "SIGUSR1"
+        signals.mute_death_notices(5.0)
+        assert signals.received is None and len(signals.muted) == 1
+        os.kill(os.getpid(), signal.SIGUSR1)  # during the recovery
+        time.sleep(0.05)
+        assert signals.received is None and len(signals.muted) == 2
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert signals.received == "SIGTERM"
+    finally:
+        signals.uninstall()
