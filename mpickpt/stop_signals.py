@@ -16,14 +16,9 @@ import os
 import signal
 import time
 
+from mpickpt.exit_codes import EXIT_SAVE_FAILED, EXIT_SAVED  # noqa: F401 (its outcomes)
+
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-EXIT_SAVED = 75
-"""Exit status of a job that stopped on a signal after committing a checkpoint: EX_TEMPFAIL,
-'try again'; the sbatch script requeues on it, `mpickpt-run` passes it on."""
-EXIT_SAVE_FAILED = 74
-"""Exit status of a job that stopped on a signal but whose emergency checkpoint did not commit
-(EX_IOERR: the writers failed, the disk was full): the newest valid checkpoint is older than the
-step reached. `mpickpt-run` passes it on; the sbatch script requeues from that checkpoint."""
 
 
 def stop_failed_message(name: str, step: int, last_valid: int | None, directory: str) -> str:

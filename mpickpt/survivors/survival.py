@@ -21,13 +21,11 @@ import threading
 import time
 
 from mpickpt.control import MAX
+from mpickpt.exit_codes import EXIT_PEER_LOST
 from mpickpt.liveness import PeerWatch
 from mpickpt.survivors.state import SurvivorDumps
 from mpickpt.survivors.undo import StepUndo
 
-EXIT_PEER_LOST = 76
-"""Exit status of a survivor: a peer died, this rank's state is dumped (with --survivor-dumps),
-relaunch the job."""
 GRACE = 2.0
 """Seconds the main thread waits, after its collective failed, to hear of a peer's death before
 it treats the failure as an error of its own."""
