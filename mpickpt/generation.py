@@ -29,9 +29,6 @@ from mpickpt.control import StoreControl
 
 STORE_VARIABLE = "MPICKPT_STORE"
 """host:port of a rendezvous store hosted outside the trainers (set by the node agent)."""
-AGENT_VARIABLE = "MPICKPT_AGENT_DIR"
-"""Set by the node agent (`mpickpt.launch.rank_wrapper`) that supervises this trainer: a folder
-of its own where the trainer leaves the store's address for a replacement."""
 REPLACES_VARIABLE = "MPICKPT_REPLACES"
 """Set by the node agent for a process it started to replace a dead trainer: "rank/world"."""
 DEFAULT_JOIN_TIMEOUT = 120.0

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import sys
 
-EXIT_BAD_INPUT = 2
+from mpickpt.exit_codes import EXIT_BAD_INPUT, EXIT_STARTUP_FAILED
+from mpickpt.phase_watch import PhaseWatch
+
+SHUTDOWN_LIMIT = 60.0
+"""Seconds MPI_Finalize may take after the last step before the rank leaves without it: a peer
+that died after its last step leaves the others waiting in it."""
 
 
 def _agree_on_error(comm, error: str | None) -> str | None:
@@ -27,7 +32,7 @@ def stop_status(trainer) -> int:
     directory) 128 + the signal's number, the shell's convention."""
     import signal
 
-    from mpickpt.stop_signals import EXIT_SAVE_FAILED, EXIT_SAVED
+    from mpickpt.exit_codes import EXIT_SAVE_FAILED, EXIT_SAVED
 
     if trainer.stopped is None:
         return 0
@@ -38,41 +43,81 @@ def stop_status(trainer) -> int:
 
 def main(argv=None) -> int:
     """Parse, validate on every rank, then train. Collective over MPI.COMM_WORLD; a process
-    started by a node agent to replace a dead rank joins without MPI (`replacement_main`)."""
+    started by a node agent to replace a dead rank joins without MPI (`replacement_main`).
+    Startup, from before MPI_Init to the first step, runs under a deadline (`--startup-timeout`):
+    a peer that died there would otherwise leave this rank waiting forever."""
     import os
 
     from mpickpt.generation import REPLACES_VARIABLE
 
     if os.environ.get(REPLACES_VARIABLE):
         return replacement_main(argv)
-    from mpi4py import MPI
-
-    from mpickpt.data.criteo_tsv import CriteoFormatError
-    from mpickpt.launch.checks import launch_error
+    from mpickpt.recovery.config import RecoveryConfig
     from mpickpt.stop_signals import StopSignals
-    from mpickpt.recovery.base import Unrecoverable
-    from mpickpt.store.errors import CheckpointError
-    from mpickpt.topology import Topology
     from mpickpt.train_flags import TrainConfig
-    from mpickpt.trainer import Trainer
 
     signals = StopSignals().install()  # before anything slow: a stop then comes at step 1
-    comm = MPI.COMM_WORLD
-    error, config = launch_error(comm.Get_size()), None
+    config, error = None, None
     try:
         config = TrainConfig.from_args(argv)
-        config.check_world(comm.Get_size())
     except (ValueError, OSError) as e:
-        error = error or str(e)
+        error = str(e)
+    limit = (config.recovery if config else RecoveryConfig()).startup_timeout
+    watch = PhaseWatch("startup", limit, EXIT_STARTUP_FAILED, before_exit=_run_exit_hooks)
+    watch.phase("MPI_Init")
+    try:
+        started = _start(config, error, signals, watch)
+    except Exception:  # a peer died in the groups' rendezvous or the restore: no MPI_Finalize
+        import traceback
+
+        traceback.print_exc()
+        print(f"mpickpt-train: startup failed in {watch.current}; exit status "
+              f"{EXIT_STARTUP_FAILED} for a relaunch", file=sys.stderr, flush=True)
+        _run_exit_hooks()
+        _exit_now(EXIT_STARTUP_FAILED)
+    watch.end()
+    if isinstance(started, int):
+        return started
+    topo, trainer = started
+    _tell_agent(topo)
+    return _train(topo, trainer)
+
+
+def _start(config, error, signals, watch):
+    """MPI, the checks every rank agrees on, the groups, the model and its restore: the
+    (topology, trainer) to train with, or the exit status of a refusal. Collective."""
+    from mpi4py import MPI
+
+    from mpickpt.launch.checks import launch_error
+    from mpickpt.store.errors import CheckpointError
+    from mpickpt.topology import Topology
+    from mpickpt.trainer import Trainer
+
+    comm = MPI.COMM_WORLD
+    error = launch_error(comm.Get_size()) or error
+    if config is not None and error is None:
+        try:
+            config.check_world(comm.Get_size())
+        except (ValueError, OSError) as e:
+            error = str(e)
     error = _agree_on_error(comm, error)
     if error:
         return _fail(comm, error)
+    watch.phase("forming the process groups")
     topo = Topology.from_mpi(comm, backend=config.run.backend)
-    _tell_agent(topo)
+    watch.phase("building the model and restoring")
     try:
-        trainer = Trainer(topo, config, signals=signals)
+        return topo, Trainer(topo, config, signals=signals)
     except CheckpointError as e:  # every rank agreed on it inside restore()
         return _fail(comm, str(e))
+
+
+def _train(topo, trainer) -> int:
+    """Train to the end; the exit status. Collective."""
+    from mpickpt.data.criteo_tsv import CriteoFormatError
+    from mpickpt.recovery.base import Unrecoverable
+    from mpickpt.store.errors import CheckpointError
+
     status = 0
     try:
         trainer.run()
@@ -90,13 +135,11 @@ def main(argv=None) -> int:
 def replacement_main(argv=None) -> int:
     """A trainer started by its node agent in place of a dead one: join the survivors' next
     generation over the rendezvous store (no MPI), recover the lost shard, train on. Collective
-    with that generation."""
+    with that generation. Its startup runs under the same deadline as a first start's."""
     import os
 
     from mpickpt.generation import REPLACES_VARIABLE, STORE_VARIABLE
-    from mpickpt.recovery.base import Unrecoverable
     from mpickpt.stop_signals import StopSignals
-    from mpickpt.store.errors import CheckpointError
     from mpickpt.topology import Topology, local_rank_from_env
     from mpickpt.train_flags import TrainConfig
     from mpickpt.trainer import Trainer
@@ -104,54 +147,80 @@ def replacement_main(argv=None) -> int:
     signals = StopSignals().install()
     rank, _, world = os.environ[REPLACES_VARIABLE].partition("/")
     config = TrainConfig.from_args(argv)  # the flags the job started with: already checked
-    topo = Topology.from_store(os.environ[STORE_VARIABLE], int(rank), int(world),
-                               local_rank_from_env() or 0, backend=config.run.backend,
-                               join_timeout_s=config.recovery.join_timeout)
-    trainer = Trainer(topo, config, signals=signals)
-    status = 0
+    watch = PhaseWatch("startup of a replacement", config.recovery.startup_timeout,
+                       EXIT_STARTUP_FAILED, before_exit=_run_exit_hooks)
     try:
-        trainer.run()
-        status = stop_status(trainer)
-    except (Unrecoverable, CheckpointError) as e:
-        status = _fail(topo.control, str(e))
-    finally:
-        trainer.close()
-    return _leave(topo, status)
+        watch.phase("joining the next generation")
+        topo = Topology.from_store(os.environ[STORE_VARIABLE], int(rank), int(world),
+                                   local_rank_from_env() or 0, backend=config.run.backend,
+                                   join_timeout_s=config.recovery.join_timeout)
+        watch.phase("recovering the lost shard")
+        trainer = Trainer(topo, config, signals=signals)
+    except Exception:
+        import traceback
+
+        traceback.print_exc()
+        print(f"mpickpt-train: the replacement of rank {rank} failed in {watch.current}; exit "
+              f"status {EXIT_STARTUP_FAILED}", file=sys.stderr, flush=True)
+        _run_exit_hooks()
+        _exit_now(EXIT_STARTUP_FAILED)
+    watch.end()
+    return _train(topo, trainer)
 
 
 def _tell_agent(topo) -> None:
-    """Leave the store's address where this rank's node agent finds it for a replacement."""
+    """Tell this rank's node agent, if it has one, that startup is over (a death is no longer a
+    failed start), and leave the store's address there for a replacement. Local."""
     import os
 
-    from mpickpt.generation import AGENT_VARIABLE
+    from mpickpt.launch.rank_wrapper import AGENT_VARIABLE, STARTED_FILE
 
     folder = os.environ.get(AGENT_VARIABLE)
-    if folder and topo.rendezvous is not None and topo.rendezvous.address:
-        tmp = os.path.join(folder, "store.tmp")
-        with open(tmp, "w") as f:
-            f.write(topo.rendezvous.address)
-        os.replace(tmp, os.path.join(folder, "store"))
+    if not folder or not os.path.isdir(folder):
+        return
+    address = topo.rendezvous.address if topo.rendezvous is not None else None
+    tmp = os.path.join(folder, STARTED_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(address or "")
+    os.replace(tmp, os.path.join(folder, STARTED_FILE))
 
 
 def _leave(topo, status: int) -> int:
-    """Release the groups and say this rank is done with the store. After a change of
-    generation, MPI_Finalize would wait forever for the dead rank (and a replacement never
-    joined MPI): the exit hooks run and the process ends without it."""
-    import atexit
-    import os
-
+    """Release the groups, say this rank is done with the store, and end the process. After a
+    change of generation MPI_Finalize would wait forever for the dead rank (and a replacement
+    never joined MPI), so it is skipped; in generation 0 it runs under a deadline
+    (`SHUTDOWN_LIMIT`), since a peer may die after its last step. Collective (MPI_Finalize)."""
     generation = topo.generation
     if topo.rendezvous is not None:
         try:
             topo.rendezvous.store.add("finished", 1)
         except (RuntimeError, OSError):
             pass
-    # Both exits release the process group: a gloo group left to the interpreter's teardown can
+    # The process group is released here: a gloo group left to the interpreter's teardown can
     # abort the process ("terminate called without an active exception", exit status 6).
     topo.close()
+    _run_exit_hooks()
     if generation == 0 and not topo.replacement:
-        return status
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            watch = PhaseWatch("shutdown (MPI_Finalize)", SHUTDOWN_LIMIT, status)
+            MPI.Finalize()
+            watch.end()
+    _exit_now(status)
+
+
+def _run_exit_hooks() -> None:
+    import atexit
+
     atexit._run_exitfuncs()
+
+
+def _exit_now(status: int):
+    """End the process without the interpreter's teardown, where MPI_Finalize would run (and
+    wait for a dead peer). The exit hooks ran before. Local; never returns."""
+    import os
+
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)

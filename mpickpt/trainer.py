@@ -17,7 +17,8 @@ from mpickpt.model.hybrid import HybridDLRM
 from mpickpt.parity.guard import ParityGuard
 from mpickpt.progress import ProgressLog
 from mpickpt.faults.loss import Loss
-from mpickpt.generation import AGENT_VARIABLE, GenerationError
+from mpickpt.generation import GenerationError
+from mpickpt.launch.rank_wrapper import AGENT_VARIABLE, IN_PLACE_VARIABLE
 from mpickpt.recovery.tolerance import FaultTolerance
 from mpickpt.run_report import RunReport
 from mpickpt.stop_signals import StopSignals, stop_failed_message
@@ -73,7 +74,8 @@ class Trainer:
                                  config.checkpoint.directory, rec.survivor_dumps,
                                  rec.peer_timeout, self.log.say,
                                  in_place=rec.in_place == "on" and bool(
-                                     os.environ.get(AGENT_VARIABLE)),
+                                     os.environ.get(AGENT_VARIABLE)) and
+                                 os.environ.get(IN_PLACE_VARIABLE) == "1",
                                  on_notice=lambda: self.signals.mute_death_notices(10.0))
         self.in_place = InPlace(topo, self.model, self.survival.undo, self.parity,
                                 rec.join_timeout)

@@ -4,6 +4,7 @@ survivors keep their processes and form the next generation with it, the lost sh
 by `--recovery`, and the job ends with exit 0, no relaunch and the failure-free digest."""
 from __future__ import annotations
 
+import os
 import random
 import re
 import time
@@ -27,9 +28,14 @@ def clean_digest(tmp_path_factory) -> str:
     return digest_in(proc.stdout)
 
 
+def _mpi_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("mpich_")}
+
+
 def _trial(tmp_path, seed: int, recovery: str) -> tuple[Job, dict]:
     rng = random.Random(seed)
     kill_at = rng.randint(22, 45)
+    segments = _mpi_segments()
     job = Job(mpickpt_run("-n", "4", "--max-restarts", "1", "--", *FLAGS, "--ckpt-dir",
                           str(tmp_path / "ckpt"), "--recovery", recovery, "--in-place", "on"))
     try:
@@ -43,7 +49,8 @@ def _trial(tmp_path, seed: int, recovery: str) -> tuple[Job, dict]:
     finally:
         job.stop()
     return job, {"pid": pid, "rank": rank, "reached": reached, "code": code,
-                 "survivors": [p for p in before if p != pid], "after": after}
+                 "survivors": [p for p in before if p != pid], "after": after,
+                 "segments_left": _mpi_segments() - segments}
 
 
 def _trainers_after_recovery(job: Job, timeout: float = 90) -> list[int]:
@@ -74,6 +81,7 @@ def test_a_killed_rank_is_replaced_in_place_with_parity(tmp_path, clean_digest, 
     assert set(t["survivors"]) <= set(t["after"]), (t, out)
     assert len(t["after"]) == 4 and t["pid"] not in t["after"], (t, out)
     assert not [p for p in t["after"] if alive(p)], "a trainer outlived the job"
+    assert not t["segments_left"], f"MPI segments left in /dev/shm: {t['segments_left']}"
     assert (tmp_path / "ckpt" / "mpickpt-restarts.log").read_text().count("in-place recovery") \
         == 1
 
@@ -88,3 +96,56 @@ def test_in_place_randomized(tmp_path, clean_digest, seed, recovery):
     assert "relaunching" not in out, out
     if recovery == "parity":
         assert digest_in(out) == clean_digest, out
+
+
+def _startup_trial(tmp_path, seed: int) -> tuple[Job, dict]:
+    """SIGKILL one trainer at a random moment after all four exist and before the first step."""
+    rng = random.Random(seed)
+    segments = _mpi_segments()
+    job = Job(mpickpt_run("-n", "4", "--max-restarts", "2", "--", *FLAGS, "--ckpt-dir",
+                          str(tmp_path / "ckpt"), "--in-place", "on"))
+    try:
+        deadline = time.monotonic() + 60
+        while len(job.ranks()) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        pids = job.ranks()
+        assert len(pids) == 4, job.output
+        time.sleep(rng.uniform(0.0, 1.5))
+        step_at_kill = job.step
+        pid = pids[rng.randrange(4)]
+        os.kill(pid, 9)
+        code = job.wait(240)
+        left = [p for p in pids if alive(p)]
+    finally:
+        job.stop()
+    return job, {"pid": pid, "step": step_at_kill, "code": code, "left": left,
+                 "segments_left": _mpi_segments() - segments}
+
+
+def _check_startup_trial(job: Job, t: dict, clean_digest: str) -> None:
+    out = job.output
+    assert t["step"] == 0, f"the kill came after step {t['step']}, not during startup"
+    assert f"its trainer (pid {t['pid']}) was killed by SIGKILL" in out, out
+    # before the trainer said it started, the run ends at once and is relaunched; in the moment
+    # after it did, the kill is recovered in place like any other
+    if "during startup" in out:
+        assert "relaunching (restart 1 of 2)" in out and "restart 2" not in out, out
+    else:
+        assert len(_IN_PLACE.findall(out)) == 1, out
+    assert t["code"] == 0, out
+    assert digest_in(out) == clean_digest, out
+    assert not t["left"], f"processes of the first run outlived the job: {t['left']}"
+    assert not t["segments_left"], f"MPI segments left in /dev/shm: {t['segments_left']}"
+
+
+@pytest.mark.parametrize("seed", [5])
+def test_a_trainer_killed_during_startup_ends_the_run_at_once(tmp_path, clean_digest, seed):
+    job, t = _startup_trial(tmp_path, seed)
+    _check_startup_trial(job, t, clean_digest)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(40, 60))
+def test_startup_kills_randomized(tmp_path, clean_digest, seed):
+    job, t = _startup_trial(tmp_path, seed)
+    _check_startup_trial(job, t, clean_digest)

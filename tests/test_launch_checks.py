@@ -136,3 +136,36 @@ def test_mpickpt_run_cleans_before_every_run(tmp_path):
     assert seen.read_text() == "FalseFalse"  # two runs, each started without the segment
     assert os.path.exists(other)
     assert remove_segments([JOB], str(shm)) == [os.path.basename(stale)]
+
+
+def test_orphaned_segments_of_this_run_are_removed_and_held_or_older_ones_kept(tmp_path):
+    """remove_orphans: an MPI segment that appeared since the run started and that no process of
+    this user holds goes; one still mapped or open by a process, one from before the run, and
+    files that are not MPI segments stay."""
+    import time
+
+    from mpickpt.launch.mpich_shm import remove_orphans
+
+    old = tmp_path / "mpich_shm_abc_0"
+    old.write_bytes(b"x")
+    os.utime(old, (time.time() - 600, time.time() - 600))
+    since = time.time()
+    names = ["mpich_shm_1f2e_0", "mpich_vci_1f2e_1", "vader_segment.vm.1.0", "mpich_shm_beef_0",
+             "mpich_shm_cafe_0", "notes.txt"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"\0" * 4096)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import mmap, sys, time; f = open(sys.argv[1], 'r+b'); "
+         "g = open(sys.argv[2], 'r+b'); m = mmap.mmap(g.fileno(), 4096); g.close(); "
+         "print('ok', flush=True); time.sleep(60)", str(tmp_path / "mpich_shm_beef_0"),
+         str(tmp_path / "mpich_shm_cafe_0")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ok"
+        removed = remove_orphans(since, str(tmp_path))
+        assert removed == ["mpich_shm_1f2e_0", "mpich_vci_1f2e_1", "vader_segment.vm.1.0"]
+        assert sorted(os.listdir(tmp_path)) == ["mpich_shm_abc_0", "mpich_shm_beef_0",
+                                                "mpich_shm_cafe_0", "notes.txt"]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert remove_orphans(since, str(tmp_path)) == ["mpich_shm_beef_0", "mpich_shm_cafe_0"]

@@ -103,10 +103,20 @@ def test_refusals(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+_STARTED_THEN_KILLED = ("import os; open(os.path.join(os.environ['MPICKPT_AGENT_DIR'], "
+                        "'started'), 'w').close(); os.kill(os.getpid(), 9)")
+
+
 def test_the_rank_wrapper_turns_a_death_by_signal_into_a_status():
+    """After its trainer said it started; before that, the wrapper dies by the same signal."""
     proc = subprocess.run([sys.executable, "-m", "mpickpt.launch.rank_wrapper", sys.executable,
-                           "-c", "import os; os.kill(os.getpid(), 9)"])
+                           "-c", _STARTED_THEN_KILLED])
     assert proc.returncode == 128 + 9
+    proc = subprocess.run([sys.executable, "-m", "mpickpt.launch.rank_wrapper", sys.executable,
+                           "-c", "import os; os.kill(os.getpid(), 9)"], capture_output=True,
+                          text=True)
+    assert proc.returncode == -9, proc.stderr
+    assert "killed by SIGKILL during startup, before its first step" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "mpickpt.launch.rank_wrapper", sys.executable,
                            "-c", "import sys; sys.exit(76)"])
     assert proc.returncode == 76

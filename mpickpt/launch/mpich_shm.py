@@ -5,7 +5,11 @@ MPICH (ch4) names a step's node-local segments `/dev/shm/mpich_shm_<world id>_<n
 under `srun --mpi=pmi2`. A killed step leaves its segments, and a requeued job keeps its job id and
 numbers its steps from 0 again: its first step then finds the old segment and fails in MPI_Init.
 `python -m mpickpt.launch.mpich_shm --job ID` (run on every node of the allocation, before a step
-starts) deletes the segments of that job's steps. Local.
+starts) deletes the segments of that job's steps.
+
+Outside Slurm the job id is not known, but a node agent knows when its run started:
+`remove_orphans(since)` deletes the MPI segments of this user that appeared since then and that
+no process of this user maps or holds open any more. Local.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ SHM_DIR = "/dev/shm"
 STEPS = 256
 """Step ids 0..STEPS-1 of a job are looked for."""
 _SEGMENT = re.compile(r"^mpich_(shm|vci)_([0-9a-f]+)_\d+$")
+_ANY_MPI_SEGMENT = re.compile(r"^(mpich_(shm|vci)_[0-9a-f]+_\d+|vader_segment\..+|sm_segment\..+)$")
 
 
 def fnv1a32(text: str) -> int:
@@ -53,6 +58,62 @@ def remove_segments(job_ids, shm_dir: str = SHM_DIR, steps: int = STEPS) -> list
                 except FileNotFoundError:
                     pass
     return removed
+
+
+def remove_orphans(since: float, shm_dir: str = SHM_DIR) -> list[str]:
+    """Delete this user's MPI segments in `shm_dir` created at or after `since` (a time.time())
+    that no process of this user maps or holds open; returns the names deleted. Local."""
+    uid, candidates = os.getuid(), {}
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return []
+    for name in names:
+        if not _ANY_MPI_SEGMENT.match(name):
+            continue
+        try:
+            st = os.stat(os.path.join(shm_dir, name))
+        except OSError:
+            continue
+        if st.st_uid == uid and st.st_mtime >= since - 1.0:
+            candidates[os.path.join(shm_dir, name)] = name
+    if not candidates:
+        return []
+    held = _held_paths(uid, os.path.join(shm_dir, ""))
+    removed = []
+    for path, name in candidates.items():
+        if path in held:
+            continue
+        try:
+            os.unlink(path)
+            removed.append(name)
+        except OSError:
+            pass
+    return sorted(removed)
+
+
+def _held_paths(uid: int, prefix: str) -> set[str]:
+    """Files under `prefix` (a folder, with its slash) that this user's processes map or hold
+    open."""
+    held: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != uid:
+                continue
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    at = line.find(prefix)
+                    if at >= 0:
+                        held.add(line[at:].split(" (deleted)")[0].strip())
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith(prefix):
+                    held.add(target)
+        except OSError:  # the process ended meanwhile
+            continue
+    return held
 
 
 def main(argv=None) -> int:

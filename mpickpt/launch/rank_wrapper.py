@@ -9,6 +9,15 @@ Two jobs:
   wrapper shares the rank's process group, so the launcher's signals reach the rank directly; it
   only outlives them (forwarding them would deliver each twice: a second SIGINT stops a rank at
   once).
+- **A death during startup ends the job at once.** Until its trainer says it has started (a file
+  `started` in the agent's folder, written once the model is built and restored), a trainer
+  killed by a signal is a failed start: the others would wait for it in MPI_Init or in the
+  groups' rendezvous forever. The agent then ends by the same signal, which makes hydra's proxy
+  kill the node's ranks, and the run ends for `mpickpt-run` to relaunch (the trainers' own
+  startup deadline, `mpickpt.phase_watch`, covers what this does not reach).
+- **Leftover shared memory.** MPI's node-local segments (`/dev/shm/mpich_shm_*`, ...) that
+  appeared while the agent ran and that no process holds any more are deleted when it ends: a
+  killed rank, or a generation that skipped MPI_Finalize, leaves them behind.
 - **In-place recovery** (`MPICKPT_IN_PLACE=1`, set by `mpickpt-run`): the agent of launcher rank
   0 hosts the job's rendezvous store (so the store outlives rank 0's trainer), and every agent
   starts a replacement when its trainer is killed by a signal: the same command, without MPI, told
@@ -30,6 +39,11 @@ import time
 from mpickpt.background import JOB_SIGNALS
 
 IN_PLACE_VARIABLE = "MPICKPT_IN_PLACE"
+AGENT_VARIABLE = "MPICKPT_AGENT_DIR"
+"""Set by the agent for its trainer: a folder of the agent's where the trainer says it started."""
+STARTED_FILE = "started"
+"""Written by the trainer into the agent's folder once it has started (its first step is next):
+the rendezvous store's address, or nothing."""
 RESPAWNS_VARIABLE = "MPICKPT_RESPAWNS"
 DEFAULT_RESPAWNS = 3
 """Replacements one agent starts before it lets a death end its rank (a relaunch then)."""
@@ -68,31 +82,45 @@ class Agent:
         self.store = self.address = None
         self.folder: str | None = None
         self.respawned = 0
+        self.end_by_signal: int | None = None
+        """Set when the agent should end by this signal (a failed start) instead of a status."""
 
     def run(self) -> int:
-        from mpickpt.generation import AGENT_VARIABLE, STORE_VARIABLE
-
         env = dict(self.env)
-        if self.in_place:
-            self.folder = tempfile.mkdtemp(prefix=f"mpickpt-agent-{self.rank}-")
-            env[AGENT_VARIABLE] = self.folder
-            if self.rank == 0:
-                from mpickpt.generation import host_store
+        self.folder = tempfile.mkdtemp(prefix=f"mpickpt-agent-{self.rank}-")
+        env[AGENT_VARIABLE] = self.folder
+        if self.in_place and self.rank == 0:
+            from mpickpt.generation import STORE_VARIABLE, host_store
 
-                self.store, self.address = host_store()
-                env[STORE_VARIABLE] = self.address
+            self.store, self.address = host_store()
+            env[STORE_VARIABLE] = self.address
+        since = time.time()
         try:
             child = subprocess.Popen(self.cmd, close_fds=False, env=env)  # PMI_FD goes along
             _close_pmi_fd(self.env)
             status = child.wait()
+            if status < 0 and not self._started():
+                return self._failed_start(child.pid, -status)
             while status < 0 and self._can_replace():
                 child = self._replace(child.pid, -status, env)
                 status = child.wait()
             self._wait_for_finish(status)
             return status
         finally:
-            if self.folder:
-                shutil.rmtree(self.folder, ignore_errors=True)
+            shutil.rmtree(self.folder, ignore_errors=True)
+            _remove_leftovers(since, self.say)
+
+    def _started(self) -> bool:
+        return os.path.exists(os.path.join(self.folder, STARTED_FILE))
+
+    def _failed_start(self, pid: int, signum: int) -> int:
+        """The trainer died before its first step: end as it did, so that the launcher ends the
+        run instead of leaving the other ranks waiting for it."""
+        self.say(f"rank {self.rank}: its trainer (pid {pid}) was killed by "
+                 f"{_signal_name(signum)} during startup, before its first step; ending this "
+                 f"rank the same way so that the launcher ends the run")
+        self.end_by_signal = signum
+        return 128 + signum
 
     def _can_replace(self) -> bool:
         return self.in_place and self.respawns_left > 0 and self._store_address() is not None
@@ -101,7 +129,7 @@ class Agent:
         """The store's address: hosted here, or left by the trainer in the agent's folder."""
         if self.address is None and self.folder:
             try:
-                with open(os.path.join(self.folder, "store")) as f:
+                with open(os.path.join(self.folder, STARTED_FILE)) as f:
                     self.address = f.read().strip() or None
             except OSError:
                 return None
@@ -139,12 +167,28 @@ def main(argv=None) -> int:
         return 2
     for sig in JOB_SIGNALS:  # a handler, not SIG_IGN: the rank starts with default dispositions
         signal.signal(sig, _outlive)
-    status = Agent(cmd).run()
+    agent = Agent(cmd)
+    status = agent.run()
     sys.stdout.flush()
     sys.stderr.flush()
+    if agent.end_by_signal:  # a failed start: die by the trainer's signal, so hydra ends the run
+        try:
+            signal.signal(agent.end_by_signal, signal.SIG_DFL)
+        except (OSError, ValueError):  # SIGKILL and SIGSTOP keep their default anyway
+            pass
+        os.kill(os.getpid(), agent.end_by_signal)
     # at once: an interpreter shutting down restores the default dispositions, and a SIGUSR1
     # meant for the rank would then end the wrapper by a signal after all
     os._exit(status if status >= 0 else 128 - status)
+
+
+def _remove_leftovers(since: float, say) -> None:
+    from mpickpt.launch.mpich_shm import remove_orphans
+
+    removed = remove_orphans(since)
+    if removed:
+        say(f"removed {len(removed)} shared-memory segment(s) no process holds any more: "
+            f"{' '.join(removed)}")
 
 
 def _close_pmi_fd(environ) -> None:

@@ -26,10 +26,11 @@ import time
 from dataclasses import dataclass, field
 
 from mpickpt.launch.command import LAUNCHERS, cleanup_command, launch_command
+from mpickpt.launch.mpich_shm import remove_orphans
 from mpickpt.launch.rank_wrapper import IN_PLACE_VARIABLE
-from mpickpt.stop_signals import EXIT_SAVE_FAILED, EXIT_SAVED
+from mpickpt.exit_codes import (EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_SAVE_FAILED, EXIT_SAVED,
+                                EXIT_STARTUP_FAILED)
 
-EXIT_BAD_INPUT, EXIT_PEER_LOST = 2, 76
 FINAL = {0: "finished", EXIT_BAD_INPUT: "refused its input", EXIT_SAVED:
          "stopped on a signal with its checkpoint committed", EXIT_SAVE_FAILED:
          "stopped on a signal but its emergency checkpoint failed"}
@@ -70,6 +71,9 @@ def cause(status: int, watch: RunWatch) -> str:
     elif status > 128 and status - 128 < signal.NSIG:
         parts.append(f"exit status {status} (a process killed by "
                      f"{_signal_name(status - 128)})")
+    elif status == EXIT_STARTUP_FAILED:
+        parts.append(f"exit status {status} (a rank's startup failed: a peer died before the "
+                     f"first step, or --startup-timeout passed)")
     elif status not in FINAL and status != EXIT_PEER_LOST:
         parts.append(f"exit status {status}")
     parts += watch.notes[:2]
@@ -127,7 +131,7 @@ class Relauncher:
             subprocess.run(self.cleanup, check=False, stdin=subprocess.DEVNULL)
         env = dict(os.environ, MPICKPT_RESTART=str(self.restarts), PYTHONUNBUFFERED="1",
                    **({IN_PLACE_VARIABLE: "1"} if self.in_place else {}))
-        watch, start = RunWatch(), time.monotonic()
+        watch, start, since = RunWatch(), time.monotonic(), time.time()
         self._proc = subprocess.Popen(self.command, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, env=env, bufsize=0)
         pumps = [threading.Thread(target=_pump, args=(src, dst, watch), daemon=True)
@@ -138,7 +142,16 @@ class Relauncher:
         status = self._proc.wait()
         for t in pumps:
             t.join(10)
+        self._remove_leftovers(since)
         return status, watch, time.monotonic() - start
+
+    def _remove_leftovers(self, since: float) -> None:
+        """The run's MPI segments on this node that no process holds (ranks killed by their
+        launcher leave them, and their agents had no time to)."""
+        removed = remove_orphans(since)
+        if removed:
+            self.say(f"removed {len(removed)} shared-memory segment(s) of the ended run: "
+                     f"{' '.join(removed)}")
 
     def _forward(self, signum, frame) -> None:
         self.stop_signal = signal.Signals(signum).name

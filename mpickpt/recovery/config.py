@@ -64,6 +64,9 @@ class RecoveryConfig:
     """on: when a peer dies, the survivors keep their processes and a respawned process takes
     the dead rank's place in a new generation of the job (needs mpickpt-run under MPICH's
     mpiexec, whose rank agents respawn); off: survivors exit for a relaunch"""
+    startup_timeout: float = option(300.0, parse=positive_float, metavar="S")
+    """seconds from a trainer's start to its first step (MPI_Init, the groups, the model, the
+    restore) before it gives up on a peer that never came and exits 77 for a relaunch"""
     join_timeout: float = option(60.0, parse=positive_float, metavar="S")
     """seconds the members of a new generation wait for each other (the replacement included)
     before the in-place recovery gives up and the job falls back to a relaunch"""
