@@ -6,13 +6,16 @@
 Real jobs under `mpickpt-run -n 4` (MPICH's mpiexec, gloo): the 26 Criteo Kaggle tables / 100
 (338k rows, D = 16), batch 1024, a checkpoint every --interval steps. In each trial one random rank
 is SIGKILLed at a random step between 1.1 and 1.9 intervals (so a checkpoint exists and the
-expected replay of a rollback is half an interval), and mpickpt-run relaunches the job once.
-Three strategies at the same checkpoint interval:
+expected replay of a rollback is half an interval). Six strategies at the same checkpoint
+interval, three that relaunch the job (`--in-place off`) and three that replace the dead rank
+inside the running job (`--in-place on`: its node agent respawns it, the survivors keep their
+processes):
 
 - parity: --parity-k 3 and survivor dumps; the relaunch restores the survivors from their dumps
   and rebuilds the dead rank's shard from parity while training goes on;
 - partial: survivor dumps, no parity; the dead rank's shard comes from its last checkpoint (CPR);
-- full: no dumps; every rank rolls back to the last checkpoint (what a plain restart does).
+- full: no dumps; every rank rolls back to the last checkpoint (what a plain restart does);
+- parity-inplace, partial-inplace, full-inplace: the same recoveries without the relaunch.
 
 Every line of the job's output is time-stamped as it arrives. Per trial: detect + dump (kill to
 the first survivor's line, which it prints once its dump is written, and the dump time it
@@ -24,8 +27,13 @@ is done again, less when it would have been done without the failure (one step t
 Emergency checkpoints: the same job without failures, SIGTERM to every rank at a random step;
 signal-to-commit (as the job reports it) against the write time of its regular checkpoints.
 
+For the in-place strategies: join (kill to the replacement in the next generation, the respawn's
+start included) and agree, as the job logs them, steps replayed, time lost, and the survivors'
+step rate while the shard is rebuilt from parity against their rate before the kill.
+
 Targets (issue 14): time lost per failure with parity <= 1/10 of full rollback's; signal-to-commit
-<= 2 x a regular checkpoint's write time. Writes bench/results/real_failures.{json,png} (the
+<= 2 x a regular checkpoint's write time. Issue 21: in-place parity (respawn) <= 1/8 of full
+rollback's loss; the survivors' rate during the rebuild >= 90 % of the rate before. Writes bench/results/real_failures.{json,png} (the
 timeline of one failure per strategy).
 """
 from __future__ import annotations
@@ -53,10 +61,17 @@ MODEL = ["--arch-embedding-size", "criteo-kaggle", "--embedding-scale-down", "10
          "--mini-batch-size", "1024", "--print-freq", "1", "--test-num-batches", "0",
          "--ckpt-writers", "2"]
 STRATEGIES = {
-    "parity": ["--parity-k", "3", "--recovery", "parity", "--survivor-dumps", "shm"],
-    "partial": ["--recovery", "partial", "--survivor-dumps", "shm"],
-    "full": ["--recovery", "full", "--survivor-dumps", "off"],
+    "parity": ["--parity-k", "3", "--recovery", "parity", "--survivor-dumps", "shm",
+               "--in-place", "off"],
+    "partial": ["--recovery", "partial", "--survivor-dumps", "shm", "--in-place", "off"],
+    "full": ["--recovery", "full", "--survivor-dumps", "off", "--in-place", "off"],
+    "parity-inplace": ["--parity-k", "3", "--recovery", "parity", "--in-place", "on"],
+    "partial-inplace": ["--recovery", "partial", "--in-place", "on"],
+    "full-inplace": ["--recovery", "full", "--in-place", "on"],
 }
+_IN_PLACE = re.compile(r"in-place recovery: generation \d+ at step (\d+): .*?; ([\d.]+) s on the "
+                       r"survivors \(join ([\d.]+) s, agree ([\d.]+) s\)")
+_REBUILT = re.compile(r"parity: rebuilt ranks")
 _STEP = re.compile(r"^step (\d+)/")
 _DIED = re.compile(r"peer rank\(s\) \[(\d+)\] died after step (\d+)")
 _DUMPED = re.compile(r"\(([\d.]+) MB in ([\d.]+) s\); exiting")
@@ -150,7 +165,36 @@ def trial(strategy: str, seed: int, ranks: int, interval: int) -> dict:
                 pass
     if code != 0:
         raise RuntimeError(f"{strategy} trial {seed} ended with {code}:\n{job.text()[-4000:]}")
+    if strategy.endswith("-inplace"):
+        return measure_in_place(job, strategy, killed)
     return measure(job, strategy, killed)
+
+
+def measure_in_place(job: StampedJob, strategy: str, killed: float) -> dict:
+    """The costs of one in-place recovery, from the time-stamped output."""
+    found = [(t, m) for t, line in job.lines if (m := _IN_PLACE.search(line))]
+    if len(found) != 1 or "relaunching" in job.text():
+        raise RuntimeError(f"{strategy}: not one in-place recovery:\n{job.text()[-3000:]}")
+    logged, m = found[0]
+    agreed, recovery_s, join_s, agree_s = int(m.group(1)), *map(float, m.group(2, 3, 4))
+    before = step_times(job, killed)
+    reached = max(s for t, s in step_times(job, logged))
+    after = [(t, s) for t, s in step_times(job) if t > logged]
+    again = next(t for t, s in after if s == reached + 1)
+    step_s = median_step_seconds(before)
+    rebuilt = next((t for t, line in job.lines if t > logged and _REBUILT.search(line)), None)
+    during = [(t, s) for t, s in after if rebuilt is not None and t <= rebuilt]
+    rate_ratio = step_s / median_step_seconds(during) if len(during) > 2 else None
+    return {
+        "strategy": strategy, "killed_after_step": reached, "resumed_at_step": agreed,
+        "steps_replayed": reached - agreed, "step_seconds": step_s, "detect_s": None,
+        "dump_s": None, "first_survivor_line_s": None, "exit_s": 0.0, "relaunch_s": join_s,
+        "restore_s": agree_s, "join_s": join_s, "agree_s": agree_s, "recovery_s": recovery_s,
+        "lost_s": again - killed - step_s, "rebuild_rate_ratio": rate_ratio,
+        "rebuild_steps": len(during),
+        "timeline": {"killed": killed, "run1_end": killed, "restored": logged, "again": again,
+                     "steps": step_times(job)},
+    }
 
 
 def measure(job: StampedJob, strategy: str, killed: float) -> dict:
@@ -214,11 +258,11 @@ def emergency(seed: int, ranks: int, interval: int) -> dict:
 
 def summarize(trials: dict[str, list[dict]]) -> dict:
     keys = ("detect_s", "dump_s", "exit_s", "relaunch_s", "restore_s", "steps_replayed",
-            "lost_s", "step_seconds")
+            "lost_s", "step_seconds", "join_s", "agree_s", "rebuild_rate_ratio")
     out = {}
     for name, rows in trials.items():
-        out[name] = {k: statistics.mean(r[k] for r in rows if r[k] is not None)
-                     for k in keys if any(r[k] is not None for r in rows)}
+        out[name] = {k: statistics.mean(r[k] for r in rows if r.get(k) is not None)
+                     for k in keys if any(r.get(k) is not None for r in rows)}
         out[name]["lost_without_relaunch_s"] = statistics.mean(
             r["lost_s"] - r["exit_s"] - r["relaunch_s"] for r in rows)
     return out
@@ -242,7 +286,9 @@ def plot(trials: dict[str, list[dict]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 5))
-    colors = {"parity": "tab:green", "partial": "tab:blue", "full": "tab:red"}
+    colors = {"parity": "tab:green", "partial": "tab:blue", "full": "tab:red",
+              "parity-inplace": "lime", "partial-inplace": "deepskyblue",
+              "full-inplace": "orange"}
     for name, rows in trials.items():
         tl = rows[0]["timeline"]
         t0 = tl["killed"]
@@ -256,9 +302,11 @@ def plot(trials: dict[str, list[dict]], path: Path) -> None:
     ax.axvline(0, color="k", lw=0.8)
     ax.text(0.2, ax.get_ylim()[0], "SIGKILL", va="bottom")
     ax.set_xlim(-10, max(r[0]["lost_s"] for r in trials.values()) + 15)
-    ax.set_xlabel("seconds since the kill (| first run ends, x restored, o past the lost step)")
+    ax.set_xlabel("seconds since the kill (| first run ends, x restored / in-place generation "
+                  "formed, o past the lost step)")
     ax.set_ylabel("training step")
-    ax.set_title("One real failure per strategy (4 ranks, same checkpoint interval)")
+    ax.set_title("One real failure per strategy (4 ranks, same checkpoint interval; *-inplace: "
+                 "no relaunch)")
     ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -269,14 +317,22 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--interval", type=int, default=600, help="steps between checkpoints")
     p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--strategies", default=",".join(STRATEGIES),
+                   help=f"comma-separated subset of {','.join(STRATEGIES)} (full is needed for "
+                        f"the ratios)")
     p.add_argument("--quick", action="store_true", help="interval 60, one trial")
     p.add_argument("--out", default=str(RESULTS / "real_failures.json"))
     args = p.parse_args()
     if args.quick:
         args.interval, args.trials = 60, 1
-    trials: dict[str, list[dict]] = {name: [] for name in STRATEGIES}
+    names = [n.strip() for n in args.strategies.split(",") if n.strip()]
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown or "full" not in names:
+        p.error(f"--strategies {args.strategies!r}: expected names among "
+                f"{', '.join(STRATEGIES)}, full included")
+    trials: dict[str, list[dict]] = {name: [] for name in names}
     for seed in range(args.trials):
-        for name in STRATEGIES:
+        for name in names:
             row = trial(name, 1000 + seed, args.ranks, args.interval)
             trials[name].append(row)
             print(f"{name:8s} trial {seed}: killed after step {row['killed_after_step']}, "
@@ -292,27 +348,39 @@ def main() -> int:
               f"after the signal; regular writes {statistics.median(s['regular_write_s']):.2f} s "
               f"(median); ratio {s['ratio']:.2f}", flush=True)
     summary = summarize(trials)
-    ratio = summary["parity"]["lost_s"] / summary["full"]["lost_s"]
-    ratio_core = summary["parity"]["lost_without_relaunch_s"] / \
-        summary["full"]["lost_without_relaunch_s"]
+    full = summary["full"]
+    ratios = {name: s["lost_s"] / full["lost_s"] for name, s in summary.items()}
+    ratio_core = summary["parity"]["lost_without_relaunch_s"] / full["lost_without_relaunch_s"] \
+        if "parity" in summary else None
     stop_ratio = max(s["ratio"] for s in stops)
-    met_from = interval_meeting_target(summary)
-    print("\nstrategy   detect  dump   exit  relaunch restore replayed  lost(s)  lost w/o relaunch")
+    met_from = interval_meeting_target(summary) if "parity" in summary else None
+    print("\nstrategy         detect  dump   exit  relaunch/join restore/agree replayed  lost(s)  "
+          "lost/full  rebuild rate")
     for name, s in summary.items():
-        print(f"{name:9s} {_f(s.get('detect_s')):>6} {_f(s.get('dump_s')):>5} "
-              f"{s['exit_s']:6.2f} {s['relaunch_s']:8.2f} {s['restore_s']:7.2f} "
-              f"{s['steps_replayed']:8.1f} {s['lost_s']:8.2f} {s['lost_without_relaunch_s']:9.2f}")
-    print(f"\nparity / full time lost per failure: {ratio:.3f} (target <= 0.1: "
-          f"{'met' if ratio <= 0.1 else 'MISSED'}); without the relaunch both pay: "
-          f"{ratio_core:.3f} ({'met' if ratio_core <= 0.1 else 'MISSED'})")
-    print(f"at these measured costs the ratio reaches 0.1 from an interval of {met_from:.0f} "
-          f"steps ({met_from * summary['full']['step_seconds'] / 60:.1f} min of training)")
+        print(f"{name:16s} {_f(s.get('detect_s')):>6} {_f(s.get('dump_s')):>5} "
+              f"{s['exit_s']:6.2f} {s['relaunch_s']:13.2f} {s['restore_s']:13.2f} "
+              f"{s['steps_replayed']:8.1f} {s['lost_s']:8.2f} {ratios[name]:10.3f} "
+              f"{_f(s.get('rebuild_rate_ratio')):>12}")
+    if "parity" in summary:
+        print(f"\nparity / full time lost per failure: {ratios['parity']:.3f} (target <= 0.1: "
+              f"{'met' if ratios['parity'] <= 0.1 else 'MISSED'}); without the relaunch both "
+              f"pay: {ratio_core:.3f} ({'met' if ratio_core <= 0.1 else 'MISSED'})")
+        print(f"at these measured costs the ratio reaches 0.1 from an interval of {met_from:.0f} "
+              f"steps ({met_from * full['step_seconds'] / 60:.1f} min of training)")
+    if "parity-inplace" in summary:
+        inplace = summary["parity-inplace"]
+        rate = inplace.get("rebuild_rate_ratio")
+        print(f"in-place parity (respawn) / full rollback: {ratios['parity-inplace']:.3f} (target "
+              f"<= 1/8 = 0.125: {'met' if ratios['parity-inplace'] <= 0.125 else 'MISSED'}); "
+              f"survivors' rate during the rebuild: "
+              + (f"{rate:.2f} of before (target >= 0.9: {'met' if rate >= 0.9 else 'MISSED'})"
+                 if rate is not None else "- (the rebuild ended within two steps)"))
     print(f"signal-to-commit / regular write: {stop_ratio:.2f} (worst of {len(stops)}; target "
           f"<= 2: {'met' if stop_ratio <= 2 else 'MISSED'})")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"command": " ".join(sys.argv), "ranks": args.ranks, "interval": args.interval,
-              "summary": summary, "parity_over_full": ratio,
+              "summary": summary, "lost_over_full": ratios,
               "parity_over_full_without_relaunch": ratio_core,
               "stop_over_regular_write": stop_ratio, "emergency": stops,
               "interval_meeting_target": met_from,

@@ -86,6 +86,8 @@ def main(argv=None) -> int:
 def _start(config, error, signals, watch):
     """MPI, the checks every rank agrees on, the groups, the model and its restore: the
     (topology, trainer) to train with, or the exit status of a refusal. Collective."""
+    import os
+
     from mpi4py import MPI
 
     from mpickpt.launch.checks import launch_error
@@ -98,6 +100,7 @@ def _start(config, error, signals, watch):
     if config is not None and error is None:
         try:
             config.check_world(comm.Get_size())
+            config.recovery.check_launcher(os.environ)
         except (ValueError, OSError) as e:
             error = str(e)
     error = _agree_on_error(comm, error)

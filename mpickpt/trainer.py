@@ -18,12 +18,11 @@ from mpickpt.parity.guard import ParityGuard
 from mpickpt.progress import ProgressLog
 from mpickpt.faults.loss import Loss
 from mpickpt.generation import GenerationError
-from mpickpt.launch.rank_wrapper import AGENT_VARIABLE, IN_PLACE_VARIABLE
 from mpickpt.recovery.tolerance import FaultTolerance
 from mpickpt.run_report import RunReport
 from mpickpt.stop_signals import StopSignals, stop_failed_message
 from mpickpt.survivors.inplace import InPlace, Rejoined
-from mpickpt.survivors.survival import COMM_ERRORS, Survival
+from mpickpt.survivors.survival import COMM_ERRORS, Survival, restart_count
 from mpickpt.timing import PhaseTimer
 
 # The synthetic test set is the same planted stream far beyond any training index.
@@ -71,11 +70,10 @@ class Trainer:
             if config.parity is not None else None
         rec = config.recovery
         self.survival = Survival(topo, self.model, self.parity, config.checkpoint and
-                                 config.checkpoint.directory, rec.survivor_dumps,
+                                 config.checkpoint.directory,
+                                 rec.dumps_mode(os.environ, config.checkpoint is not None),
                                  rec.peer_timeout, self.log.say,
-                                 in_place=rec.in_place == "on" and bool(
-                                     os.environ.get(AGENT_VARIABLE)) and
-                                 os.environ.get(IN_PLACE_VARIABLE) == "1",
+                                 in_place=rec.in_place_wanted(os.environ),
                                  on_notice=lambda: self.signals.mute_death_notices(10.0))
         self.in_place = InPlace(topo, self.model, self.survival.undo, self.parity,
                                 rec.join_timeout)
@@ -163,6 +161,12 @@ class Trainer:
                 dead = self.survival.failed(e)  # re-raises unless a peer died
                 self._rejoin(dead)
 
+    def _first_life(self) -> bool:
+        """The job's first launch and generation: an injected kill fires there only, not again
+        in a replacement, an in-place rollback or a relaunch that replays its step. Local."""
+        return self.topo.generation == 0 and not self.topo.replacement and \
+            restart_count(os.environ) == 0
+
     def _rejoin(self, dead: set[int]) -> None:
         """In place: undo the step the death interrupted, leave the broken generation, form the
         next one with the dead ranks' replacements and agree on a step, then recover the
@@ -246,7 +250,7 @@ class Trainer:
             if self.votes[0] > 0:
                 self._stop_on_signal()
                 return
-            if cfg.faults.inject_kill is not None:
+            if cfg.faults.inject_kill is not None and self._first_life():
                 cfg.faults.inject_kill.maybe_kill(self.step, self.topo.rank)
             lost = self.faults.loss_after(self.step)
             if lost is not None:

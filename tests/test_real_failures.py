@@ -29,7 +29,8 @@ from tests.fault_jobs import Job, digest_in, mpickpt_run, relaunch_step, survivo
 from tests.launch import SMALL_MODEL, digest_of, run_ranks
 
 STEPS, INTERVAL = 100, 30
-FOLLOW = ("--print-freq", "1", "--ckpt-interval", str(INTERVAL), "--survivor-dumps", "shm")
+FOLLOW = ("--print-freq", "1", "--ckpt-interval", str(INTERVAL), "--survivor-dumps", "shm",
+          "--in-place", "off")  # the relaunch path (in-place recovery: tests/test_in_place.py)
 PARITY = ("--parity-k", "3")
 TABLES = (300, 200, 100, 50)
 

@@ -62,6 +62,8 @@ BAD_INPUTS = [
     (2, ["--parity-k", "1", "--inject-failure", "3:2"], r"names ranks \[2\], but the world has 2 "
                                                         r"ranks"),
     (2, ["--inject-kill", "3"], r"--inject-kill must look like STEP:RANK\[,RANK...\], got '3'"),
+    (2, ["--startup-timeout", "0"], r"--startup-timeout: expected a finite number > 0, got '0'"),
+    (2, ["--in-place", "maybe"], r"--in-place: invalid choice: 'maybe'"),
     (2, ["--ckpt-dir", "/proc/version"], r"--ckpt-dir /proc/version exists and is not a "
                                          r"directory"),
     # partial recovery, intervals, prioritized saves, the failure emulator (issue 13)
@@ -220,3 +222,23 @@ def test_scripted_losses_fire_once_each_in_step_order():
     assert script.due(3, fired).ranks == (0, 1)
     assert script.due(3, fired) is None  # a rollback that replays step 3 does not lose it again
     assert script.due(7, fired).ranks == (1,) and fired == {3, 7}
+
+
+def test_recovery_defaults_follow_the_launcher():
+    """auto: survivor dumps where mpickpt-run relaunches from them, in-place recovery where a
+    node agent respawns; `--in-place on` without such an agent is refused naming the fix."""
+    rec = RecoveryConfig()
+    agent = {"MPICKPT_AGENT_DIR": "/tmp/a", "MPICKPT_IN_PLACE": "1", "MPICKPT_RESTART": "0"}
+    assert (rec.survivor_dumps, rec.in_place) == ("auto", "auto")
+    assert rec.dumps_mode(agent, has_checkpoints=True) == "shm"
+    assert rec.dumps_mode(agent, has_checkpoints=False) == "off"
+    assert rec.dumps_mode({}, has_checkpoints=True) == "off"  # plain mpiexec: nobody relaunches
+    assert RecoveryConfig(survivor_dumps="ckpt").dumps_mode({}, True) == "ckpt"
+    assert rec.in_place_wanted(agent)
+    assert not rec.in_place_wanted({"MPICKPT_AGENT_DIR": "/tmp/a"})  # an agent told no respawns
+    assert not RecoveryConfig(in_place="off").in_place_wanted(agent)
+    RecoveryConfig(in_place="on").check_launcher(agent)
+    rec.check_launcher({})
+    with pytest.raises(ValueError, match=r"--in-place on needs the node agents that mpickpt-run "
+                                         r"starts"):
+        RecoveryConfig(in_place="on").check_launcher({"MPICKPT_RESTART": "0"})

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from mpickpt.launch.command import LAUNCHERS, cleanup_command, launch_command
 from mpickpt.launch.mpich_shm import remove_orphans
-from mpickpt.launch.rank_wrapper import IN_PLACE_VARIABLE
+from mpickpt.launch.rank_wrapper import IN_PLACE_VARIABLE, RESTART_VARIABLE
 from mpickpt.exit_codes import (EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_SAVE_FAILED, EXIT_SAVED,
                                 EXIT_STARTUP_FAILED)
 
@@ -129,7 +129,7 @@ class Relauncher:
     def _one_run(self) -> tuple[int, RunWatch, float]:
         if self.cleanup:  # a requeued job's first step needs it too
             subprocess.run(self.cleanup, check=False, stdin=subprocess.DEVNULL)
-        env = dict(os.environ, MPICKPT_RESTART=str(self.restarts), PYTHONUNBUFFERED="1",
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{RESTART_VARIABLE: str(self.restarts)},
                    **({IN_PLACE_VARIABLE: "1"} if self.in_place else {}))
         watch, start, since = RunWatch(), time.monotonic(), time.time()
         self._proc = subprocess.Popen(self.command, stdout=subprocess.PIPE,
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
     nodes = os.environ.get("SLURM_JOB_NUM_NODES")
     return Relauncher(command, args.max_restarts, log, cleanup_command(args.launcher, nodes),
-                      in_place=flag_value(flags, "--in-place") == "on").run()
+                      in_place=flag_value(flags, "--in-place") != "off").run()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from mpickpt.durations import Duration
+from mpickpt.launch.rank_wrapper import AGENT_VARIABLE, IN_PLACE_VARIABLE, RESTART_VARIABLE
 from mpickpt.options import option, positive_float
 
 MODES = ("full", "partial", "parity", "auto")
@@ -53,17 +54,19 @@ class RecoveryConfig:
                                   parse=_reschedule, metavar="T")
     """time to replace the failed nodes (O_res of CPR eq. 1 and 2), counted in the overhead
     models, not slept"""
-    survivor_dumps: str = option("off", choices=("off", "shm", "ckpt"))
+    survivor_dumps: str = option("auto", choices=("auto", "off", "shm", "ckpt"))
     """when a peer dies, the survivors dump their state at their last completed step to node-local
     shared memory (shm), or also to the checkpoint directory (ckpt, for a relaunch on other
-    nodes); the relaunch restores them from it and recovers only the dead rank (--recovery)"""
+    nodes); the relaunch restores them from it and recovers only the dead rank (--recovery);
+    auto: shm under mpickpt-run with --ckpt-dir (which relaunches from them), else off"""
     peer_timeout: float = option(10.0, parse=positive_float, metavar="S")
     """seconds of silence after which a peer's node counts as dead (a killed process is seen
     at once)"""
-    in_place: str = option("off", choices=("on", "off"))
+    in_place: str = option("auto", choices=("auto", "on", "off"))
     """on: when a peer dies, the survivors keep their processes and a respawned process takes
     the dead rank's place in a new generation of the job (needs mpickpt-run under MPICH's
-    mpiexec, whose rank agents respawn); off: survivors exit for a relaunch"""
+    mpiexec, whose rank agents respawn); off: survivors exit for a relaunch; auto: on where the
+    rank has such an agent, else off"""
     startup_timeout: float = option(300.0, parse=positive_float, metavar="S")
     """seconds from a trainer's start to its first step (MPI_Init, the groups, the model, the
     restore) before it gives up on a peer that never came and exits 77 for a relaunch"""
@@ -76,6 +79,28 @@ class RecoveryConfig:
             raise ValueError(f"--recovery must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.target_pls is not None and not 0.0 < self.target_pls < 1.0:
             raise ValueError(f"--target-pls must lie in (0, 1), got {self.target_pls!r}")
+
+    def dumps_mode(self, environ, has_checkpoints: bool) -> str:
+        """The survivor dumps in force: as given, or for auto shm when a relaunch loop that
+        restores them (mpickpt-run, which sets MPICKPT_RESTART) runs the job and it writes
+        checkpoints, else off. Local."""
+        if self.survivor_dumps != "auto":
+            return self.survivor_dumps
+        return "shm" if has_checkpoints and RESTART_VARIABLE in environ else "off"
+
+    def in_place_wanted(self, environ) -> bool:
+        """Whether a death is recovered in place: on or auto, and this rank runs under a node
+        agent that respawns (mpickpt-run under hydra sets MPICKPT_IN_PLACE=1 for it). Local."""
+        return self.in_place != "off" and bool(environ.get(AGENT_VARIABLE)) and \
+            environ.get(IN_PLACE_VARIABLE) == "1"
+
+    def check_launcher(self, environ) -> None:
+        """`--in-place on` needs a node agent that respawns (ValueError naming the fix). Local."""
+        if self.in_place == "on" and not (environ.get(AGENT_VARIABLE) and
+                                           environ.get(IN_PLACE_VARIABLE) == "1"):
+            raise ValueError("--in-place on needs the node agents that mpickpt-run starts under "
+                             "MPICH's mpiexec (this rank has none: plain mpiexec, srun or Open "
+                             "MPI); run under mpickpt-run, or use --in-place auto or off")
 
     def resolved_mode(self, parity: bool) -> str:
         """The mode in force: as given, else parity with parity on, else full. Local."""
@@ -97,7 +122,7 @@ def check_combination(rec: RecoveryConfig, checkpoint, parity, faults) -> None:
             if given:
                 raise ValueError(f"{what} needs --ckpt-dir: the lost shards reload from the "
                                  f"latest checkpoint")
-    if rec.survivor_dumps != "off" and checkpoint is None:
+    if rec.survivor_dumps not in ("off", "auto") and checkpoint is None:
         raise ValueError(f"--survivor-dumps {rec.survivor_dumps} needs --ckpt-dir: the dumps "
                          f"belong to the job that writes there")
     if rec.mode == "parity" and parity is None:

@@ -22,6 +22,7 @@ import time
 
 from mpickpt.control import MAX
 from mpickpt.exit_codes import EXIT_PEER_LOST
+from mpickpt.launch.rank_wrapper import RESTART_VARIABLE
 from mpickpt.liveness import PeerWatch
 from mpickpt.survivors.state import SurvivorDumps
 from mpickpt.survivors.undo import StepUndo
@@ -191,7 +192,7 @@ class Survival:
 def restart_count(environ) -> int:
     """The relaunch number `mpickpt-run` gives each run in $MPICKPT_RESTART (0: a first launch,
     or no mpickpt-run). Local."""
-    value = environ.get("MPICKPT_RESTART", "").strip()
+    value = environ.get(RESTART_VARIABLE, "").strip()
     return int(value) if value.isdigit() else 0
 
 
