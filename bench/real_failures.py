@@ -180,14 +180,16 @@ def measure_in_place(job: StampedJob, strategy: str, killed: float) -> dict:
     before = step_times(job, killed)
     reached = max(s for t, s in step_times(job, logged))
     after = [(t, s) for t, s in step_times(job) if t > logged]
+    resumed = after[0][1] - 1  # a full rollback goes back to its checkpoint after agreeing
     again = next(t for t, s in after if s == reached + 1)
     step_s = median_step_seconds(before)
     rebuilt = next((t for t, line in job.lines if t > logged and _REBUILT.search(line)), None)
     during = [(t, s) for t, s in after if rebuilt is not None and t <= rebuilt]
     rate_ratio = step_s / median_step_seconds(during) if len(during) > 2 else None
     return {
-        "strategy": strategy, "killed_after_step": reached, "resumed_at_step": agreed,
-        "steps_replayed": reached - agreed, "step_seconds": step_s, "detect_s": None,
+        "strategy": strategy, "killed_after_step": reached, "resumed_at_step": resumed,
+        "agreed_step": agreed, "steps_replayed": reached - resumed, "step_seconds": step_s,
+        "detect_s": None,
         "dump_s": None, "first_survivor_line_s": None, "exit_s": 0.0, "relaunch_s": join_s,
         "restore_s": agree_s, "join_s": join_s, "agree_s": agree_s, "recovery_s": recovery_s,
         "lost_s": again - killed - step_s, "rebuild_rate_ratio": rate_ratio,
