@@ -5,8 +5,7 @@ others waiting there forever (MPICH has no fault tolerance here), and after the 
 that dies leaves the others in MPI_Finalize's PMI read. A watch is a daemon thread with a
 deadline: if the phase has not ended by then, it says which phase hung and ends the process at
 once with the phase's status (`os._exit`: no MPI_Finalize, no interpreter teardown that could
-wait on the dead peer), so the launcher's run ends and `mpickpt-run` relaunches, or, after the
-last step, the finished job ends.
+wait on the dead peer), so the launcher's run ends and `mpickpt-run` relaunches.
 
 A thread needs the GIL, and a C call may hold it while it waits: MPI_Init does (measured: mpi4py's
 `MPI.Init` with a stopped peer starves every Python thread). So each watch also arms

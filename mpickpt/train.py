@@ -9,9 +9,6 @@ import sys
 from mpickpt.exit_codes import EXIT_BAD_INPUT, EXIT_STARTUP_FAILED
 from mpickpt.phase_watch import PhaseWatch
 
-SHUTDOWN_LIMIT = 60.0
-"""Seconds MPI_Finalize may take after the last step before the rank leaves without it: a peer
-that died after its last step leaves the others waiting in it."""
 
 
 def _agree_on_error(comm, error: str | None) -> str | None:
@@ -189,10 +186,12 @@ def _tell_agent(topo) -> None:
 
 
 def _leave(topo, status: int) -> int:
-    """Release the groups, say this rank is done with the store, and end the process. After a
-    change of generation MPI_Finalize would wait forever for the dead rank (and a replacement
-    never joined MPI), so it is skipped; in generation 0 it runs under a deadline
-    (`SHUTDOWN_LIMIT`), since a peer may die after its last step. Collective (MPI_Finalize)."""
+    """Release the groups and say this rank is done with the store. After a change of
+    generation MPI_Finalize would wait forever for the dead rank (and a replacement never
+    joined MPI): the exit hooks run and the process ends without it. In generation 0 the
+    interpreter's exit finalizes MPI as before (an explicit MPI_Finalize under a deadline,
+    followed by os._exit, ended ranks by SIGKILL after their last step in 3 CI tests of 400, not
+    reproduced by hand; a death after the last step is not watched yet)."""
     generation = topo.generation
     if topo.rendezvous is not None:
         try:
@@ -202,14 +201,9 @@ def _leave(topo, status: int) -> int:
     # The process group is released here: a gloo group left to the interpreter's teardown can
     # abort the process ("terminate called without an active exception", exit status 6).
     topo.close()
-    _run_exit_hooks()
     if generation == 0 and not topo.replacement:
-        from mpi4py import MPI
-
-        if MPI.Is_initialized() and not MPI.Is_finalized():
-            watch = PhaseWatch("shutdown (MPI_Finalize)", SHUTDOWN_LIMIT, status)
-            MPI.Finalize()
-            watch.end()
+        return status
+    _run_exit_hooks()
     _exit_now(status)
 
 
