@@ -12,8 +12,9 @@ point messages (`isend`, `iprobe`, `recv`) go through the store: a sender number
 an atomic counter per (destination, tag), the receiver takes them in that order, so no message
 waits for its receiver to be inside a call. A TCPStore client is not for two threads at once (a
 blocking `wait` on one holds the connection that another thread's `set` needs: measured here as a
-30 s timeout in one run of three), so a process calls its channel from one thread. Every method but `isend`, `iprobe`, `recv`,
-`Get_rank` and `Get_size` is collective over the generation's ranks.
+30 s timeout in one run of three), so a process calls its channel from one thread. Every method
+but `isend`, `iprobe`, `recv`, `Get_rank` and `Get_size` is collective over the generation's
+ranks.
 """
 from __future__ import annotations
 

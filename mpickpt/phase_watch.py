@@ -27,6 +27,7 @@ BACKSTOP = HOOK_LIMIT + 3.0
 """Seconds after the deadline at which faulthandler ends a process whose Python threads cannot
 run."""
 
+
 class PhaseWatch:
     """One deadline over named phases (`phase` moves on, `end` disarms). Local; any thread."""
 
@@ -56,10 +57,6 @@ class PhaseWatch:
         self._ended.set()
         faulthandler.cancel_dump_traceback_later()
         return time.monotonic() - self.started
-
-    @property
-    def ended(self) -> bool:
-        return self._ended.is_set()
 
     def _watch(self) -> None:
         if self._ended.wait(self.limit_s):

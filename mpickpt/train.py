@@ -10,7 +10,6 @@ from mpickpt.exit_codes import EXIT_BAD_INPUT, EXIT_STARTUP_FAILED
 from mpickpt.phase_watch import PhaseWatch
 
 
-
 def _agree_on_error(comm, error: str | None) -> str | None:
     """The first rank's error, if any rank has one. Collective over `comm`."""
     errors = comm.allgather(error)

@@ -92,6 +92,15 @@ def remove_orphans(since: float, shm_dir: str = SHM_DIR) -> list[str]:
     return sorted(removed)
 
 
+def remove_orphans_saying(since: float, say) -> list[str]:
+    """`remove_orphans(since)` in /dev/shm, and one line through `say` if any went. Local."""
+    removed = remove_orphans(since)
+    if removed:
+        say(f"removed {len(removed)} shared-memory segment(s) no process holds any more: "
+            f"{' '.join(removed)}")
+    return removed
+
+
 def _held_paths(uid: int, prefix: str) -> set[str]:
     """Files under `prefix` (a folder, with its slash) that this user's processes map or hold
     open."""

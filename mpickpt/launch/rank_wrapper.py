@@ -111,7 +111,9 @@ class Agent:
             return status
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
-            _remove_leftovers(since, self.say)
+            from mpickpt.launch.mpich_shm import remove_orphans_saying
+
+            remove_orphans_saying(since, self.say)
 
     def _started(self) -> bool:
         return os.path.exists(os.path.join(self.folder, STARTED_FILE))
@@ -183,15 +185,6 @@ def main(argv=None) -> int:
     # at once: an interpreter shutting down restores the default dispositions, and a SIGUSR1
     # meant for the rank would then end the wrapper by a signal after all
     os._exit(status if status >= 0 else 128 - status)
-
-
-def _remove_leftovers(since: float, say) -> None:
-    from mpickpt.launch.mpich_shm import remove_orphans
-
-    removed = remove_orphans(since)
-    if removed:
-        say(f"removed {len(removed)} shared-memory segment(s) no process holds any more: "
-            f"{' '.join(removed)}")
 
 
 def _close_pmi_fd(environ) -> None:

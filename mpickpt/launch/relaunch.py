@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 from mpickpt.launch.command import LAUNCHERS, cleanup_command, launch_command
-from mpickpt.launch.mpich_shm import remove_orphans
+from mpickpt.launch.mpich_shm import remove_orphans_saying
 from mpickpt.launch.rank_wrapper import IN_PLACE_VARIABLE, RESTART_VARIABLE
 from mpickpt.exit_codes import (EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_SAVE_FAILED, EXIT_SAVED,
                                 EXIT_STARTUP_FAILED)
@@ -142,16 +142,9 @@ class Relauncher:
         status = self._proc.wait()
         for t in pumps:
             t.join(10)
-        self._remove_leftovers(since)
+        # the run's segments that ranks killed by their launcher left, their agents with them
+        remove_orphans_saying(since, self.say)
         return status, watch, time.monotonic() - start
-
-    def _remove_leftovers(self, since: float) -> None:
-        """The run's MPI segments on this node that no process holds (ranks killed by their
-        launcher leave them, and their agents had no time to)."""
-        removed = remove_orphans(since)
-        if removed:
-            self.say(f"removed {len(removed)} shared-memory segment(s) of the ended run: "
-                     f"{' '.join(removed)}")
 
     def _forward(self, signum, frame) -> None:
         self.stop_signal = signal.Signals(signum).name

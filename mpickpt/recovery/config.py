@@ -92,13 +92,11 @@ class RecoveryConfig:
     def in_place_wanted(self, environ) -> bool:
         """Whether a death is recovered in place: on or auto, and this rank runs under a node
         agent that respawns (mpickpt-run under hydra sets MPICKPT_IN_PLACE=1 for it). Local."""
-        return self.in_place != "off" and bool(environ.get(AGENT_VARIABLE)) and \
-            environ.get(IN_PLACE_VARIABLE) == "1"
+        return self.in_place != "off" and _respawning_agent(environ)
 
     def check_launcher(self, environ) -> None:
         """`--in-place on` needs a node agent that respawns (ValueError naming the fix). Local."""
-        if self.in_place == "on" and not (environ.get(AGENT_VARIABLE) and
-                                           environ.get(IN_PLACE_VARIABLE) == "1"):
+        if self.in_place == "on" and not _respawning_agent(environ):
             raise ValueError("--in-place on needs the node agents that mpickpt-run starts under "
                              "MPICH's mpiexec (this rank has none: plain mpiexec, srun or Open "
                              "MPI); run under mpickpt-run, or use --in-place auto or off")
@@ -110,6 +108,12 @@ class RecoveryConfig:
     @property
     def pls_target(self) -> float:
         return self.target_pls if self.target_pls is not None else DEFAULT_TARGET_PLS
+
+
+def _respawning_agent(environ) -> bool:
+    """This rank runs under a node agent that respawns a dead trainer (mpickpt-run under hydra
+    sets MPICKPT_IN_PLACE=1 for it)."""
+    return bool(environ.get(AGENT_VARIABLE)) and environ.get(IN_PLACE_VARIABLE) == "1"
 
 
 def check_combination(rec: RecoveryConfig, checkpoint, parity, faults) -> None:
