@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mpickpt.interruptible import Interruptible
+
 MAX, MIN, SUM, LAND, LOR = "max", "min", "sum", "land", "lor"
 _PYTHON_OPS = {MAX: max, MIN: min, SUM: lambda a, b: a + b,
                LAND: lambda a, b: bool(a) and bool(b), LOR: lambda a, b: bool(a) or bool(b)}
@@ -67,6 +69,7 @@ class StoreControl:
 
     def __init__(self, store, prefix: str, rank: int, size: int, timeout_s: float = 300.0):
         self.store, self.prefix, self.rank, self.size = store, prefix, rank, size
+        self.interrupt = Interruptible(sliced=True, what=f"control channel {prefix!r}")
         timeout = datetime.timedelta(seconds=timeout_s)
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "pg/", store), rank, size,
                                         timeout)
@@ -81,28 +84,29 @@ class StoreControl:
         return self.size
 
     def Barrier(self) -> None:  # noqa: N802
-        self._group().barrier().wait()
+        self._wait(self._group().barrier())
 
     def bcast(self, obj=None, root: int = 0):
         payload = _pickle(obj) if self.rank == root else None
         size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
         opts = dist.BroadcastOptions()
         opts.rootRank = root
-        self._group().broadcast([size], opts).wait()
+        self._wait(self._group().broadcast([size], opts))
         buf = payload if payload is not None else torch.empty(int(size[0]), dtype=torch.uint8)
         if int(size[0]):
-            self.pg.broadcast([buf], opts).wait()
+            self._wait(self._group().broadcast([buf], opts))
         return obj if self.rank == root else _unpickle(buf)
 
     def allgather(self, obj) -> list:
         payload = _pickle(obj)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        self._group().allgather([sizes], [torch.tensor([len(payload)], dtype=torch.int64)]).wait()
+        self._wait(self._group().allgather([sizes], [torch.tensor([len(payload)],
+                                                                  dtype=torch.int64)]))
         longest = max(int(s[0]) for s in sizes)
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[:len(payload)] = payload
         parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
-        self.pg.allgather([parts], [padded]).wait()
+        self._wait(self._group().allgather([parts], [padded]))
         return [_unpickle(p[:int(s[0])]) for p, s in zip(parts, sizes)]
 
     def gather(self, obj, root: int = 0):
@@ -127,7 +131,7 @@ class StoreControl:
         t = torch.from_numpy(np.ascontiguousarray(sendbuf).copy())
         opts = dist.AllreduceOptions()
         opts.reduceOp = _TENSOR_OPS[name]
-        self._group().allreduce([t], opts).wait()
+        self._wait(self._group().allreduce([t], opts))
         recvbuf[...] = t.numpy()
 
     # ---- messages through the store (local) ----------------------------------------------------
@@ -157,16 +161,20 @@ class StoreControl:
 
     # ---- life cycle -----------------------------------------------------------------------------
     def _group(self):
-        """The gloo group, or a RuntimeError once the channel is aborted: an aborted group of one
-        rank would otherwise still complete its collectives."""
-        if self.closed:
-            raise RuntimeError(f"control channel {self.prefix!r} was aborted")
+        """The gloo group, or GenerationAborted once the channel is aborted: an aborted group of
+        one rank would otherwise still complete its collectives."""
+        self.interrupt.check()
         return self.pg
+
+    def _wait(self, work) -> None:
+        """Wait for a collective of this channel; an abort from another thread ends the wait."""
+        self.interrupt.wait(work)
 
     def abort(self) -> None:
         """Make every call in progress or to come on this channel raise. Local; any thread."""
         if not self.closed:
             self.closed = True
+            self.interrupt.abort()
             try:
                 self.pg.abort()
             except RuntimeError:

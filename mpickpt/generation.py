@@ -26,6 +26,7 @@ import time
 import torch.distributed as dist
 
 from mpickpt.control import StoreControl
+from mpickpt.interruptible import Interruptible
 
 STORE_VARIABLE = "MPICKPT_STORE"
 """host:port of a rendezvous store hosted outside the trainers (set by the node agent)."""
@@ -159,6 +160,7 @@ class Groups:
     def __init__(self, rendezvous: Rendezvous, generation: int, rank: int, world: int,
                  backend: str, timeout_s: float):
         self.generation, self.backend = generation, backend
+        self.interrupt = Interruptible(sliced=backend == "gloo", what=f"generation {generation}")
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.PrefixStore(f"g{generation}/pg/", rendezvous.store)
         if dist.is_initialized():
@@ -173,6 +175,7 @@ class Groups:
     def abort(self) -> None:
         """Make every collective in progress or to come on this generation's groups raise.
         Local; safe from any thread and twice."""
+        self.interrupt.abort()
         self.control.abort()
         for group in [self.pg, *self.side.values()]:
             try:
@@ -180,8 +183,15 @@ class Groups:
             except (RuntimeError, AttributeError):
                 pass
 
+    def wait(self, work) -> None:
+        """Wait for a collective of the training group or a side group; raises GenerationAborted
+        once this generation is aborted (`mpickpt.interruptible`). Local."""
+        self.interrupt.wait(work)
+
     def release(self) -> None:
-        """Drop this generation's groups (after `abort`, or at the end). Local."""
+        """Drop this generation's groups (after `abort`, or at the end). Local. The caller keeps
+        this object: an aborted gloo operation still holds a worker thread of its group, which
+        a destructor would wait for."""
         self.side.clear()
         if dist.is_initialized():
             dist.destroy_process_group()

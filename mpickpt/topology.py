@@ -85,6 +85,7 @@ class Topology:
     timeout_s: float = 300.0
     _side_specs: list = field(default_factory=list, repr=False)
     _store_server: object = field(default=None, repr=False)
+    _retired: list = field(default_factory=list, repr=False)
     replacement: bool = False
     """This process was started to replace a dead rank (it joined a later generation)."""
 
@@ -181,6 +182,15 @@ class Topology:
         elif self.control is not None:
             self.control.abort()
 
+    def wait(self, work) -> None:
+        """Wait for a collective started with `async_op=True` on `pg` or a side group. Under gloo
+        the wait ends with `GenerationAborted` (a RuntimeError) once `abort` was called, even if a
+        live peer never answers (`mpickpt.interruptible`). Local."""
+        if self.groups is not None:
+            self.groups.wait(work)
+        else:
+            work.wait()
+
     def advance(self, dead, join_timeout_s: float = DEFAULT_JOIN_TIMEOUT) -> int:
         """Leave the current generation (its groups aborted) and join the next one with the
         processes that replace `dead`: new training group, control channel and side groups (in
@@ -196,6 +206,7 @@ class Topology:
         self.rendezvous.register(nxt, self.rank)
         self.rendezvous.gather(nxt, self.world_size, join_timeout_s)
         old.release()
+        self._retired.append(old)
         self.groups = Groups(self.rendezvous, nxt, self.rank, self.world_size, self.backend,
                              self.timeout_s)
         self.pg, self.control = self.groups.pg, self.groups.control

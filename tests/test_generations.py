@@ -12,6 +12,7 @@ import pytest
 
 from mpickpt.control import StoreControl
 from mpickpt.generation import GenerationError, Rendezvous, connect_store, host_store
+from mpickpt.interruptible import SLICE_S, GenerationAborted, Interruptible
 from mpickpt.stop_signals import StopSignals
 
 
@@ -70,6 +71,57 @@ def test_an_aborted_control_channel_raises_instead_of_waiting():
     c.abort()
     with pytest.raises(RuntimeError):
         c.Barrier()
+
+
+def test_an_abort_ends_a_wait_on_a_live_peer_that_never_answers():
+    """gloo cannot cancel an operation whose live peer gave up on it (a survivor far round a ring
+    from the dead rank): the sliced wait must end it within a slice of the abort."""
+    release = threading.Event()
+
+    def work(c):
+        if c.Get_rank() == 1:  # alive, never enters the barrier, until told
+            release.wait(30)
+            return None
+        threading.Timer(0.3, c.abort).start()
+        start = time.monotonic()
+        try:
+            c.Barrier()
+        except GenerationAborted as e:
+            return time.monotonic() - start, str(e)
+        finally:
+            release.set()
+        return None
+    (took, said), _ = _on_two_ranks(work)
+    assert 0.25 < took < 0.3 + 2 * SLICE_S + 0.3, took
+    assert "'t/' was aborted" in said
+
+
+def test_a_sliced_wait_returns_when_the_operation_ends_and_passes_its_error_on():
+    class Late:  # a Work that finishes after three slices
+        def __init__(self, error=None):
+            self.slices, self.error = 0, error
+
+        def wait(self, timeout=None):
+            self.slices += 1
+            if self.slices < 4:
+                raise RuntimeError("Operation timed out!")
+            if self.error:
+                raise self.error
+            return True
+    late = Late()
+    Interruptible(sliced=True).wait(late)
+    assert late.slices == 4
+    closed = RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        Interruptible(sliced=True).wait(Late(closed))
+    gone = Interruptible(sliced=True)
+    gone.abort()
+    with pytest.raises(GenerationAborted):
+        gone.wait(Late())
+    plain = Late()
+    with pytest.raises(RuntimeError, match="timed out"):  # NCCL: one plain wait, no slices
+        Interruptible(sliced=False).wait(plain)
+    assert plain.slices == 1
 
 
 def test_rendezvous_generations_and_replacement_slots():

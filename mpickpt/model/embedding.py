@@ -196,15 +196,16 @@ class ShardedEmbeddingBags:
 
     def _exchange_counts(self, counts: torch.Tensor) -> list[int]:
         out = torch.empty_like(counts)
-        dist.all_to_all_single(out, counts, group=self.topo.pg)
+        self.topo.wait(dist.all_to_all_single(out, counts, group=self.topo.pg, async_op=True))
         return out.tolist()
 
     def _alltoall(self, send: torch.Tensor, send_splits, recv_splits, width: int = 1):
         """Variable-size all-to-all along dim 0; `width` elements per entry for flat tensors."""
         shape = (sum(recv_splits) * width,) if send.dim() == 1 else (sum(recv_splits), *send.shape[1:])
         out = torch.empty(shape, dtype=send.dtype, device=self.device)
-        dist.all_to_all_single(out, send, [n * width for n in recv_splits],
-                               [n * width for n in send_splits], group=self.topo.pg)
+        self.topo.wait(dist.all_to_all_single(out, send, [n * width for n in recv_splits],
+                                              [n * width for n in send_splits],
+                                              group=self.topo.pg, async_op=True))
         return out
 
 

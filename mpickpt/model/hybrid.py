@@ -92,7 +92,7 @@ class HybridDLRM:
         grads = [p.grad for p in self.dense.parameters()]
         extra = [] if votes is None else [votes.to(loss_sum.device, loss_sum.dtype).reshape(-1)]
         flat = torch.cat([g.reshape(-1) for g in grads] + [loss_sum.reshape(1)] + extra)
-        dist.all_reduce(flat, group=self.topo.pg)
+        self.topo.wait(dist.all_reduce(flat, group=self.topo.pg, async_op=True))
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))

@@ -68,16 +68,16 @@ class Rebuild:
         survivors = [st.layout.base + p for p in range(st.layout.g) if p not in self.group_failed]
         counts = [[len(request) if (self.mine and d in survivors) else 0, left]
                   for d in range(world)]
-        got = exchange_counts(st.topo.pg, st.words.device, counts)
+        got = exchange_counts(st.topo, st.words.device, counts)
         req = torch.as_tensor(request, dtype=torch.int64, device=st.words.device).view(-1, 1)
-        asked = exchange_rows(st.topo.pg, st.words.device,
+        asked = exchange_rows(st.topo, st.words.device,
                               [req if c[0] else req[:0] for c in counts],
                               [c[0] for c in got], 1, torch.int64)
         answers = [self._units(a.view(-1).cpu().numpy()) for a in asked]
         if st.group_pg is not None:
             self._xor_onto_lost(request, answers, got)
         else:
-            replies = exchange_rows(st.topo.pg, st.words.device, answers,
+            replies = exchange_rows(st.topo, st.words.device, answers,
                                     [len(request) if s in survivors and self.mine else 0
                                      for s in range(world)], st.words.width, torch.int32)
             if self.mine and len(request):
@@ -129,7 +129,8 @@ class Rebuild:
             return
         units = (torch.zeros(n, st.words.width, dtype=torch.int32, device=st.words.device)
                  if self.mine else answers[lost].contiguous())
-        dist.reduce(units, dst=lost, op=dist.ReduceOp.BXOR, group=st.group_pg)
+        st.topo.wait(dist.reduce(units, dst=lost, op=dist.ReduceOp.BXOR, group=st.group_pg,
+                                async_op=True))
         if self.mine:
             self.lost[request] = False
             self._store_units(request, units)

@@ -117,7 +117,7 @@ class ParityStore:
         x, self._flight = self._flight, None
         if x is None:
             return
-        x.work.wait()
+        self.topo.wait(x.work)
         if len(x.recv):
             src = np.repeat(np.arange(len(x.recv_rows)) - self.layout.base, x.recv_rows)
             with self.lock:
@@ -156,7 +156,7 @@ class ParityStore:
         x = self._flight
         payload = torch.cat([rows.to(torch.int32).view(-1, 1), delta], dim=1)
         send = payload.index_select(0, x.pick)
-        x.work.wait()
+        self.topo.wait(x.work)
         x.send = send
         x.recv_rows = x.recv_counts.tolist()
         x.recv = torch.empty(sum(x.recv_rows), payload.shape[1], dtype=torch.int32,
