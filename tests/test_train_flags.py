@@ -229,13 +229,14 @@ def test_recovery_defaults_follow_the_launcher():
     node agent respawns; `--in-place on` without such an agent is refused naming the fix."""
     rec = RecoveryConfig()
     agent = {"MPICKPT_AGENT_DIR": "/tmp/a", "MPICKPT_IN_PLACE": "1", "MPICKPT_RESTART": "0"}
-    assert (rec.survivor_dumps, rec.in_place) == ("auto", "off")
+    assert (rec.survivor_dumps, rec.in_place) == ("auto", "auto")
     assert rec.dumps_mode(agent, has_checkpoints=True) == "shm"
     assert rec.dumps_mode(agent, has_checkpoints=False) == "off"
     assert rec.dumps_mode({}, has_checkpoints=True) == "off"  # plain mpiexec: nobody relaunches
     assert RecoveryConfig(survivor_dumps="ckpt").dumps_mode({}, True) == "ckpt"
     assert RecoveryConfig(in_place="auto").in_place_wanted(agent)
-    assert not rec.in_place_wanted(agent)  # off by default
+    assert rec.in_place_wanted(agent)  # on by default where an agent respawns
+    assert not RecoveryConfig(in_place="off").in_place_wanted(agent)
     assert not rec.in_place_wanted({"MPICKPT_AGENT_DIR": "/tmp/a"})  # an agent told no respawns
     assert not RecoveryConfig(in_place="auto").in_place_wanted({})
     RecoveryConfig(in_place="on").check_launcher(agent)

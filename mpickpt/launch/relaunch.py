@@ -236,7 +236,7 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
     nodes = os.environ.get("SLURM_JOB_NUM_NODES")
     return Relauncher(command, args.max_restarts, log, cleanup_command(args.launcher, nodes),
-                      in_place=flag_value(flags, "--in-place") in ("on", "auto")).run()
+                      in_place=(flag_value(flags, "--in-place") or "auto") != "off").run()
 
 
 if __name__ == "__main__":

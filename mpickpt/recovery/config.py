@@ -62,12 +62,11 @@ class RecoveryConfig:
     peer_timeout: float = option(10.0, parse=positive_float, metavar="S")
     """seconds of silence after which a peer's node counts as dead (a killed process is seen
     at once)"""
-    in_place: str = option("off", choices=("auto", "on", "off"))
+    in_place: str = option("auto", choices=("auto", "on", "off"))
     """on: when a peer dies, the survivors keep their processes and a respawned process takes
     the dead rank's place in a new generation of the job (needs mpickpt-run under MPICH's
     mpiexec, whose rank agents respawn); off: survivors exit for a relaunch; auto: on where the
-    rank has such an agent, else off. Off by default until a survivor blocked in a gloo ring
-    collective can be woken (torch 2.13's gloo abort does not)"""
+    rank has such an agent, else off"""
     startup_timeout: float = option(300.0, parse=positive_float, metavar="S")
     """seconds from a trainer's start to its first step (MPI_Init, the groups, the model, the
     restore) before it gives up on a peer that never came and exits 77 for a relaunch"""
