@@ -14,6 +14,9 @@ Store keys (all under the job's store; G is a generation number):
 - `g<G>/in/<rank>`: the pid of the process that holds `rank` in generation G. A replacement takes
   the first generation whose slot for its rank is free.
 - `g<G>/dead`: the dead ranks that ended generation G, as the first survivor saw them.
+- `finished`: how many processes are done with the store (trainers and spares at their end).
+- `fallback`: why the job gave up recovering in place (a survivor left for a relaunch); spares
+  and replacements waiting for a slot leave when they see it.
 - `g<G>/pg/...`, `g<G>/ctl/...`: the rendezvous of G's training group and control channel.
 """
 from __future__ import annotations
@@ -30,15 +33,28 @@ from mpickpt.interruptible import Interruptible
 
 STORE_VARIABLE = "MPICKPT_STORE"
 """host:port of a rendezvous store hosted outside the trainers (set by the node agent)."""
-REPLACES_VARIABLE = "MPICKPT_REPLACES"
-"""Set by the node agent for a process it started to replace a dead trainer: "rank/world"."""
 DEFAULT_JOIN_TIMEOUT = 120.0
 """Seconds a generation's members wait for each other before the in-place recovery gives up and
 the job falls back to a relaunch."""
 
 
+TRAINING_FINISHED = "the training finished"
+"""`Rendezvous.job_over` when a member is done with the store."""
+
+
 class GenerationError(RuntimeError):
     """A generation could not be formed (a member never came, the store is gone)."""
+
+
+class SlotTaken(GenerationError):
+    """Another process (a hot spare, or a respawn) claimed the rank this process came for, or
+    the job ended before it came (a process waiting for a slot then leaves as a spare does)."""
+
+
+def process_identity(pid: int | None = None) -> str:
+    """"host:pid" of this process (or of `pid` on this host): what holds a rank's slot at the
+    store (a pid alone repeats across nodes). Local."""
+    return f"{socket.gethostname()}:{os.getpid() if pid is None else pid}"
 
 
 def rendezvous_host() -> str:
@@ -102,6 +118,12 @@ class Rendezvous:
     def slot_taken(self, generation: int, rank: int) -> bool:
         return self.store.check([f"g{generation}/in/{rank}"])
 
+    def holder(self, generation: int, rank: int) -> str | None:
+        """Who holds `rank` in `generation` ("host:pid", see `process_identity`), or None.
+        Local."""
+        key = f"g{generation}/in/{rank}"
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
     def publish_side_groups(self, generation: int, specs: list) -> None:
         """Record the side groups every member of `generation` creates, in order (the first
         record stays). Local."""
@@ -116,9 +138,47 @@ class Rendezvous:
         self.store.wait([f"g{generation}/sides"], datetime.timedelta(seconds=timeout_s))
         return json.loads(self.store.get(f"g{generation}/sides"))
 
-    def register(self, generation: int, rank: int) -> None:
-        """Claim `rank` in `generation` for this process. Local."""
-        self.store.set(f"g{generation}/in/{rank}", str(os.getpid()))
+    def register(self, generation: int, rank: int, identity: str | None = None) -> None:
+        """Hold `rank` in `generation` as the process that held it before (a survivor); raises
+        GenerationError if another process claimed it (this survivor was counted dead: the
+        generation must not form around two holders of one rank). Local."""
+        if not self.claim(generation, rank, identity):
+            raise GenerationError(f"rank {rank} of generation {generation} was claimed by "
+                                  f"{self.holder(generation, rank)} while its survivor "
+                                  f"{identity or process_identity()} lives (counted dead by a "
+                                  f"peer)")
+
+    def claim(self, generation: int, rank: int, identity: str | None = None) -> bool:
+        """Take the free slot of `rank` in `generation` for this process (`identity`, default
+        `process_identity()`): True unless another process took it first (compare-and-set, so
+        one wins). Local."""
+        me = (identity or process_identity()).encode()
+        return self.store.compare_set(f"g{generation}/in/{rank}", "", me) == me
+
+    def free_slot(self) -> tuple[int, int] | None:
+        """(generation, rank) of a slot a spare can claim now: a rank whose death ended the
+        previous generation and that nobody holds yet in the current one; None if there is
+        none. Local."""
+        g = self.current()
+        if g == 0:
+            return None
+        for rank in self.dead_of(g - 1):
+            if not self.slot_taken(g, rank):
+                return g, rank
+        return None
+
+    def job_over(self) -> str | None:
+        """Why a process waiting for a slot should leave, or None: the training finished (a
+        member is done with the store) or the job gave up recovering in place. Local."""
+        if self.store.check(["fallback"]):
+            return "the job falls back to a relaunch: " + self.store.get("fallback").decode()
+        if int(self.store.add("finished", 0)) > 0:
+            return TRAINING_FINISHED
+        return None
+
+    def give_up(self, why: str) -> None:
+        """Say that the job stops recovering in place (the first reason stays). Local."""
+        self.store.compare_set("fallback", "", why)
 
     def gather(self, generation: int, world: int, timeout_s: float) -> dict[int, int]:
         """Wait until every rank of `generation` registered; returns rank -> pid. Raises
@@ -131,21 +191,31 @@ class Rendezvous:
                 raise GenerationError(f"generation {generation} was overtaken by generation "
                                       f"{self.current()} while it formed (another death)")
             if self.store.check(keys):
-                return {r: int(self.store.get(k)) for r, k in enumerate(keys)}
+                return {r: int(self.store.get(k).decode().rpartition(":")[2])
+                        for r, k in enumerate(keys)}
             if time.monotonic() > deadline:
                 missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
                 raise GenerationError(f"generation {generation}: rank(s) {missing} did not join "
                                       f"within {timeout_s:.0f} s")
             time.sleep(0.01)
 
-    def generation_for_replacement(self, rank: int, timeout_s: float) -> int:
+    def generation_for_replacement(self, rank: int, timeout_s: float,
+                                   dead: str | None = None) -> int:
         """The generation a process started to replace `rank` joins: the current one if its slot
-        is free, else (the survivors have not moved on yet) the next one, once it starts. Local."""
+        is free, else (the dead process `dead`, "host:pid", still holds it: the survivors have
+        not moved on yet) the next one, once it starts. Raises SlotTaken when another process (a spare)
+        already holds the slot, GenerationError when the job ended meanwhile. Local."""
         deadline = time.monotonic() + timeout_s
         while True:
+            over = self.job_over()
+            if over:
+                raise SlotTaken(f"rank {rank} is not needed any more: {over}")
             g = self.current()
-            if not self.slot_taken(g, rank):
+            holder = self.holder(g, rank)
+            if holder is None:
                 return g
+            if dead is not None and holder != dead:
+                raise SlotTaken(f"rank {rank} of generation {g} was taken by {holder}")
             if time.monotonic() > deadline:
                 raise GenerationError(f"rank {rank}: generation {g} still holds this rank after "
                                       f"{timeout_s:.0f} s, and no survivor started the next one")

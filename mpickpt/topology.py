@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from mpickpt.generation import (DEFAULT_JOIN_TIMEOUT, STORE_VARIABLE, Groups, Rendezvous,
-                                connect_store, host_store)
+                                SlotTaken, connect_store, host_store)
 
 # Launcher variables that carry the node-local rank, in the order they are trusted.
 LOCAL_RANK_VARIABLES = (
@@ -95,17 +95,20 @@ class Topology:
         return self.groups.generation if self.groups is not None else 0
 
     @classmethod
-    def from_mpi(cls, comm=None, backend: str | None = None, timeout_s: float = 300.0) -> "Topology":
+    def from_mpi(cls, comm=None, backend: str | None = None, timeout_s: float = 300.0,
+                 spares: int = 0):
         """Build the topology of generation 0. Collective over `comm` (default MPI.COMM_WORLD).
 
         The rendezvous store is agreed over MPI, so users set no environment variables: rank 0
         uses the store its node agent hosts ($MPICKPT_STORE, set by `mpickpt-run`) or opens one
         itself on a free port, and broadcasts the address. Nothing after this uses MPI.
+        The last `spares` processes of `comm` do not train: each gets a `mpickpt.spares.Spare`
+        instead of a Topology, and the job's world is the others.
         """
         from mpi4py import MPI
 
         comm = comm or MPI.COMM_WORLD
-        rank, world = comm.Get_rank(), comm.Get_size()
+        rank, world = comm.Get_rank(), comm.Get_size() - spares
         local_rank, local_size = _local_layout(comm)
         backend = choose_backend(backend)
         device = _device_for(backend, local_rank)
@@ -119,21 +122,33 @@ class Topology:
         rendezvous = Rendezvous(server or connect_store(address, timeout_s), address)
         generation = rendezvous.current() if rank == 0 else None
         generation = comm.bcast(generation, root=0)
+        if rank >= world:
+            from mpickpt.spares import Spare
+
+            return Spare(rendezvous, world, local_rank, local_size, backend, timeout_s)
         return cls._join(rendezvous, generation, rank, world, local_rank, local_size, device,
                          backend, timeout_s, server)
 
     @classmethod
     def from_store(cls, address: str, rank: int, world: int, local_rank: int = 0,
                    local_size: int = 1, backend: str | None = None, timeout_s: float = 300.0,
-                   join_timeout_s: float = DEFAULT_JOIN_TIMEOUT) -> "Topology":
-        """Build the topology of a process started to replace `rank` (no MPI): join the first
-        generation whose slot for `rank` is free. Collective with that generation's members."""
+                   join_timeout_s: float = DEFAULT_JOIN_TIMEOUT, rendezvous=None,
+                   generation: int | None = None, dead: str | None = None) -> "Topology":
+        """Build the topology of a process started to replace `rank` (no MPI): claim the slot
+        of `rank` in the first generation where it is free (raises SlotTaken if a spare or
+        another respawn took it first), or join `generation`, whose slot this process already
+        claimed (a spare). `dead`: the process this one replaces ("host:pid"; a slot held by
+        another one raises SlotTaken at once). Collective with that generation's members."""
         backend = choose_backend(backend)
         device = _device_for(backend, local_rank)
-        rendezvous = Rendezvous(connect_store(address, timeout_s), address)
-        generation = rendezvous.generation_for_replacement(rank, join_timeout_s)
+        rendezvous = rendezvous or Rendezvous(connect_store(address, join_timeout_s), address)
+        if generation is None:
+            generation = rendezvous.generation_for_replacement(rank, join_timeout_s, dead)
+            if not rendezvous.claim(generation, rank):
+                raise SlotTaken(f"rank {rank} of generation {generation} was taken by another "
+                                f"process")
         topo = cls._join(rendezvous, generation, rank, world, local_rank, local_size, device,
-                         backend, timeout_s, None, join_timeout_s)
+                         backend, timeout_s, None, join_timeout_s, claimed=True)
         topo.replacement = True
         for name, parts in rendezvous.side_groups(generation, join_timeout_s):
             topo._side_specs.append((name, parts))
@@ -142,8 +157,10 @@ class Topology:
 
     @classmethod
     def _join(cls, rendezvous, generation, rank, world, local_rank, local_size, device, backend,
-              timeout_s, server, join_timeout_s: float = DEFAULT_JOIN_TIMEOUT) -> "Topology":
-        rendezvous.register(generation, rank)
+              timeout_s, server, join_timeout_s: float = DEFAULT_JOIN_TIMEOUT,
+              claimed: bool = False) -> "Topology":
+        if not claimed:
+            rendezvous.register(generation, rank)
         rendezvous.gather(generation, world, join_timeout_s)
         groups = Groups(rendezvous, generation, rank, world, backend, timeout_s)
         topo = cls(rank, world, local_rank, local_size, socket.gethostname(), device, backend,

@@ -43,10 +43,15 @@ def main(argv=None) -> int:
     Startup, from before MPI_Init to the first step, runs under a deadline (`--startup-timeout`):
     a peer that died there would otherwise leave this rank waiting forever."""
     import os
+    import signal
 
-    from mpickpt.generation import REPLACES_VARIABLE
+    from mpickpt.launch.rank_wrapper import REPLACES_VARIABLE
 
     if os.environ.get(REPLACES_VARIABLE):
+        # hydra's notices that a process of generation 0 ended without MPI_Finalize (the
+        # survivors' ends after a recovery) must not kill a replacement still importing; its
+        # stop signals are installed later
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         return replacement_main(argv)
     from mpickpt.recovery.config import RecoveryConfig
     from mpickpt.stop_signals import StopSignals
@@ -72,16 +77,21 @@ def main(argv=None) -> int:
         _run_exit_hooks()
         _exit_now(EXIT_STARTUP_FAILED)
     watch.end()
-    if isinstance(started, int):
+    if isinstance(started, int):  # refused on every rank
+        _ignore_death_notices()
         return started
+    if not isinstance(started, tuple):  # a hot spare
+        _tell_agent(started.rendezvous.address)
+        return _serve_as_spare(started, config, signals, mpi=True)
     topo, trainer = started
-    _tell_agent(topo)
+    _tell_agent(topo.rendezvous.address if topo.rendezvous is not None else None)
     return _train(topo, trainer)
 
 
 def _start(config, error, signals, watch):
     """MPI, the checks every rank agrees on, the groups, the model and its restore: the
-    (topology, trainer) to train with, or the exit status of a refusal. Collective."""
+    (topology, trainer) to train with, a `Spare` on the launch's last --spares processes, or
+    the exit status of a refusal. Collective."""
     import os
 
     from mpi4py import MPI
@@ -95,15 +105,17 @@ def _start(config, error, signals, watch):
     error = launch_error(comm.Get_size()) or error
     if config is not None and error is None:
         try:
-            config.check_world(comm.Get_size())
-            config.recovery.check_launcher(os.environ)
+            config.recovery.check_launcher(os.environ, comm.Get_size())
+            config.check_world(comm.Get_size() - config.recovery.spares)
         except (ValueError, OSError) as e:
             error = str(e)
     error = _agree_on_error(comm, error)
     if error:
         return _fail(comm, error)
     watch.phase("forming the process groups")
-    topo = Topology.from_mpi(comm, backend=config.run.backend)
+    topo = Topology.from_mpi(comm, backend=config.run.backend, spares=config.recovery.spares)
+    if not isinstance(topo, Topology):  # a spare: nothing to build until it takes a rank
+        return topo
     watch.phase("building the model and restoring")
     try:
         return topo, Trainer(topo, config, signals=signals)
@@ -134,40 +146,102 @@ def _train(topo, trainer) -> int:
 def replacement_main(argv=None) -> int:
     """A trainer started by its node agent in place of a dead one: join the survivors' next
     generation over the rendezvous store (no MPI), recover the lost shard, train on. Collective
-    with that generation. Its startup runs under the same deadline as a first start's."""
+    with that generation. Its startup runs under the same deadline as a first start's. A respawn
+    whose rank a hot spare took first, or the respawn of a spare, serves as a spare."""
     import os
 
-    from mpickpt.generation import REPLACES_VARIABLE, STORE_VARIABLE
+    from mpickpt.generation import STORE_VARIABLE, Rendezvous, SlotTaken, connect_store
+    from mpickpt.launch.rank_wrapper import REPLACES_VARIABLE
+    from mpickpt.spares import Spare
     from mpickpt.stop_signals import StopSignals
-    from mpickpt.topology import Topology, local_rank_from_env
+    from mpickpt.topology import Topology, choose_backend, local_rank_from_env
     from mpickpt.train_flags import TrainConfig
-    from mpickpt.trainer import Trainer
 
     signals = StopSignals().install()
-    rank, _, world = os.environ[REPLACES_VARIABLE].partition("/")
+    slot, size, dead = (os.environ[REPLACES_VARIABLE].split("/") + [""])[:3]
     config = TrainConfig.from_args(argv)  # the flags the job started with: already checked
-    watch = PhaseWatch("startup of a replacement", config.recovery.startup_timeout,
+    rank, world = int(slot), int(size) - config.recovery.spares
+    address, local_rank = os.environ[STORE_VARIABLE], local_rank_from_env() or 0
+    join_s = config.recovery.join_timeout
+    if rank < world:
+        try:
+            topo, trainer = _join_and_build(
+                config, signals, f"the replacement of rank {rank}",
+                lambda: Topology.from_store(address, rank, world, local_rank,
+                                            backend=config.run.backend, join_timeout_s=join_s,
+                                            dead=dead or None))
+            return _train(topo, trainer)
+        except SlotTaken as e:
+            print(f"mpickpt-train: {e}; this process serves as a spare", file=sys.stderr,
+                  flush=True)
+    spare = Spare(Rendezvous(connect_store(address, join_s), address), world, local_rank, 1,
+                  choose_backend(config.run.backend), 300.0)
+    return _serve_as_spare(spare, config, signals, mpi=False)
+
+
+def _serve_as_spare(spare, config, signals, mpi: bool) -> int:
+    """Wait for a dead rank's slot, then train as that rank; or leave when the job ends.
+    `mpi`: this process went through MPI_Init (a launched spare), so in generation 0 it returns
+    for the interpreter's MPI_Finalize. Collective with the generation it joins, if any."""
+    from mpickpt.exit_codes import EXIT_PEER_LOST
+
+    def say(message):
+        print(f"mpickpt-train: {message}", file=sys.stderr, flush=True)
+    spare.warm_up(config)
+    outcome = spare.wait(say)
+    if isinstance(outcome, str):
+        import signal
+
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the launcher's notices of others' ends
+        say(f"spare: leaving: {outcome}")
+        spare.done()
+        status = EXIT_PEER_LOST if "relaunch" in outcome else 0
+        try:
+            generation = spare.rendezvous.current()
+        except (RuntimeError, OSError):
+            generation = -1
+        if mpi and generation == 0:
+            return status
+        _run_exit_hooks()
+        _exit_now(status)
+    generation, rank = outcome
+    topo, trainer = _join_and_build(config, signals, f"spare taking rank {rank}",
+                                    lambda: spare.take(generation, rank,
+                                                       config.recovery.join_timeout))
+    return _train(topo, trainer)
+
+
+def _join_and_build(config, signals, what: str, join):
+    """`join()` (a Topology of a later generation), then the Trainer, under the startup
+    deadline; a failure ends the process with EXIT_STARTUP_FAILED (the survivors' formation
+    then fails too, and the job falls back to a relaunch). SlotTaken passes through.
+    Collective with the generation joined."""
+    from mpickpt.generation import SlotTaken
+    from mpickpt.trainer import Trainer
+
+    watch = PhaseWatch(f"startup of {what}", config.recovery.startup_timeout,
                        EXIT_STARTUP_FAILED, before_exit=_run_exit_hooks)
     try:
         watch.phase("joining the next generation")
-        topo = Topology.from_store(os.environ[STORE_VARIABLE], int(rank), int(world),
-                                   local_rank_from_env() or 0, backend=config.run.backend,
-                                   join_timeout_s=config.recovery.join_timeout)
+        topo = join()
         watch.phase("recovering the lost shard")
         trainer = Trainer(topo, config, signals=signals)
+    except SlotTaken:
+        watch.end()
+        raise
     except Exception:
         import traceback
 
         traceback.print_exc()
-        print(f"mpickpt-train: the replacement of rank {rank} failed in {watch.current}; exit "
-              f"status {EXIT_STARTUP_FAILED}", file=sys.stderr, flush=True)
+        print(f"mpickpt-train: {what} failed in {watch.current}; exit status "
+              f"{EXIT_STARTUP_FAILED}", file=sys.stderr, flush=True)
         _run_exit_hooks()
         _exit_now(EXIT_STARTUP_FAILED)
     watch.end()
-    return _train(topo, trainer)
+    return topo, trainer
 
 
-def _tell_agent(topo) -> None:
+def _tell_agent(address: str | None) -> None:
     """Tell this rank's node agent, if it has one, that startup is over (a death is no longer a
     failed start), and leave the store's address there for a replacement. Local."""
     import os
@@ -177,7 +251,6 @@ def _tell_agent(topo) -> None:
     folder = os.environ.get(AGENT_VARIABLE)
     if not folder or not os.path.isdir(folder):
         return
-    address = topo.rendezvous.address if topo.rendezvous is not None else None
     tmp = os.path.join(folder, STARTED_FILE + ".tmp")
     with open(tmp, "w") as f:
         f.write(address or "")
@@ -191,6 +264,7 @@ def _leave(topo, status: int) -> int:
     interpreter's exit finalizes MPI as before (an explicit MPI_Finalize under a deadline,
     followed by os._exit, ended ranks by SIGKILL after their last step in 3 CI tests of 400, not
     reproduced by hand; a death after the last step is not watched yet)."""
+    _ignore_death_notices()
     generation = topo.generation
     if topo.rendezvous is not None:
         try:
@@ -204,6 +278,15 @@ def _leave(topo, status: int) -> int:
         return status
     _run_exit_hooks()
     _exit_now(status)
+
+
+def _ignore_death_notices() -> None:
+    """This rank is leaving: hydra's SIGUSR1, its notice that a peer exited with a non-zero
+    status (a refusal, a stop's 75) or without MPI_Finalize, must not kill it on the way out
+    (its agent would take that for a death and the run for a failed one). Local."""
+    import signal
+
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def _run_exit_hooks() -> None:

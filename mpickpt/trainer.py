@@ -58,7 +58,8 @@ class Trainer:
         self.signals = signals or StopSignals().install()
         self.timer = PhaseTimer(topo.device, enabled=config.run.phase_times)
         self.model = HybridDLRM(topo, config.arch, config.table_sizes, config.optim,
-                                config.model.seed, config.plan_options, self.timer)
+                                config.model.seed, config.plan_options, self.timer,
+                                shard_lost=topo.replacement)
         self.log = log or ProgressLog(topo.is_root, config.num_batches, config.run.print_freq)
         self.source, first, self.test_source, self.test_start = make_sources(config)
         self.ckpt = self.restorer = None

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from mpickpt.control import StoreControl
-from mpickpt.generation import GenerationError, Rendezvous, connect_store, host_store
+from mpickpt.generation import (TRAINING_FINISHED, GenerationError, Rendezvous, SlotTaken,
+                                connect_store, host_store, process_identity)
 from mpickpt.interruptible import SLICE_S, GenerationAborted, Interruptible
 from mpickpt.stop_signals import StopSignals
 
@@ -144,6 +145,65 @@ def test_rendezvous_generations_and_replacement_slots():
     rv.register(1, 0)
     with pytest.raises(GenerationError, match=r"rank\(s\) \[1, 2\] did not join"):
         rv.gather(1, 3, 0.3)
+
+
+def test_a_dead_ranks_slot_goes_to_exactly_one_claimer_and_the_others_serve_as_spares():
+    """Spares and the dead rank's respawn race for its slot: one wins, a respawn that lost (or
+    came after the job's end) is told so at once, and a survivor that a peer wrongly counted
+    dead cannot form the generation beside the process that took its slot."""
+    store, address = host_store(30)
+    rv = Rendezvous(store, address)
+    for r in range(3):
+        rv.register(0, r)
+    dead = process_identity()  # in this test one process held every slot of generation 0
+    assert rv.free_slot() is None  # nothing died yet
+    rv.advance(0, {1, 2})  # rank 2 is alive, but a peer counted it dead
+    rv.register(1, 0)
+    assert rv.free_slot() == (1, 1)
+    wins = []
+
+    def claimer(i):  # six processes, as their identities say
+        client = Rendezvous(connect_store(address, 30), address)
+        wins.append(client.claim(1, 1, f"node{i}:{100 + i}"))
+    threads = [threading.Thread(target=claimer, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(wins) == [False] * 5 + [True]
+    assert rv.free_slot() == (1, 2)  # offered, though its survivor lives
+    assert rv.claim(1, 2, "node9:999")  # a spare took it
+    with pytest.raises(GenerationError, match="was claimed by node9:999 while its survivor"):
+        rv.register(1, 2)  # the survivor of rank 2: no generation around two holders of rank 2
+    with pytest.raises(SlotTaken, match="taken by node"):  # the respawn of rank 1 lost
+        rv.generation_for_replacement(1, 5, dead=dead)
+    assert rv.job_over() is None
+    store.add("finished", 1)
+    assert rv.job_over() == TRAINING_FINISHED
+    with pytest.raises(SlotTaken, match="not needed any more"):
+        rv.generation_for_replacement(0, 5, dead=dead)
+    rv.give_up("rank 0: generation 2 did not form")
+    assert "falls back to a relaunch: rank 0" in rv.job_over()
+
+
+def test_a_waiting_spare_takes_a_slot_or_leaves_with_the_reason():
+    from mpickpt.spares import Spare
+
+    store, address = host_store(30)
+    rv = Rendezvous(store, address)
+    spare = Spare(Rendezvous(connect_store(address, 30), address), 3, 0, 1, "gloo", 30)
+    for r in range(3):
+        rv.register(0, r)
+    threading.Timer(0.3, lambda: rv.advance(0, {2})).start()
+    said = []
+    assert spare.wait(said.append, poll_s=0.01) == (1, 2)
+    assert said == ["spare: took rank 2 of generation 1"]
+    assert rv.holder(1, 2) == process_identity()
+    threading.Timer(0.2, lambda: rv.give_up("rank 1: no replacement came")).start()
+    assert spare.wait(said.append, poll_s=0.01).endswith("rank 1: no replacement came")
+    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    other = Spare(Rendezvous(host_store(30)[0], None), 3, 0, 1, "gloo", 30)
+    assert other.wait(said.append, poll_s=0.01) == "SIGTERM received"
 
 
 def test_hydra_death_notice_is_muted_but_not_sigterm():

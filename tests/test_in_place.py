@@ -1,7 +1,8 @@
 """In-place recovery of a real death (`--in-place on` under mpickpt-run and MPICH's mpiexec): a
-trainer is SIGKILLed from outside at a random step; its node agent starts a replacement, the
-survivors keep their processes and form the next generation with it, the lost shard is recovered
-by `--recovery`, and the job ends with exit 0, no relaunch and the failure-free digest."""
+trainer is SIGKILLed from outside at a random step; its node agent starts a replacement (or a hot
+spare, `--spares 1`, takes the rank first), the survivors keep their processes and form the next
+generation with it, the lost shard is recovered by `--recovery`, and the job ends with exit 0, no
+relaunch and the failure-free digest."""
 from __future__ import annotations
 
 import os
@@ -11,13 +12,14 @@ import time
 
 import pytest
 
-from tests.fault_jobs import Job, alive, digest_in, mpickpt_run
+from tests.fault_jobs import Job, alive, digest_in, mpickpt_run, rank_of
 from tests.launch import run_ranks
 
 FLAGS = ["--num-batches", "120", "--mini-batch-size", "256", "--print-freq", "1",
          "--test-num-batches", "0", "--digest", "--ckpt-interval", "20", "--parity-k", "3"]
 _IN_PLACE = re.compile(r"in-place recovery: generation (\d+) at step (\d+): rank\(s\) \[(\d+)\] "
                        r"replaced")
+_REPLACED_BY = re.compile(r"replaced by new process\(es\) \(pid (\d+)\)")
 
 
 @pytest.fixture(scope="module")
@@ -32,17 +34,19 @@ def _mpi_segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("mpich_")}
 
 
-def _trial(tmp_path, seed: int, recovery: str) -> tuple[Job, dict]:
+def _trial(tmp_path, seed: int, recovery: str, spares: int = 0) -> tuple[Job, dict]:
     rng = random.Random(seed)
     kill_at = rng.randint(22, 45)
     segments = _mpi_segments()
     job = Job(mpickpt_run("-n", "4", "--max-restarts", "1", "--", *FLAGS, "--ckpt-dir",
-                          str(tmp_path / "ckpt"), "--recovery", recovery, "--in-place", "on"))
+                          str(tmp_path / "ckpt"), "--recovery", recovery, "--in-place", "on",
+                          "--spares", str(spares)))
     try:
         assert job.wait_for_step(kill_at), job.output
-        before = job.ranks()
-        assert len(before) == 4, job.output
-        pid, rank = job.kill_rank(pick=lambda pids: pids[rng.randrange(len(pids))])
+        launched = job.ranks()
+        assert len(launched) == 4 + spares, job.output
+        before = [p for p in launched if rank_of(p) < 4]  # the spares are the last launched
+        pid, rank = job.kill_rank(pick=lambda pids: rng.choice(sorted(set(pids) & set(before))))
         reached = job.step
         after = _trainers_after_recovery(job)
         code = job.wait(240)
@@ -50,6 +54,7 @@ def _trial(tmp_path, seed: int, recovery: str) -> tuple[Job, dict]:
         job.stop()
     return job, {"pid": pid, "rank": rank, "reached": reached, "code": code,
                  "survivors": [p for p in before if p != pid], "after": after,
+                 "spares": sorted(set(launched) - set(before)),
                  "segments_left": _mpi_segments() - segments}
 
 
@@ -86,12 +91,45 @@ def test_a_killed_rank_is_replaced_in_place_with_parity(tmp_path, clean_digest, 
         == 1
 
 
+@pytest.mark.parametrize("seed", [5])
+def test_a_hot_spare_takes_a_killed_ranks_place(tmp_path, clean_digest, seed):
+    """--spares 1: the spare, launched with the job and waiting warm, takes the dead rank (not
+    the dead rank's own respawn, which comes seconds later and serves as a spare instead)."""
+    job, t = _trial(tmp_path, seed, "parity", spares=1)
+    out = job.output
+    found = _IN_PLACE.findall(out)
+    assert len(found) == 1 and int(found[0][2]) == t["rank"], out
+    assert int(found[0][1]) >= t["reached"] - 1, out
+    assert [int(p) for p in _REPLACED_BY.findall(out)] == t["spares"], (t, out)
+    assert f"spare: took rank {t['rank']} of generation 1" in out, out
+    assert "relaunching" not in out and "exiting for a relaunch" not in out, out
+    assert t["code"] == 0, out
+    assert digest_in(out) == clean_digest, out
+    assert set(t["survivors"]) <= set(t["after"]) and t["spares"][0] in t["after"], (t, out)
+    assert "spare: leaving: the training finished" in out, out  # the respawn, spare in turn
+    assert not [p for p in t["after"] if alive(p)], "a process outlived the job"
+    assert not t["segments_left"], f"MPI segments left in /dev/shm: {t['segments_left']}"
+
+
+def test_spares_with_in_place_off_are_refused_before_training(tmp_path):
+    job = Job(mpickpt_run("-n", "2", "--", "--num-batches", "5", "--spares", "1",
+                          "--in-place", "off"))
+    code = job.wait(120)
+    assert code == 2, job.output
+    assert "--spares 1 takes a dead rank's place in place; it needs in-place recovery, not " \
+           "--in-place off" in job.output and "Traceback" not in job.output, job.output
+    assert "launching" in job.output and "-n 3" in job.output, job.output
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(10, 30))
-@pytest.mark.parametrize("recovery", ["parity", "partial", "full"])
+@pytest.mark.parametrize("recovery", ["parity", "partial", "full", "parity-spare"])
 def test_in_place_randomized(tmp_path, clean_digest, seed, recovery):
-    job, t = _trial(tmp_path, seed, recovery)
+    spares = 1 if recovery.endswith("-spare") else 0
+    job, t = _trial(tmp_path, seed, recovery.removesuffix("-spare"), spares)
     out = job.output
+    if spares:
+        assert [int(p) for p in _REPLACED_BY.findall(out)] == t["spares"], (t, out)
     assert t["code"] == 0 and len(_IN_PLACE.findall(out)) == 1, out
     assert "relaunching" not in out, out
     assert set(t["survivors"]) <= set(t["after"]), (t, out)

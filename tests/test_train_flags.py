@@ -64,6 +64,8 @@ BAD_INPUTS = [
     (2, ["--inject-kill", "3"], r"--inject-kill must look like STEP:RANK\[,RANK...\], got '3'"),
     (2, ["--startup-timeout", "0"], r"--startup-timeout: expected a finite number > 0, got '0'"),
     (2, ["--in-place", "maybe"], r"--in-place: invalid choice: 'maybe'"),
+    (2, ["--spares", "-1"], r"--spares: expected an integer >= 0, got -1"),
+    (2, ["--spares", "one"], r"--spares: expected an integer >= 0, got 'one'"),
     (2, ["--ckpt-dir", "/proc/version"], r"--ckpt-dir /proc/version exists and is not a "
                                          r"directory"),
     # partial recovery, intervals, prioritized saves, the failure emulator (issue 13)
@@ -222,6 +224,30 @@ def test_scripted_losses_fire_once_each_in_step_order():
     assert script.due(3, fired).ranks == (0, 1)
     assert script.due(3, fired) is None  # a rollback that replays step 3 does not lose it again
     assert script.due(7, fired).ranks == (1,) and fired == {3, 7}
+
+
+def test_spares_are_refused_where_nothing_can_place_them():
+    """--spares needs in-place recovery under a respawning agent and a rank left to train;
+    mpickpt-run -n N launches N + S processes."""
+    from mpickpt.launch.relaunch import processes
+
+    agent = {"MPICKPT_AGENT_DIR": "/tmp/a", "MPICKPT_IN_PLACE": "1", "MPICKPT_RESTART": "0"}
+    RecoveryConfig(spares=1).check_launcher(agent, 5)
+    for rec, environ, n, message in [
+            (RecoveryConfig(spares=4), agent, 4, r"--spares 4 leaves no rank to train among the "
+                                                 r"launch's 4 processes"),
+            (RecoveryConfig(spares=1, in_place="off"), agent, 5, r"--spares 1 takes a dead "
+                                                                 r"rank's place in place; it "
+                                                                 r"needs in-place recovery, not "
+                                                                 r"--in-place off"),
+            (RecoveryConfig(spares=2), {}, 6, r"--spares 2 needs in-place recovery, which needs "
+                                              r"the node agents that mpickpt-run starts")]:
+        with pytest.raises(ValueError, match=message):
+            rec.check_launcher(environ, n)
+    assert processes(4, ["--spares", "1", "--parity-k", "3"]) == 5
+    assert processes(4, ["--spares=2"]) == 6 and processes(4, []) == 4
+    assert processes(None, ["--spares", "1"]) is None  # srun: the allocation's tasks
+    assert processes(4, ["--spares", "-1"]) == 4  # the trainer refuses it, naming the flag
 
 
 def test_recovery_defaults_follow_the_launcher():

@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +48,9 @@ AGENT_VARIABLE = "MPICKPT_AGENT_DIR"
 STARTED_FILE = "started"
 """Written by the trainer into the agent's folder once it has started (its first step is next):
 the rendezvous store's address, or nothing."""
+REPLACES_VARIABLE = "MPICKPT_REPLACES"
+"""Set by the agent for a process it started to replace a dead trainer: "rank/size/host:pid"
+(launcher rank and size; the dead process, as it held its slot at the store)."""
 RESPAWNS_VARIABLE = "MPICKPT_RESPAWNS"
 DEFAULT_RESPAWNS = 3
 """Replacements one agent starts before it lets a death end its rank (a relaunch then)."""
@@ -54,6 +58,9 @@ _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 _SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
 _MPI_ONLY = ("PMI_FD", "PMI_PORT", "PMI_ID", "PMI_RANK", "PMI_SIZE", "PMI_HOSTNAME",
              "PMIX_RANK", "PMIX_NAMESPACE", "PMIX_SERVER_URI2", "PMIX_SERVER_URI21")
+FINISHED = "finished"
+STORE_CHECK_S = 10.0
+"""Seconds an agent waits for the job's store before it decides the job is gone."""
 FINISH_WAIT = 10.0
 """Seconds the store's host waits, after its own trainer ended, for the other ranks to finish
 with the store."""
@@ -104,7 +111,12 @@ class Agent:
             status = child.wait()
             if status < 0 and not self._started():
                 return self._failed_start(child.pid, -status)
-            while status < 0 and self._can_replace():
+            while status < 0:
+                why_not = self._why_not_replace()
+                if why_not == FINISHED:  # a replacement killed at the job's end: not needed
+                    status = 0
+                if why_not is not None:
+                    break
                 child = self._replace(child.pid, -status, env)
                 status = child.wait()
             self._wait_for_finish(status)
@@ -127,8 +139,23 @@ class Agent:
         self.end_by_signal = signum
         return 128 + signum
 
-    def _can_replace(self) -> bool:
-        return self.in_place and self.respawns_left > 0 and self._store_address() is not None
+    def _why_not_replace(self) -> str | None:
+        """None if the dead trainer is to be replaced; else why not: not in place, no respawns
+        left, no store, or the job is over (FINISHED: the training finished without it)."""
+        if not self.in_place or self.respawns_left <= 0 or self._store_address() is None:
+            return "no replacement"
+        from mpickpt.generation import TRAINING_FINISHED, Rendezvous, connect_store
+
+        try:
+            store = self.store or connect_store(self._store_address(), STORE_CHECK_S)
+            over = Rendezvous(store, self._store_address()).job_over()
+        except (RuntimeError, OSError, ValueError) as e:
+            self.say(f"rank {self.rank}: no replacement: the job's store does not answer ({e})")
+            return "no store"
+        if over:
+            self.say(f"rank {self.rank}: no replacement: {over}")
+            return FINISHED if over == TRAINING_FINISHED else over
+        return None
 
     def _store_address(self) -> str | None:
         """The store's address: hosted here, or left by the trainer in the agent's folder."""
@@ -141,7 +168,7 @@ class Agent:
         return self.address
 
     def _replace(self, pid: int, signum: int, env: dict) -> subprocess.Popen:
-        from mpickpt.generation import REPLACES_VARIABLE, STORE_VARIABLE
+        from mpickpt.generation import STORE_VARIABLE
 
         self.respawns_left -= 1
         self.respawned += 1
@@ -149,7 +176,7 @@ class Agent:
                  f"{_signal_name(signum)}; starting a replacement in place (respawn "
                  f"{self.respawned}, {self.respawns_left} left)")
         child_env = {k: v for k, v in env.items() if k not in _MPI_ONLY}
-        child_env[REPLACES_VARIABLE] = f"{self.rank}/{self.size}"
+        child_env[REPLACES_VARIABLE] = f"{self.rank}/{self.size}/{socket.gethostname()}:{pid}"
         child_env[STORE_VARIABLE] = self._store_address()
         return subprocess.Popen(self.cmd, env=child_env)
 

@@ -181,6 +181,15 @@ def flag_value(flags: list[str], name: str) -> str | None:
     return None
 
 
+def processes(ranks: int | None, flags: list[str]) -> int | None:
+    """How many processes to launch for `ranks` training ranks: the trainer's --spares come on
+    top (the trainer refuses a --spares that is not a count). Local."""
+    spares = flag_value(flags, "--spares")
+    if ranks is None or not spares or not spares.strip().isdigit():
+        return ranks
+    return ranks + int(spares)
+
+
 def ckpt_dir_of(flags: list[str]) -> str | None:
     """The --ckpt-dir among trainer flags, if any. Local."""
     return flag_value(flags, "--ckpt-dir")
@@ -194,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mpickpt-run", description="Run mpickpt-train under mpiexec or srun and relaunch "
         "it after a failure (trainer flags after --).")
     p.add_argument("-n", "--ranks", type=int, default=None,
-                   help="ranks (needed with mpiexec; srun: default the allocation's tasks)")
+                   help="training ranks (needed with mpiexec; srun: default the allocation's "
+                        "tasks); the trainer's --spares S launch S more processes")
     p.add_argument("--max-restarts", type=int, default=3,
                    help="relaunches after failures before giving up (default: 3)")
     p.add_argument("--launcher", choices=LAUNCHERS,
@@ -225,7 +235,8 @@ def main(argv=None) -> int:
         print(f"mpickpt-run: error: -n {args.ranks}: expected 1 or more ranks", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        command = launch_command(args.launcher, args.ranks, flags, args.launcher_arg,
+        command = launch_command(args.launcher, processes(args.ranks, flags), flags,
+                                 args.launcher_arg,
                                  args.srun_mpi, args.launcher_path)
     except ValueError as e:
         print(f"mpickpt-run: error: {e}", file=sys.stderr)

@@ -56,7 +56,10 @@ class ShardedEmbeddingBags:
     """This rank's shards of all embedding tables plus their sparse optimizer state."""
 
     def __init__(self, topo, plan: ShardPlan, dim: int, optim: OptimizerConfig, seed: int,
-                 timer: PhaseTimer | None = None):
+                 timer: PhaseTimer | None = None, lost: bool = False):
+        """`lost`: the shard is born lost (rows and optimizer state NaN, as `wipe_rows` leaves
+        them), for a process that replaces a dead rank and recovers the shard anyway: computing
+        its initial rows would be wasted (most of a replacement's start)."""
         if plan.world_size != topo.world_size:
             raise ValueError(f"shard plan is for {plan.world_size} ranks, job has {topo.world_size}")
         self.topo, self.plan, self.dim = topo, plan, dim
@@ -64,8 +67,11 @@ class ShardedEmbeddingBags:
         self.timer = timer or PhaseTimer(enabled=False)
         self.local_gids = plan.rank_global_ids(topo.rank)
         self.seed = seed
-        self.weight = self._init_weight(seed)
+        self.weight = self._init_weight(seed) if not lost else \
+            torch.full((len(self.local_gids), dim), float("nan"), device=self.device)
         self.optimizer = make_sparse_optimizer(optim, len(self.local_gids), dim, self.device)
+        if lost:
+            self.wipe_range(0, len(self.local_gids))
         self.state_lock = threading.RLock()
         """Held while the rank's state changes (updates, folds, loads): a thread that must see
         one consistent state (the survivor dump) takes it and so waits out a change in

@@ -24,13 +24,17 @@ class HybridDLRM:
     are collective."""
 
     def __init__(self, topo, arch: DenseArch, table_sizes, optim: OptimizerConfig, seed: int,
-                 plan_options: ShardPlanOptions | None = None, timer: PhaseTimer | None = None):
+                 plan_options: ShardPlanOptions | None = None, timer: PhaseTimer | None = None,
+                 shard_lost: bool = False):
+        """`shard_lost`: this rank's shard starts lost (a replacement of a dead rank; see
+        ShardedEmbeddingBags)."""
         if len(table_sizes) != arch.num_tables:
             raise ValueError(f"{len(table_sizes)} tables given, dense arch expects {arch.num_tables}")
         self.topo, self.arch, self.optim, self.seed = topo, arch, optim, seed
         self.timer = timer or PhaseTimer(topo.device, enabled=False)
         self.plan = ShardPlan.build(table_sizes, topo.world_size, plan_options)
-        self.embeddings = ShardedEmbeddingBags(topo, self.plan, arch.dim, optim, seed, self.timer)
+        self.embeddings = ShardedEmbeddingBags(topo, self.plan, arch.dim, optim, seed, self.timer,
+                                               lost=shard_lost)
         self.dense = self._initial_dense()
         self.dense_optimizer = make_dense_optimizer(optim, self.dense.parameters())
         self.steps_done = 0

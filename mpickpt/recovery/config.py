@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from mpickpt.durations import Duration
 from mpickpt.launch.rank_wrapper import AGENT_VARIABLE, IN_PLACE_VARIABLE, RESTART_VARIABLE
-from mpickpt.options import option, positive_float
+from mpickpt.options import int_at_least, option, positive_float
 
 MODES = ("full", "partial", "parity", "auto")
 DEFAULT_TARGET_PLS = 0.1
@@ -67,6 +67,10 @@ class RecoveryConfig:
     the dead rank's place in a new generation of the job (needs mpickpt-run under MPICH's
     mpiexec, whose rank agents respawn); off: survivors exit for a relaunch; auto: on where the
     rank has such an agent, else off"""
+    spares: int = option(0, parse=int_at_least(0), metavar="S")
+    """hot spares: the last S processes of the launch train nothing until a rank dies, then one
+    takes its place in place (faster than a respawn, and it outlives the loss of the dead rank's
+    node); mpickpt-run -n N launches N + S processes. Needs in-place recovery"""
     startup_timeout: float = option(300.0, parse=positive_float, metavar="S")
     """seconds from a trainer's start to its first step (MPI_Init, the groups, the model, the
     restore) before it gives up on a peer that never came and exits 77 for a relaunch"""
@@ -93,12 +97,27 @@ class RecoveryConfig:
         agent that respawns (mpickpt-run under hydra sets MPICKPT_IN_PLACE=1 for it). Local."""
         return self.in_place != "off" and _respawning_agent(environ)
 
-    def check_launcher(self, environ) -> None:
-        """`--in-place on` needs a node agent that respawns (ValueError naming the fix). Local."""
+    def check_launcher(self, environ, processes: int | None = None) -> None:
+        """`--in-place on` and `--spares` need a node agent that respawns; spares must leave a
+        rank to train among the launch's `processes` (ValueError naming the fix). Local."""
         if self.in_place == "on" and not _respawning_agent(environ):
             raise ValueError("--in-place on needs the node agents that mpickpt-run starts under "
                              "MPICH's mpiexec (this rank has none: plain mpiexec, srun or Open "
                              "MPI); run under mpickpt-run, or use --in-place auto or off")
+        if not self.spares:
+            return
+        if self.in_place == "off":
+            raise ValueError(f"--spares {self.spares} takes a dead rank's place in place; it "
+                             f"needs in-place recovery, not --in-place off")
+        if not _respawning_agent(environ):
+            raise ValueError(f"--spares {self.spares} needs in-place recovery, which needs the "
+                             f"node agents that mpickpt-run starts under MPICH's mpiexec (this "
+                             f"rank has none: plain mpiexec, srun or Open MPI); run under "
+                             f"mpickpt-run -n N, which launches N + {self.spares} processes")
+        if processes is not None and self.spares >= processes:
+            raise ValueError(f"--spares {self.spares} leaves no rank to train among the "
+                             f"launch's {processes} processes: the spares are the last "
+                             f"{self.spares}, so launch more (mpickpt-run -n N adds them)")
 
     def resolved_mode(self, parity: bool) -> str:
         """The mode in force: as given, else parity with parity on, else full. Local."""

@@ -138,10 +138,13 @@ class Survival:
         self.survive(dead, self.watch.how)
 
     def leave_generation(self) -> set[int]:
-        """Stop watching the broken generation's ring (no goodbye: it is gone) and hand over
-        the dead ranks. Local."""
+        """Stop watching the broken generation's ring and hand over the dead ranks. Local. The
+        neighbours get a goodbye: a survivor slower to leave would otherwise count this one dead
+        when its connection closes (seen: a live rank in the dead set, offered to a spare). The
+        death this survivor knows went out on the same connections before, so a neighbour that
+        has not heard of it yet reads the death first."""
         if self.watch is not None:
-            self.watch.close(goodbye=False)
+            self.watch.close(goodbye=True)
             self.watch = None
         with self._lock:
             dead, self.dead = set(self.dead), set()
@@ -152,6 +155,11 @@ class Survival:
         recovery (dump with --survivor-dumps, exit EXIT_PEER_LOST for a relaunch). Never
         returns. Local."""
         self.say(f"in-place recovery failed ({why}); falling back to a relaunch")
+        if self.topo.rendezvous is not None:
+            try:  # the spares and waiting respawns leave instead of waiting for a slot
+                self.topo.rendezvous.give_up(f"rank {self.topo.rank}: {why}")
+            except (RuntimeError, OSError):
+                pass
         self.surviving = False
         self.survive(dead, f"in-place recovery failed: {why}")
 

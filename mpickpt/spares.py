@@ -1,0 +1,102 @@
+"""Hot spares (`--spares S`): processes started with the job that train nothing until a rank dies,
+then one takes the dead rank's place in the job's next generation.
+
+A spare is launched like every rank (so it can live on any node the launcher places it on: the
+last S processes of the launch are the spares), goes through MPI startup with the trainers (the
+store's address comes over MPI), imports torch and mpickpt, and then waits at the rendezvous
+store: it looks for a rank whose death ended the previous generation and whose slot in the
+current one is free, and claims it with compare-and-set, so one process wins however many race
+(other spares, the dead rank's own respawn; a respawn that loses becomes a spare itself). The
+winner joins the generation as that rank and is built as any replacement is: dense part and reader
+from a survivor, the shard by `--recovery`. It needs no node agent of its own, so it outlives the
+loss of the dead rank's node.
+
+A waiting spare leaves when the training finished (a member is done with the store), when the
+job gives up recovering in place (a survivor left for a relaunch), when the store is gone, or on
+a stop signal. In generation 0 it then returns normally (the interpreter's MPI_Finalize meets the
+trainers'); after a generation change nobody finalizes MPI.
+"""
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+
+from mpickpt.generation import DEFAULT_JOIN_TIMEOUT, GenerationError, Rendezvous
+
+POLL_S = 0.05
+"""Seconds between a waiting spare's looks at the store (one round trip each)."""
+_STOP = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+"""Signals that end a waiting spare's wait (a stop of the whole job). Hydra's SIGUSR1, its notice
+that a rank exited, is ignored: that rank's death is what a spare waits for."""
+
+
+@dataclass
+class Spare:
+    """One spare process between its startup and the slot it takes. Local, except `take`."""
+
+    rendezvous: Rendezvous
+    world: int
+    """The job's training ranks (the launch's processes less the spares)."""
+    local_rank: int
+    local_size: int
+    backend: str
+    timeout_s: float
+
+    def warm_up(self, config) -> float:
+        """Do now what a replacement's first model build pays once per process: a torch
+        optimizer's first construction imports torch._dynamo (1.4 s measured here, most of a
+        replacement's start); the dense part and its optimizer are built and dropped. Returns
+        the seconds it took. Local."""
+        from mpickpt.model.dense import DLRMDense
+        from mpickpt.model.optimizers import make_dense_optimizer
+
+        start = time.perf_counter()
+        dense = DLRMDense(config.arch)
+        make_dense_optimizer(config.optim, dense.parameters())
+        return time.perf_counter() - start
+
+    def wait(self, say, poll_s: float = POLL_S) -> tuple[int, int] | str:
+        """Wait for a dead rank's slot and claim it: (generation, rank), or why to leave
+        instead. Local (the claim is atomic at the store)."""
+        stopped = []
+        previous = {s: signal.signal(s, lambda n, f: stopped.append(n)) for s in _STOP}
+        previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda n, f: None)
+        try:
+            while not stopped:
+                try:
+                    over = self.rendezvous.job_over()
+                    if over:
+                        return over
+                    slot = self.rendezvous.free_slot()
+                    if slot is not None and self.rendezvous.claim(*slot):
+                        say(f"spare: took rank {slot[1]} of generation {slot[0]}")
+                        return slot
+                except (RuntimeError, OSError) as e:  # the store's host is gone: the job is
+                    return f"the rendezvous store is gone ({e})"
+                time.sleep(poll_s)
+            return f"{signal.Signals(stopped[0]).name} received"
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def take(self, generation: int, rank: int,
+             join_timeout_s: float = DEFAULT_JOIN_TIMEOUT):
+        """Join `generation` in the slot of `rank` that `wait` claimed: the Topology of a
+        replacement. Collective with that generation's members."""
+        from mpickpt.topology import Topology
+
+        if not 0 <= rank < self.world:
+            raise GenerationError(f"slot {rank} is outside the job's {self.world} ranks")
+        return Topology.from_store(self.rendezvous.address, rank, self.world, self.local_rank,
+                                   self.local_size, self.backend, self.timeout_s,
+                                   join_timeout_s, rendezvous=self.rendezvous,
+                                   generation=generation)
+
+    def done(self) -> None:
+        """Say this process is done with the store (the store's host waits for everyone).
+        Local."""
+        try:
+            self.rendezvous.store.add("finished", 1)
+        except (RuntimeError, OSError):
+            pass
