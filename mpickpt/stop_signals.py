@@ -57,6 +57,12 @@ class StopSignals:
             self.muted.append(self.at)
             self.received, self.at = None, None
 
+    def notices_only(self) -> None:
+        """From now on every SIGUSR1 is a launcher's death notice, never a stop: under in-place
+        recovery with hydra, where a process of the job dying (a waiting hot spare included,
+        whose death no peer watch reports) makes hydra send it to every rank. Local."""
+        self.muted_until = float("inf")
+
     def _handle(self, signum, frame) -> None:
         if signum == signal.SIGUSR1 and time.perf_counter() < self.muted_until:
             self.muted.append(time.perf_counter())

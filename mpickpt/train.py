@@ -187,7 +187,8 @@ def _serve_as_spare(spare, config, signals, mpi: bool) -> int:
 
     def say(message):
         print(f"mpickpt-train: {message}", file=sys.stderr, flush=True)
-    spare.warm_up(config)
+    warm = spare.warm_up(config)
+    say(f"spare: waiting for a dead rank's slot (warmed up in {warm:.2f} s)")
     outcome = spare.wait(say)
     if isinstance(outcome, str):
         import signal

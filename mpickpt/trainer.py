@@ -78,6 +78,8 @@ class Trainer:
                                  on_notice=lambda: self.signals.mute_death_notices(10.0))
         self.in_place = InPlace(topo, self.model, self.survival.undo, self.parity,
                                 rec.join_timeout)
+        if self.survival.in_place and rec.spares:
+            self.signals.notices_only()  # a spare's death reaches the ranks only as SIGUSR1
         self.generations: list[dict] = []
         """One record per in-place recovery this process took part in."""
         self._left_at = None
@@ -210,10 +212,15 @@ class Trainer:
         """Log one in-place recovery (rank 0) and append it to the restart log. Collective
         (the recovery's time is the max over the members)."""
         total = self.topo.control.allreduce(seconds, op="max")
+        phases: dict[str, float] = {}  # the slowest member's, whichever rank prints them (a
+        for mine in self.topo.control.allgather(joined.seconds):  # replacement has no join)
+            for k, v in mine.items():
+                phases[k] = max(phases.get(k, 0.0), v)
         record = {"generation": joined.generation, "step": joined.step,
                   "replaced": joined.replaced, "undone": joined.undone,
                   "pids": joined.pids, "seconds": round(total, 3),
-                  "phases": {k: round(v, 3) for k, v in joined.seconds.items()},
+                  "phases": {k: round(v, 3) for k, v in sorted(phases.items(),
+                                                               key=lambda kv: kv[0] != "join")},
                   "recovery": self.faults.mode}
         self.generations.append(record)
         if not self.topo.is_root:

@@ -222,3 +222,14 @@ def test_hydra_death_notice_is_muted_but_not_sigterm():
         assert signals.received == "SIGTERM"
     finally:
         signals.uninstall()
+    signals = StopSignals().install()
+    try:  # with hot spares: every SIGUSR1 is a notice (a waiting spare's death), for good
+        signals.notices_only()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+        assert signals.received is None and len(signals.muted) == 1
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        assert signals.received == "SIGINT"
+    finally:
+        signals.uninstall()

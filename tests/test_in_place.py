@@ -122,6 +122,31 @@ def test_spares_with_in_place_off_are_refused_before_training(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_killed_spare_comes_back_as_a_spare_and_takes_the_next_death(tmp_path):
+    job = Job(mpickpt_run("-n", "4", "--max-restarts", "1", "--", *FLAGS, "--ckpt-dir",
+                          str(tmp_path / "ckpt"), "--spares", "1", "--num-batches", "3000"))
+    try:
+        assert job.wait_for_step(15), job.output
+        launched = job.ranks()
+        spare = next(p for p in launched if rank_of(p) == 4)
+        os.kill(spare, 9)
+        deadline = time.monotonic() + 60
+        while job.output.count("spare: waiting for a dead rank's slot") < 2:
+            assert time.monotonic() < deadline and job.proc.poll() is None, job.output
+            time.sleep(0.05)
+        victim = next(p for p in launched if rank_of(p) == 1)
+        os.kill(victim, 9)
+        code = job.wait(240)
+    finally:
+        job.stop()
+    out = job.output
+    assert f"rank 4: its trainer (pid {spare}) was killed by SIGKILL" in out, out
+    assert "spare: took rank 1 of generation 1" in out and code == 0, out
+    assert len(_IN_PLACE.findall(out)) == 1 and "parity: rebuilt ranks [1]" in out, out
+    assert "relaunching" not in out and "step 3000/3000" in out, out
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(10, 30))
 @pytest.mark.parametrize("recovery", ["parity", "partial", "full", "parity-spare"])
 def test_in_place_randomized(tmp_path, clean_digest, seed, recovery):
