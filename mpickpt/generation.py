@@ -13,7 +13,8 @@ Store keys (all under the job's store; G is a generation number):
   survivor that saw the same death agrees on the next number.
 - `g<G>/in/<rank>`: the pid of the process that holds `rank` in generation G. A replacement takes
   the first generation whose slot for its rank is free.
-- `g<G>/dead`: the dead ranks that ended generation G, as the first survivor saw them.
+- `g<G>/dead/<rank>`: set by every survivor that saw `rank` dead when it left generation G (the
+  union: deaths that happen together are seen one by one).
 - `finished`: how many processes are done with the store (trainers and spares at their end).
 - `fallback`: why the job gave up recovering in place (a survivor left for a relaunch); spares
   and replacements waiting for a slot leave when they see it.
@@ -103,17 +104,14 @@ class Rendezvous:
         self.store.compare_set("gen", str(from_generation), str(from_generation + 1))
         return self.current()
 
-    def dead_of(self, generation: int) -> list[int]:
-        """The ranks whose death ended `generation`, as recorded (empty if none). Local."""
-        key = f"g{generation}/dead"
-        if not self.store.check([key]):
-            return []
-        text = self.store.get(key).decode()
-        return [int(r) for r in text.split(",") if r]
+    def dead_of(self, generation: int, world: int) -> list[int]:
+        """The ranks of `world` that a survivor saw dead when it left `generation`. Local."""
+        return [r for r in range(world) if self.store.check([f"g{generation}/dead/{r}"])]
 
     def record_dead(self, generation: int, dead) -> None:
-        """Record the ranks whose death ended `generation` (the first record stays). Local."""
-        self.store.compare_set(f"g{generation}/dead", "", ",".join(map(str, sorted(dead))))
+        """Add the ranks this survivor saw dead when it left `generation`. Local."""
+        for r in sorted(dead):
+            self.store.set(f"g{generation}/dead/{r}", "1")
 
     def slot_taken(self, generation: int, rank: int) -> bool:
         return self.store.check([f"g{generation}/in/{rank}"])
@@ -155,14 +153,14 @@ class Rendezvous:
         me = (identity or process_identity()).encode()
         return self.store.compare_set(f"g{generation}/in/{rank}", "", me) == me
 
-    def free_slot(self) -> tuple[int, int] | None:
-        """(generation, rank) of a slot a spare can claim now: a rank whose death ended the
-        previous generation and that nobody holds yet in the current one; None if there is
-        none. Local."""
+    def free_slot(self, world: int) -> tuple[int, int] | None:
+        """(generation, rank) of a slot a spare can claim now: a rank of `world` seen dead when
+        the previous generation ended and that nobody holds yet in the current one; None if
+        there is none. Local."""
         g = self.current()
         if g == 0:
             return None
-        for rank in self.dead_of(g - 1):
+        for rank in self.dead_of(g - 1, world):
             if not self.slot_taken(g, rank):
                 return g, rank
         return None
@@ -180,13 +178,23 @@ class Rendezvous:
         """Say that the job stops recovering in place (the first reason stays). Local."""
         self.store.compare_set("fallback", "", why)
 
-    def gather(self, generation: int, world: int, timeout_s: float) -> dict[int, int]:
+    def gather(self, generation: int, world: int, timeout_s: float,
+               more_dead=None) -> dict[int, int]:
         """Wait until every rank of `generation` registered; returns rank -> pid. Raises
         GenerationError naming the missing ranks past `timeout_s`, or if a later generation
-        started meanwhile (a further death). Waits for the others."""
+        started meanwhile (a further death). `more_dead()`: the dead ranks this member knows of
+        now (its old ring's watch goes on while it waits): recorded as they appear, so a spare
+        is offered a rank that died together with the first one but was seen later. Waits for
+        the others."""
         keys = [f"g{generation}/in/{r}" for r in range(world)]
         deadline = time.monotonic() + timeout_s
+        recorded: set[int] = set()
         while True:
+            if more_dead is not None and generation > 0:
+                seen = set(more_dead()) - recorded
+                if seen:
+                    self.record_dead(generation - 1, seen)
+                    recorded |= seen
             if self.current() > generation:
                 raise GenerationError(f"generation {generation} was overtaken by generation "
                                       f"{self.current()} while it formed (another death)")

@@ -56,6 +56,13 @@ class Spare:
         make_dense_optimizer(config.optim, dense.parameters())
         return time.perf_counter() - start
 
+    def over(self) -> str | None:
+        """Why this spare is not needed any more (see `wait`), or None. Local."""
+        try:
+            return self.rendezvous.job_over()
+        except (RuntimeError, OSError) as e:
+            return f"the rendezvous store is gone ({e})"
+
     def wait(self, say, poll_s: float = POLL_S) -> tuple[int, int] | str:
         """Wait for a dead rank's slot and claim it: (generation, rank), or why to leave
         instead. Local (the claim is atomic at the store)."""
@@ -68,7 +75,7 @@ class Spare:
                     over = self.rendezvous.job_over()
                     if over:
                         return over
-                    slot = self.rendezvous.free_slot()
+                    slot = self.rendezvous.free_slot(self.world)
                     if slot is not None and self.rendezvous.claim(*slot):
                         say(f"spare: took rank {slot[1]} of generation {slot[0]}")
                         return slot

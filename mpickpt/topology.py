@@ -208,11 +208,12 @@ class Topology:
         else:
             work.wait()
 
-    def advance(self, dead, join_timeout_s: float = DEFAULT_JOIN_TIMEOUT) -> int:
+    def advance(self, dead, join_timeout_s: float = DEFAULT_JOIN_TIMEOUT, more_dead=None) -> int:
         """Leave the current generation (its groups aborted) and join the next one with the
         processes that replace `dead`: new training group, control channel and side groups (in
-        the order they were first made). Returns the new generation. Collective with the next
-        generation's members; raises `GenerationError` when they do not all come."""
+        the order they were first made). `more_dead()`: deaths learned while waiting (see
+        `Rendezvous.gather`). Returns the new generation. Collective with the next generation's
+        members; raises `GenerationError` when they do not all come."""
         if self.groups is None:
             raise RuntimeError("this topology runs on a process group it did not create; it "
                                "cannot move to a new generation")
@@ -221,7 +222,7 @@ class Topology:
         nxt = self.rendezvous.advance(old.generation, dead)
         self.rendezvous.publish_side_groups(nxt, self._side_specs)
         self.rendezvous.register(nxt, self.rank)
-        self.rendezvous.gather(nxt, self.world_size, join_timeout_s)
+        self.rendezvous.gather(nxt, self.world_size, join_timeout_s, more_dead)
         old.release()
         self._retired.append(old)
         self.groups = Groups(self.rendezvous, nxt, self.rank, self.world_size, self.backend,

@@ -187,9 +187,11 @@ def _serve_as_spare(spare, config, signals, mpi: bool) -> int:
 
     def say(message):
         print(f"mpickpt-train: {message}", file=sys.stderr, flush=True)
-    warm = spare.warm_up(config)
-    say(f"spare: waiting for a dead rank's slot (warmed up in {warm:.2f} s)")
-    outcome = spare.wait(say)
+    outcome = spare.over()  # a respawn that came too late leaves at once
+    if outcome is None:
+        warm = spare.warm_up(config)
+        say(f"spare: waiting for a dead rank's slot (warmed up in {warm:.2f} s)")
+        outcome = spare.wait(say)
     if isinstance(outcome, str):
         import signal
 

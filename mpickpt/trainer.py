@@ -193,9 +193,12 @@ class Trainer:
                      f"processes and wait for the replacement(s) (generation "
                      f"{self.topo.generation + 1})")
         try:
-            joined = self.in_place.survivor(dead, step, reader, pls, attempt, interval)
+            joined = self.in_place.survivor(dead, step, reader, pls, attempt, interval,
+                                            self.survival.more_dead)
         except (GenerationError, *COMM_ERRORS) as e:
-            self.survival.give_up_in_place(dead, str(e))
+            self.survival.left_generation()
+            self.survival.give_up_in_place(dead | self.survival.more_dead(), str(e))
+        self.survival.left_generation()
         self._left_at = None
         left = time.perf_counter() - started
         self.step = joined.step

@@ -141,7 +141,7 @@ def test_rendezvous_generations_and_replacement_slots():
     assert rv.advance(0, {1}) == 1
     assert rv.advance(0, {1}) == 1, "a second survivor must not start generation 2"
     waiter.join(10)
-    assert found == [1] and rv.dead_of(0) == [1]
+    assert found == [1] and rv.dead_of(0, 3) == [1]
     rv.register(1, 0)
     with pytest.raises(GenerationError, match=r"rank\(s\) \[1, 2\] did not join"):
         rv.gather(1, 3, 0.3)
@@ -156,10 +156,11 @@ def test_a_dead_ranks_slot_goes_to_exactly_one_claimer_and_the_others_serve_as_s
     for r in range(3):
         rv.register(0, r)
     dead = process_identity()  # in this test one process held every slot of generation 0
-    assert rv.free_slot() is None  # nothing died yet
-    rv.advance(0, {1, 2})  # rank 2 is alive, but a peer counted it dead
+    assert rv.free_slot(3) is None  # nothing died yet
+    rv.advance(0, {1})
+    rv.advance(0, {2})  # a second survivor's view: rank 2 is alive, but it counted it dead
     rv.register(1, 0)
-    assert rv.free_slot() == (1, 1)
+    assert rv.dead_of(0, 3) == [1, 2] and rv.free_slot(3) == (1, 1)
     wins = []
 
     def claimer(i):  # six processes, as their identities say
@@ -171,7 +172,7 @@ def test_a_dead_ranks_slot_goes_to_exactly_one_claimer_and_the_others_serve_as_s
     for t in threads:
         t.join(10)
     assert sorted(wins) == [False] * 5 + [True]
-    assert rv.free_slot() == (1, 2)  # offered, though its survivor lives
+    assert rv.free_slot(3) == (1, 2)  # offered, though its survivor lives
     assert rv.claim(1, 2, "node9:999")  # a spare took it
     with pytest.raises(GenerationError, match="was claimed by node9:999 while its survivor"):
         rv.register(1, 2)  # the survivor of rank 2: no generation around two holders of rank 2

@@ -111,6 +111,28 @@ def test_a_hot_spare_takes_a_killed_ranks_place(tmp_path, clean_digest, seed):
     assert not t["segments_left"], f"MPI segments left in /dev/shm: {t['segments_left']}"
 
 
+def test_two_deaths_in_different_parity_groups_are_rebuilt_together_by_two_spares(
+        tmp_path, clean_digest):
+    """Ranks 1 and 3 (parity groups {0,1} and {2,3}, k=1) SIGKILL themselves at the same step: the
+    survivors see the deaths one by one, both are offered to the spares, one generation forms,
+    both shards are rebuilt from parity while training goes on."""
+    segments = _mpi_segments()
+    job = Job(mpickpt_run("-n", "4", "--max-restarts", "1", "--", *FLAGS, "--ckpt-dir",
+                          str(tmp_path / "ckpt"), "--parity-k", "1", "--spares", "2",
+                          "--inject-kill", "30:1,3"))
+    code = job.wait(240)
+    out = job.output
+    assert code == 0 and "relaunching" not in out, out
+    found = re.findall(r"in-place recovery: generation 1 at step 30: rank\(s\) \[1, 3\] "
+                       r"replaced", out)
+    assert len(found) == 1 and len(_IN_PLACE.findall(out)) == 0, out  # one generation, both
+    assert "spare: took rank 1 of generation 1" in out, out
+    assert "spare: took rank 3 of generation 1" in out, out
+    assert "parity: rebuilt ranks [1, 3]" in out, out
+    assert digest_in(out) == clean_digest, out
+    assert not _mpi_segments() - segments
+
+
 def test_spares_with_in_place_off_are_refused_before_training(tmp_path):
     job = Job(mpickpt_run("-n", "2", "--", "--num-batches", "5", "--spares", "1",
                           "--in-place", "off"))

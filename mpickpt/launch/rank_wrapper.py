@@ -178,7 +178,9 @@ class Agent:
         child_env = {k: v for k, v in env.items() if k not in _MPI_ONLY}
         child_env[REPLACES_VARIABLE] = f"{self.rank}/{self.size}/{socket.gethostname()}:{pid}"
         child_env[STORE_VARIABLE] = self._store_address()
-        return subprocess.Popen(self.cmd, env=child_env)
+        # born ignoring hydra's SIGUSR1 (an ignored disposition survives exec): the death notices
+        # of this very failure arrive while the interpreter starts, before any handler exists
+        return subprocess.Popen(self.cmd, env=child_env, preexec_fn=_ignore_usr1)
 
     def _wait_for_finish(self, status: int) -> None:
         """The store's host stays until every rank said it is done with the store (or a
@@ -229,6 +231,10 @@ def _signal_name(n: int) -> str:
         return signal.Signals(n).name
     except ValueError:
         return f"signal {n}"
+
+
+def _ignore_usr1() -> None:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def _outlive(signum, frame) -> None:

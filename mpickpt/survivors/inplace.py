@@ -49,13 +49,13 @@ class InPlace:
         self.join_timeout_s = join_timeout_s
 
     def survivor(self, dead, step: int, reader: dict, pls: dict | None, attempt: str | None,
-                 interval: int | None) -> Rejoined:
+                 interval: int | None, more_dead=None) -> Rejoined:
         """Leave the broken generation and form the next one with the replacements of `dead`.
         `step`, `reader`: this rank's last completed step and the reader position there.
         Collective with the next generation's members; raises GenerationError when a member
         never comes or a further death overtakes the formation."""
         start = time.perf_counter()
-        generation = self.topo.advance(dead, self.join_timeout_s)
+        generation = self.topo.advance(dead, self.join_timeout_s, more_dead)
         joined = time.perf_counter()
         out = self._agree(step, reader, pls, attempt, interval)
         out.seconds.update(join=joined - start, agree=time.perf_counter() - joined)

@@ -60,6 +60,7 @@ class Survival:
         self.dumps = SurvivorDumps(topo, model, parity, root, dumps, say, self.undo) \
             if root is not None and dumps != "off" else None
         self.watch: PeerWatch | None = None
+        self._old_watch: PeerWatch | None = None
         self.state_at_boundary = None
         self._lock = threading.Lock()
         self.surviving = False
@@ -125,30 +126,44 @@ class Survival:
             time.sleep(1.0)
 
     def _on_death(self, dead: set[int]) -> None:
-        """On the watch thread, the moment a death is known."""
-        if self.watch.closed:  # not once this rank ends normally
-            return
-        if self.on_notice is not None:
-            self.on_notice()
-        if self.in_place:
-            with self._lock:
+        """On the watch thread, the moment a death is known. Under the lock that
+        `leave_generation` takes, so a late notice of the old ring never aborts the next
+        generation's groups."""
+        with self._lock:
+            watch = self.watch
+            if watch is None or watch.closed:  # an old ring, or this rank ends normally
+                return
+            if self.on_notice is not None:
+                self.on_notice()
+            if self.in_place:
                 self.dead |= set(dead)
-            self.topo.abort()  # the main thread's collectives raise now, or at their next call
-            return
-        self.survive(dead, self.watch.how)
+                self.topo.abort()  # the main thread's collectives raise now, or at their next
+                return             # call
+        self.survive(dead, watch.how)
 
     def leave_generation(self) -> set[int]:
-        """Stop watching the broken generation's ring and hand over the dead ranks. Local. The
-        neighbours get a goodbye: a survivor slower to leave would otherwise count this one dead
-        when its connection closes (seen: a live rank in the dead set, offered to a spare). The
-        death this survivor knows went out on the same connections before, so a neighbour that
-        has not heard of it yet reads the death first."""
-        if self.watch is not None:
-            self.watch.close(goodbye=True)
-            self.watch = None
+        """Leave the broken generation and hand over the dead ranks known so far. Local. Its
+        ring goes on being watched, without aborting anything, until `left_generation`: ranks
+        that died together are seen one by one, and those seen while the next generation forms
+        are offered to spares too (`more_dead`)."""
         with self._lock:
+            self._old_watch, self.watch = self.watch, None
             dead, self.dead = set(self.dead), set()
+        if self._old_watch is not None:
+            dead |= self._old_watch.dead
         return dead
+
+    def more_dead(self) -> set[int]:
+        """The broken generation's dead ranks as its ring's watch knows them now. Local."""
+        return set(self._old_watch.dead) if self._old_watch is not None else set()
+
+    def left_generation(self) -> None:
+        """The next generation formed (or did not): stop watching the old ring. The neighbours
+        get a goodbye: a survivor slower to leave would otherwise count this one dead when its
+        connection closes (seen: a live rank in the dead set, offered to a spare). Local."""
+        if self._old_watch is not None:
+            self._old_watch.close(goodbye=True)
+            self._old_watch = None
 
     def give_up_in_place(self, dead: set[int], why: str) -> None:
         """The next generation could not be formed: leave as a survivor does without in-place
