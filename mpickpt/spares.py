@@ -7,8 +7,8 @@ store's address comes over MPI), imports torch and mpickpt, and then waits at th
 store: it looks for a rank whose death ended the previous generation and whose slot in the
 current one is free, and claims it with compare-and-set, so one process wins however many race
 (other spares, the dead rank's own respawn; a respawn that loses becomes a spare itself). The
-winner joins the generation as that rank and is built as any replacement is: dense part and reader
-from a survivor, the shard by `--recovery`. It needs no node agent of its own, so it outlives the
+winner joins the generation as that rank (`Topology.from_store` with the claimed generation) and is
+built as any replacement is: dense part and reader from a survivor, the shard by `--recovery`. It needs no node agent of its own, so it outlives the
 loss of the dead rank's node.
 
 A waiting spare leaves when the training finished (a member is done with the store), when the
@@ -22,13 +22,14 @@ import signal
 import time
 from dataclasses import dataclass
 
-from mpickpt.generation import DEFAULT_JOIN_TIMEOUT, GenerationError, Rendezvous
+from mpickpt.generation import Rendezvous
 
 POLL_S = 0.05
 """Seconds between a waiting spare's looks at the store (one round trip each)."""
 _STOP = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
 """Signals that end a waiting spare's wait (a stop of the whole job). Hydra's SIGUSR1, its notice
-that a rank exited, is ignored: that rank's death is what a spare waits for."""
+that a rank exited, is not one: that rank's death is what a spare waits for (the caller's
+`StopSignals.notices_only`)."""
 
 
 @dataclass
@@ -68,7 +69,6 @@ class Spare:
         instead. Local (the claim is atomic at the store)."""
         stopped = []
         previous = {s: signal.signal(s, lambda n, f: stopped.append(n)) for s in _STOP}
-        previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda n, f: None)
         try:
             while not stopped:
                 try:
@@ -86,19 +86,6 @@ class Spare:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-
-    def take(self, generation: int, rank: int,
-             join_timeout_s: float = DEFAULT_JOIN_TIMEOUT):
-        """Join `generation` in the slot of `rank` that `wait` claimed: the Topology of a
-        replacement. Collective with that generation's members."""
-        from mpickpt.topology import Topology
-
-        if not 0 <= rank < self.world:
-            raise GenerationError(f"slot {rank} is outside the job's {self.world} ranks")
-        return Topology.from_store(self.rendezvous.address, rank, self.world, self.local_rank,
-                                   self.local_size, self.backend, self.timeout_s,
-                                   join_timeout_s, rendezvous=self.rendezvous,
-                                   generation=generation)
 
     def done(self) -> None:
         """Say this process is done with the store (the store's host waits for everyone).

@@ -158,6 +158,7 @@ def replacement_main(argv=None) -> int:
     from mpickpt.train_flags import TrainConfig
 
     signals = StopSignals().install()
+    signals.mute_death_notices(60.0)  # hydra's notices of the death this process answers
     slot, size, dead = (os.environ[REPLACES_VARIABLE].split("/") + [""])[:3]
     config = TrainConfig.from_args(argv)  # the flags the job started with: already checked
     rank, world = int(slot), int(size) - config.recovery.spares
@@ -184,9 +185,11 @@ def _serve_as_spare(spare, config, signals, mpi: bool) -> int:
     `mpi`: this process went through MPI_Init (a launched spare), so in generation 0 it returns
     for the interpreter's MPI_Finalize. Collective with the generation it joins, if any."""
     from mpickpt.exit_codes import EXIT_PEER_LOST
+    from mpickpt.topology import Topology
 
     def say(message):
         print(f"mpickpt-train: {message}", file=sys.stderr, flush=True)
+    signals.notices_only()  # hydra's notices of the deaths a spare waits for are no stops
     outcome = spare.over()  # a respawn that came too late leaves at once
     if outcome is None:
         warm = spare.warm_up(config)
@@ -208,9 +211,12 @@ def _serve_as_spare(spare, config, signals, mpi: bool) -> int:
         _run_exit_hooks()
         _exit_now(status)
     generation, rank = outcome
-    topo, trainer = _join_and_build(config, signals, f"spare taking rank {rank}",
-                                    lambda: spare.take(generation, rank,
-                                                       config.recovery.join_timeout))
+    topo, trainer = _join_and_build(
+        config, signals, f"spare taking rank {rank}",
+        lambda: Topology.from_store(spare.rendezvous.address, rank, spare.world,
+                                    spare.local_rank, spare.local_size, spare.backend,
+                                    spare.timeout_s, config.recovery.join_timeout,
+                                    rendezvous=spare.rendezvous, generation=generation))
     return _train(topo, trainer)
 
 

@@ -115,6 +115,29 @@ def test_parity_covers_r_nodes_per_group_and_not_during_a_rebuild():
     assert p.react([3], False).window == pytest.approx(COSTS.rebuild_node / 0.1)
 
 
+def test_hot_spares_replace_failed_nodes_in_place_instead_of_a_reschedule():
+    """With spare nodes a failure of up to that many nodes costs the spares' join (growing with
+    the ranks) instead of --reschedule; a larger one still waits for a node; the job's
+    recovery time drops by the difference per covered failure."""
+    costs = COSTS.with_(spare_join=0.5, rendezvous_per_rank=1e-4)
+    sc = Scenario(ranks=80, spare_nodes=1)
+    p = Parity(sc, costs, k=4, r=1)
+    assert p.replace([3]) == pytest.approx(0.5 + 80e-4)
+    assert p.react([3], False).wall == pytest.approx(0.5 + 80e-4 + COSTS.rebuild_node)
+    assert p.react([0, 5], False).wall == pytest.approx(120.0 + 2 * COSTS.rebuild_node)
+    assert Parity(sc.with_(spare_nodes=0), costs).replace([3]) == 120.0
+    assert costs.in_place(16384) == pytest.approx(0.5 + 1.6384)
+    exp = _exponential(failure_clock="work")  # failures in training time: the same in both
+    without = _runs(build("cpr", exp, costs), exp, 20)
+    spared = _runs(build("cpr", exp.with_(spare_nodes=1), costs), exp.with_(spare_nodes=1), 20)
+    fails = sum(r.failures for r in without)
+    assert fails == sum(r.failures for r in spared) > 20  # seed for seed
+    saved = sum(r.recovery for r in without) - sum(r.recovery for r in spared)
+    assert saved == pytest.approx(fails * (120.0 - costs.in_place(64)), rel=1e-6)
+    with pytest.raises(ValueError, match="spare_nodes must be >= 0"):
+        Scenario(ranks=8, spare_nodes=-1)
+
+
 def test_segment_counts_commits_only_after_the_write():
     seg = Segment(p=0.0, origin=0.0, interval=100.0, rate=1.0, stall=10.0, write=50.0)
     progress, committed, taken, n, spent = seg.at(150.0)  # stall at 100..110, commit at 150

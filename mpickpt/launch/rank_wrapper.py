@@ -141,20 +141,19 @@ class Agent:
 
     def _why_not_replace(self) -> str | None:
         """None if the dead trainer is to be replaced; else why not: not in place, no respawns
-        left, no store, or the job is over (FINISHED: the training finished without it)."""
+        left, no store address, or the store's host is gone (FINISHED: its agent ends only after
+        the job ended, so this rank has nothing left to do). Whether the job still needs the
+        rank is the replacement's question (it leaves at once if not): asking the store here
+        would import torch into the agent, seconds under load, while a death waits."""
         if not self.in_place or self.respawns_left <= 0 or self._store_address() is None:
             return "no replacement"
-        from mpickpt.generation import TRAINING_FINISHED, Rendezvous, connect_store
-
+        host, _, port = self._store_address().rpartition(":")
         try:
-            store = self.store or connect_store(self._store_address(), STORE_CHECK_S)
-            over = Rendezvous(store, self._store_address()).job_over()
-        except (RuntimeError, OSError, ValueError) as e:
-            self.say(f"rank {self.rank}: no replacement: the job's store does not answer ({e})")
-            return "no store"
-        if over:
-            self.say(f"rank {self.rank}: no replacement: {over}")
-            return FINISHED if over == TRAINING_FINISHED else over
+            socket.create_connection((host, int(port)), timeout=STORE_CHECK_S).close()
+        except (OSError, ValueError) as e:
+            self.say(f"rank {self.rank}: no replacement: the job's store is gone, the job "
+                     f"ended ({e})")
+            return FINISHED
         return None
 
     def _store_address(self) -> str | None:

@@ -31,6 +31,13 @@ class EventCosts:
     """Replacing a failed node inside the job (CPR's O_res): a warm spare joins."""
     relaunch: float = 180.0
     """Relaunching the job after a process died (srun step, imports, process groups)."""
+    spare_join: float = 0.5
+    """A warm hot spare takes a dead rank's place in the running job (`--spares`): the next
+    generation's rendezvous and groups and the state handed over; measured 0.48 s at 4 ranks
+    (bench/real_failures.py, parity-spare)."""
+    rendezvous_per_rank: float = 1.5 / 16384
+    """The part of forming a generation that grows with the ranks (registration at the store and
+    its barrier): NVIDIA's in-process restart reports about 1.5 s at 16,384 ranks."""
     requeue: float = 0.0
     """Time in the queue after a time limit or preemption (not counted by default)."""
     full_bytes: float = 0.0
@@ -43,6 +50,10 @@ class EventCosts:
     """Check-N-Run and IncrCP: a full baseline every this many checkpoints."""
     priority_fraction: float = 0.125
     """CPR-MFU/SSU: the share r of each table a prioritized save writes (CPR §6.1)."""
+
+    def in_place(self, ranks: int) -> float:
+        """Seconds the survivors wait while warm spares take the dead ranks' places. Local."""
+        return self.spare_join + self.rendezvous_per_rank * ranks
 
     def with_(self, **kw) -> "EventCosts":
         return replace(self, **kw)

@@ -51,6 +51,11 @@ class Scenario:
     inflight_commits: bool = False
     """A failure lets the checkpoint being written commit before the rollback (failures emulated
     inside a running job: the writers survive); a real failure loses it."""
+    spare_nodes: int = 0
+    """Nodes of hot spares standing by (`--spares`): a failure of at most this many nodes is
+    replaced in place by warm spares (EventCosts.in_place) instead of waiting `reschedule` for a
+    node; the pool is assumed refilled before the next failure (the scheduler hands a node back
+    within a job MTBF)."""
     target_pls: float = 0.02
     """PLS a partial-recovery strategy may reach (CPR §6: 0.02 keeps AUC within 0.0003); also the
     accuracy bound under which strategies are ranked."""
@@ -66,6 +71,8 @@ class Scenario:
         if self.failure_clock not in ("wall", "work"):
             raise ValueError(f"failure_clock must be 'wall' or 'work', got "
                              f"{self.failure_clock!r}")
+        if self.spare_nodes < 0:
+            raise ValueError(f"spare_nodes must be >= 0, got {self.spare_nodes}")
         if not 0 <= self.lost_share <= 1:
             raise ValueError(f"lost_share must lie in [0, 1], got {self.lost_share}")
 

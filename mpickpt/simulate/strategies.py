@@ -8,6 +8,8 @@ Reactions to a failure of some nodes:
   lost share x the samples since that checkpoint;
 - rebuild (ECRM): the failed nodes' rows are decoded from parity while training goes on; nothing
   is lost, unless a group lost more than r nodes or a rebuild was still running (then rollback).
+Each reaction first replaces the failed nodes: warm hot spares in place (`Scenario.spare_nodes`,
+`EventCosts.in_place`: rendezvous and groups of the next generation) or a rescheduled node.
 """
 from __future__ import annotations
 
@@ -93,9 +95,16 @@ class Strategy:
         """A full rollback's restore."""
         return self.ec.load
 
+    def replace(self, nodes: list[int]) -> float:
+        """Seconds until the failed nodes' ranks are back: warm spares in place when the
+        scenario has enough spare nodes, else a rescheduled node (CPR's O_res)."""
+        if len(nodes) <= self.sc.spare_nodes:
+            return self.ec.in_place(self.sc.ranks)
+        return self.ec.reschedule
+
     def react(self, nodes: list[int], rebuilding: bool) -> Reaction:
         load = self.load()
-        return Reaction("rollback", self.ec.reschedule + load, load=load)
+        return Reaction("rollback", self.replace(nodes) + load, load=load)
 
     def job_end(self) -> float:
         """A time limit or preemption: an emergency checkpoint in the signal's grace time,
@@ -169,7 +178,7 @@ class Parity(Strategy):
     def react(self, nodes, rebuilding):
         if self.covers(nodes, rebuilding):
             work = self.ec.rebuild_node * len(nodes)
-            return Reaction("rebuild", self.ec.reschedule + work, work / REBUILD_BUDGET)
+            return Reaction("rebuild", self.replace(nodes) + work, work / REBUILD_BUDGET)
         return super().react(nodes, rebuilding)
 
 
@@ -186,7 +195,7 @@ class Partial(Strategy):
 
     def react(self, nodes, rebuilding):
         load = self.ec.load_node * len(nodes)
-        return Reaction("partial", self.ec.reschedule + load, load=load)
+        return Reaction("partial", self.replace(nodes) + load, load=load)
 
 
 class Prioritized(Partial):
@@ -207,7 +216,7 @@ class Prioritized(Partial):
     def react(self, nodes, rebuilding):
         # the baseline and the prioritized saves since (about one baseline's worth of rows)
         load = 2 * self.ec.load_node * len(nodes)
-        return Reaction("partial", self.ec.reschedule + load, load=load)
+        return Reaction("partial", self.replace(nodes) + load, load=load)
 
 
 class Survivors(Partial):
@@ -234,7 +243,8 @@ class Auto(Strategy):
 
     def __init__(self, sc, ec):
         share = sc.expected_lost_share()  # the job's estimate before it measures one
-        costs = Costs(save=ec.stall, load=ec.load, reschedule=ec.reschedule, mtbf=sc.job_mtbf,
+        replace = ec.in_place(sc.ranks) if sc.spare_nodes else ec.reschedule
+        costs = Costs(save=ec.stall, load=ec.load, reschedule=replace, mtbf=sc.job_mtbf,
                       total=sc.train_seconds, partial_load=ec.load * share)
         self.decision = benefit_check(costs, DEFAULT_TARGET_PLS, sc.expected_lost_share())
         inner = Partial if self.decision.mode == "partial" else Strategy
