@@ -58,7 +58,11 @@ class StepUndo:
         self.last, self.current = self.current, None
 
     def undo_current(self) -> None:
-        """Take back whatever the interrupted step applied. Local."""
+        """Take back whatever the interrupted step applied, its dense gradients included: the
+        step is done again, and its backward would add to what the interrupted one left in
+        `.grad` (found as a wrong digest when a death landed between a step's backward and its
+        dense update: every rank's dense part then took a doubled gradient). Local."""
+        self.model.dense_optimizer.zero_grad(set_to_none=True)
         if self.current is not None:
             if self.parity is not None:
                 self.parity.abandon()
