@@ -174,6 +174,14 @@ class Rendezvous:
             return TRAINING_FINISHED
         return None
 
+    def done(self) -> None:
+        """Say this process is done with the store (its host waits for everyone; a waiting
+        spare reads it as the training's end). Local; a store already gone is no error."""
+        try:
+            self.store.add("finished", 1)
+        except (RuntimeError, OSError):
+            pass
+
     def give_up(self, why: str) -> None:
         """Say that the job stops recovering in place (the first reason stays). Local."""
         self.store.compare_set("fallback", "", why)

@@ -86,11 +86,3 @@ class Spare:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-
-    def done(self) -> None:
-        """Say this process is done with the store (the store's host waits for everyone).
-        Local."""
-        try:
-            self.rendezvous.store.add("finished", 1)
-        except (RuntimeError, OSError):
-            pass

@@ -196,11 +196,9 @@ def _serve_as_spare(spare, config, signals, mpi: bool) -> int:
         say(f"spare: waiting for a dead rank's slot (warmed up in {warm:.2f} s)")
         outcome = spare.wait(say)
     if isinstance(outcome, str):
-        import signal
-
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the launcher's notices of others' ends
+        _ignore_death_notices()
         say(f"spare: leaving: {outcome}")
-        spare.done()
+        spare.rendezvous.done()
         status = EXIT_PEER_LOST if "relaunch" in outcome else 0
         try:
             generation = spare.rendezvous.current()
@@ -276,10 +274,7 @@ def _leave(topo, status: int) -> int:
     _ignore_death_notices()
     generation = topo.generation
     if topo.rendezvous is not None:
-        try:
-            topo.rendezvous.store.add("finished", 1)
-        except (RuntimeError, OSError):
-            pass
+        topo.rendezvous.done()
     # The process group is released here: a gloo group left to the interpreter's teardown can
     # abort the process ("terminate called without an active exception", exit status 6).
     topo.close()
