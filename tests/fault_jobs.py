@@ -160,3 +160,23 @@ def survivor_steps(output: str) -> dict[int, int]:
 def relaunch_step(output: str) -> int | None:
     m = re.search(r"restored from their survivor dumps at step (\d+)", output)
     return int(m.group(1)) if m else None
+
+
+OPEN_MPI = "/usr/bin/mpirun.openmpi"
+OPEN_MPI_ARGS = ("--launcher-path", OPEN_MPI, "--launcher-arg=--allow-run-as-root",
+                 "--launcher-arg=--oversubscribe")
+"""mpickpt-run's arguments for a job under Open MPI's mpirun (as root, more ranks than cores)."""
+
+
+def open_mpi_skip() -> str | None:
+    """Why a test under Open MPI cannot run here (not installed, or mpi4py does not run under
+    it with MPI4PY_MPIABI=openmpi), or None."""
+    if not os.path.exists(OPEN_MPI):
+        return f"Open MPI is not installed ({OPEN_MPI}; Debian: apt-get install openmpi-bin)"
+    probe = subprocess.run([OPEN_MPI, "--allow-run-as-root", "--oversubscribe", "-n", "1",
+                            sys.executable, "-c", "from mpi4py import MPI; "
+                            "print(MPI.Get_library_version())"], capture_output=True, text=True,
+                           env=dict(os.environ, MPI4PY_MPIABI="openmpi"), timeout=60)
+    if "Open MPI" not in probe.stdout:
+        return f"mpi4py does not run under {OPEN_MPI}: {probe.stderr.strip()[-300:]}"
+    return None

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from tests.fault_jobs import Job, alive, digest_in, mpickpt_run, rank_of
+from tests.fault_jobs import (OPEN_MPI_ARGS, Job, alive, digest_in, mpickpt_run, open_mpi_skip,
+                              rank_of)
 from tests.launch import run_ranks
 
 FLAGS = ["--num-batches", "120", "--mini-batch-size", "256", "--print-freq", "1",
@@ -31,16 +32,17 @@ def clean_digest(tmp_path_factory) -> str:
 
 
 def _mpi_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("mpich_")}
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("mpich_", "vader_segment"))}
 
 
-def _trial(tmp_path, seed: int, recovery: str, spares: int = 0) -> tuple[Job, dict]:
+def _trial(tmp_path, seed: int, recovery: str, spares: int = 0, launcher=(),
+           env=None) -> tuple[Job, dict]:
     rng = random.Random(seed)
     kill_at = rng.randint(22, 45)
     segments = _mpi_segments()
-    job = Job(mpickpt_run("-n", "4", "--max-restarts", "1", "--", *FLAGS, "--ckpt-dir",
-                          str(tmp_path / "ckpt"), "--recovery", recovery, "--in-place", "on",
-                          "--spares", str(spares)))
+    job = Job(mpickpt_run("-n", "4", "--max-restarts", "1", *launcher, "--", *FLAGS,
+                          "--ckpt-dir", str(tmp_path / "ckpt"), "--recovery", recovery,
+                          "--in-place", "on", "--spares", str(spares)), env=env)
     try:
         assert job.wait_for_step(kill_at), job.output
         launched = job.ranks()
@@ -68,9 +70,17 @@ def _trainers_after_recovery(job: Job, timeout: float = 90) -> list[int]:
     return []
 
 
-@pytest.mark.parametrize("seed", [3])
-def test_a_killed_rank_is_replaced_in_place_with_parity(tmp_path, clean_digest, seed):
-    job, t = _trial(tmp_path, seed, "parity")
+@pytest.mark.parametrize("seed,launcher", [(3, "hydra"), (4, "openmpi")])
+def test_a_killed_rank_is_replaced_in_place_with_parity(tmp_path, clean_digest, seed, launcher):
+    """Under MPICH's hydra and under Open MPI's mpirun (4.x): the agent respawns the killed
+    trainer, the survivors keep their processes, the job ends with exit 0 and the failure-free
+    digest (Open MPI: though the later generation skips MPI_Finalize)."""
+    args, env = (), None
+    if launcher == "openmpi":
+        if open_mpi_skip():
+            pytest.skip(open_mpi_skip())
+        args, env = OPEN_MPI_ARGS, dict(os.environ, MPI4PY_MPIABI="openmpi")
+    job, t = _trial(tmp_path, seed, "parity", launcher=args, env=env)
     out = job.output
     assert f"rank {t['rank']}: its trainer (pid {t['pid']}) was killed by SIGKILL" in out, out
     found = _IN_PLACE.findall(out)

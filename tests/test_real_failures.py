@@ -25,7 +25,8 @@ import pytest
 from mpickpt.model.shard_plan import ShardPlan
 from mpickpt.store.manifest import list_manifests
 from mpickpt.survivors.dump import job_key
-from tests.fault_jobs import Job, digest_in, mpickpt_run, relaunch_step, survivor_steps
+from tests.fault_jobs import (OPEN_MPI, Job, digest_in, mpickpt_run, open_mpi_skip,
+                              relaunch_step, survivor_steps)
 from tests.launch import SMALL_MODEL, digest_of, run_ranks
 
 STEPS, INTERVAL = 100, 30
@@ -230,32 +231,19 @@ def test_a_stop_whose_checkpoint_cannot_be_written_says_so_and_exits_74(small_tm
     assert [s.step for s in list_manifests(str(ckpt))] == [10]
 
 
-OPEN_MPI = "/usr/bin/mpirun.openmpi"
-
-
-def _open_mpi_skip() -> str | None:
-    if not os.path.exists(OPEN_MPI):
-        return f"Open MPI is not installed ({OPEN_MPI}; Debian: apt-get install openmpi-bin)"
-    probe = subprocess.run([OPEN_MPI, "--allow-run-as-root", "--oversubscribe", "-n", "1",
-                            sys.executable, "-c", "from mpi4py import MPI; "
-                            "print(MPI.Get_library_version())"], capture_output=True, text=True,
-                           env=dict(os.environ, MPI4PY_MPIABI="openmpi"), timeout=60)
-    if "Open MPI" not in probe.stdout:
-        return f"mpi4py does not run under {OPEN_MPI}: {probe.stderr.strip()[-300:]}"
-    return None
-
-
+@pytest.mark.slow
 def test_survivors_exit_and_the_relaunch_recovers_under_open_mpi(tmp_path, parity_reference):
-    """Open MPI's mpirun kills the job when a rank dies (SIGTERM, then SIGKILL): the survivors
-    dump first, and mpickpt-run relaunches to the failure-free digest."""
-    reason = _open_mpi_skip()
+    """--in-place off: Open MPI's mpirun kills the job when a rank exits with a failure status
+    (SIGTERM, then SIGKILL): the survivors dump first, and mpickpt-run relaunches to the
+    failure-free digest. (In place, the default, is tests/test_in_place.py's.)"""
+    reason = open_mpi_skip()
     if reason:
         pytest.skip(reason)
     rng = random.Random(3)
     job = Job(mpickpt_run("-n", "4", "--max-restarts", "1", "--launcher-path", OPEN_MPI,
                           "--launcher-arg=--allow-run-as-root", "--launcher-arg=--oversubscribe",
                           "--", *SMALL_MODEL, *FOLLOW, *PARITY, "--num-batches", str(STEPS),
-                          "--digest", "--ckpt-dir", str(tmp_path / "ckpt")),
+                          "--digest", "--ckpt-dir", str(tmp_path / "ckpt"), "--in-place", "off"),
               env=dict(os.environ, MPI4PY_MPIABI="openmpi"))
     try:
         assert job.wait_for_step(rng.randint(10, STEPS - 20))

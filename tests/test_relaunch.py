@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from mpickpt.launch.command import launch_command, mpi_flavour
+from mpickpt.launch.command import (agents_respawn, launch_command, mpi_flavour,
+                                     open_mpi_flavour)
 from mpickpt.launch.relaunch import Relauncher, RunWatch, cause, ckpt_dir_of, main
 from mpickpt.mpiexec import mpiexec
 
@@ -91,6 +92,30 @@ def test_launch_commands():
     assert hydra[4:7] == [sys.executable, "-m", "mpickpt.launch.rank_wrapper"]
     with pytest.raises(ValueError, match="needs the number of ranks"):
         launch_command("mpiexec", None, [])
+
+
+@pytest.mark.parametrize("version,flavour", [
+    ("mpirun.openmpi (OpenRTE) 4.1.4\n\nReport bugs to ...", "openmpi"),
+    ("mpirun (Open MPI) 4.0.3", "openmpi"),
+    ("mpirun (Open MPI) 5.0.6\n", "prrte"),
+    ("prterun (PMIx Reference RunTime Environment) 3.0.3", "prrte"),
+    ("Intel(R) MPI Library for Linux* OS, Version 2021.10", "unknown"),
+])
+def test_open_mpi_versions(version, flavour):
+    assert open_mpi_flavour(version) == flavour
+
+
+def test_open_mpi_ranks_run_under_agents_that_may_end_without_finalize():
+    if not os.path.exists("/usr/bin/mpirun.openmpi"):
+        pytest.skip("Open MPI is not installed")
+    program = "/usr/bin/mpirun.openmpi"
+    if mpi_flavour(program) != "openmpi":
+        pytest.skip(f"{program} is not Open MPI 4.x")
+    cmd = launch_command("mpiexec", 3, ["--digest"], ["--oversubscribe"], program=program)
+    assert cmd[:6] == [program, "--mca", "orte_allowed_exit_without_sync", "1", "-n", "3"]
+    assert cmd[6:10] == ["--oversubscribe", sys.executable, "-m", "mpickpt.launch.rank_wrapper"]
+    assert agents_respawn("mpiexec", program) and agents_respawn("mpiexec")
+    assert not agents_respawn("mpiexec", "/bin/true")
 
 
 @pytest.mark.parametrize("argv,message", [

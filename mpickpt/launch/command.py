@@ -8,12 +8,17 @@ leaves the others alive long enough to dump their state.
   which turns a death by signal into an exit status.
 - `srun` keeps the other tasks alive by default (`--kill-on-bad-exit=0`); it needs the MPI plugin
   the MPI library speaks (`--mpi=pmi2` for MPICH, the pip wheel included).
-- Open MPI's `mpirun` kills the job when a rank dies whatever is asked; the survivors' dumps then
-  race its SIGTERM/SIGKILL, and the relaunch falls back to the checkpoint for any that lost.
+- Open MPI's `mpirun` (4.x, ORTE) kills the job when a rank it started dies or exits with a
+  status other than 0, whatever is asked. Each rank runs under the rank wrapper there too: a
+  trainer's death is then the agent's business (it respawns it in place, or exits with its
+  status, and mpirun ends the job), and `orte_allowed_exit_without_sync` lets ranks of a later
+  generation end without MPI_Finalize (which would wait for the dead rank), as they do under
+  hydra. Open MPI 5 (PRRTE) is run as before (not wrapped, in place off): not tried here.
 Local.
 """
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -24,7 +29,8 @@ LAUNCHERS = ("mpiexec", "srun")
 
 
 def mpi_flavour(program: str) -> str:
-    """'hydra' (MPICH), 'openmpi' or 'unknown', from `program --version`. Local."""
+    """'hydra' (MPICH), 'openmpi' (4.x and older, ORTE), 'prrte' (Open MPI 5 and later) or
+    'unknown', from `program --version`. Local."""
     try:
         out = subprocess.run([program, "--version"], capture_output=True, text=True,
                              timeout=20)
@@ -33,9 +39,29 @@ def mpi_flavour(program: str) -> str:
     text = out.stdout + out.stderr
     if "HYDRA" in text or "hydra" in text.lower():
         return "hydra"
-    if "Open MPI" in text or "OpenRTE" in text or "prterun" in text:
-        return "openmpi"
-    return "unknown"
+    return open_mpi_flavour(text)
+
+
+def open_mpi_flavour(version_text: str) -> str:
+    """'openmpi' for Open MPI 4.x and older (ORTE), 'prrte' for 5 and later, 'unknown' for
+    anything else, from what `mpirun --version` printed. Local and pure."""
+    m = re.search(r"\((?:Open ?MPI|OpenRTE)\) (\d+)\.", version_text)
+    if m:
+        return "openmpi" if int(m.group(1)) < 5 else "prrte"
+    return "prrte" if "prterun" in version_text or "PRRTE" in version_text else "unknown"
+
+
+WRAPPED = ("hydra", "openmpi")
+"""The mpiexec flavours whose ranks run under the rank wrapper (node agents that respawn)."""
+ORTE_NO_SYNC = ["--mca", "orte_allowed_exit_without_sync", "1"]
+"""Open MPI 4: a rank of a later generation ends without MPI_Finalize, which is no abnormal
+termination (the job's other ranks are not killed for it)."""
+
+
+def agents_respawn(launcher: str, program: str | None = None) -> bool:
+    """Whether `launch_command` runs every rank under a node agent that respawns a killed
+    trainer in place (mpickpt-run then asks for in-place recovery). Local."""
+    return launcher == "mpiexec" and mpi_flavour(program or mpiexec()) in WRAPPED
 
 
 def trainer_command(flags: list[str]) -> list[str]:
@@ -58,10 +84,12 @@ def launch_command(launcher: str, ranks: int | None, flags: list[str],
     program = program or mpiexec()
     if ranks is None:
         raise ValueError("mpiexec needs the number of ranks (-n)")
-    if mpi_flavour(program) != "hydra":
+    flavour = mpi_flavour(program)
+    if flavour not in WRAPPED:
         return [program, "-n", str(ranks), *extra, *trainer_command(flags)]
     wrapped = [sys.executable, "-m", "mpickpt.launch.rank_wrapper", *trainer_command(flags)]
-    return [program, "-disable-auto-cleanup", "-n", str(ranks), *extra, *wrapped]
+    keep_going = ["-disable-auto-cleanup"] if flavour == "hydra" else ORTE_NO_SYNC
+    return [program, *keep_going, "-n", str(ranks), *extra, *wrapped]
 
 
 def cleanup_command(launcher: str, nodes: str | None) -> list[str] | None:

@@ -25,7 +25,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from mpickpt.launch.command import LAUNCHERS, cleanup_command, launch_command
+from mpickpt.launch.command import (LAUNCHERS, agents_respawn, cleanup_command,
+                                     launch_command)
 from mpickpt.launch.mpich_shm import remove_orphans_saying
 from mpickpt.launch.rank_wrapper import IN_PLACE_VARIABLE, RESTART_VARIABLE
 from mpickpt.exit_codes import (EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_SAVE_FAILED, EXIT_SAVED,
@@ -247,7 +248,8 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
     nodes = os.environ.get("SLURM_JOB_NUM_NODES")
     return Relauncher(command, args.max_restarts, log, cleanup_command(args.launcher, nodes),
-                      in_place=(flag_value(flags, "--in-place") or "auto") != "off").run()
+                      in_place=(flag_value(flags, "--in-place") or "auto") != "off"
+                      and agents_respawn(args.launcher, args.launcher_path)).run()
 
 
 if __name__ == "__main__":
