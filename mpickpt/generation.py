@@ -16,6 +16,11 @@ Store keys (all under the job's store; G is a generation number):
 - `g<G>/dead/<rank>`: set by every survivor that saw `rank` dead when it left generation G (the
   union: deaths that happen together are seen one by one).
 - `finished`: how many processes are done with the store (trainers and spares at their end).
+- `completed`: the step the training completed at (rank 0, at a normal end): the run is done
+  whatever status its launcher reports (`mpickpt.launch.run_store`).
+- `agent_lost/<rank>`: the node agent of launcher rank `rank` died (`mpickpt-run`'s agent watch):
+  no respawn will come for that rank.
+- `spares_waiting`: how many hot spares wait for a slot now.
 - `fallback`: why the job gave up recovering in place (a survivor left for a relaunch); spares
   and replacements waiting for a slot leave when they see it.
 - `g<G>/pg/...`, `g<G>/ctl/...`: the rendezvous of G's training group and control channel.
@@ -31,9 +36,8 @@ import torch.distributed as dist
 
 from mpickpt.control import StoreControl
 from mpickpt.interruptible import Interruptible
+from mpickpt.job_variables import STORE_VARIABLE  # noqa: F401 (re-exported)
 
-STORE_VARIABLE = "MPICKPT_STORE"
-"""host:port of a rendezvous store hosted outside the trainers (set by the node agent)."""
 DEFAULT_JOIN_TIMEOUT = 120.0
 """Seconds a generation's members wait for each other before the in-place recovery gives up and
 the job falls back to a relaunch."""
@@ -174,6 +178,32 @@ class Rendezvous:
             return TRAINING_FINISHED
         return None
 
+    def agent_lost(self, rank: int) -> bool:
+        """Whether the node agent of launcher rank `rank` died (no respawn can come). Local."""
+        return self.store.check([f"agent_lost/{rank}"])
+
+    def spares_waiting(self, change: int = 0) -> int:
+        """How many hot spares wait for a slot, after adding `change` (a spare counts itself
+        in and out). Local."""
+        return int(self.store.add("spares_waiting", change))
+
+    def unreplaceable(self, generation: int, world: int) -> list[int]:
+        """Ranks that died at the end of the previous generation, whose slot in `generation`
+        nobody holds, whose node agent is gone (no respawn) while no spare waits: nobody can
+        come for them. Local."""
+        if generation == 0 or self.spares_waiting() > 0:
+            return []
+        return [r for r in self.dead_of(generation - 1, world)
+                if not self.slot_taken(generation, r) and self.agent_lost(r)]
+
+    def complete(self, step: int) -> None:
+        """Rank 0: the training completed at `step`. Local; a store already gone is no
+        error."""
+        try:
+            self.store.set("completed", str(step))
+        except (RuntimeError, OSError):
+            pass
+
     def done(self) -> None:
         """Say this process is done with the store (its host waits for everyone; a waiting
         spare reads it as the training's end). Local; a store already gone is no error."""
@@ -197,6 +227,7 @@ class Rendezvous:
         keys = [f"g{generation}/in/{r}" for r in range(world)]
         deadline = time.monotonic() + timeout_s
         recorded: set[int] = set()
+        next_look = time.monotonic() + 0.2
         while True:
             if more_dead is not None and generation > 0:
                 seen = set(more_dead()) - recorded
@@ -209,6 +240,13 @@ class Rendezvous:
             if self.store.check(keys):
                 return {r: int(self.store.get(k).decode().rpartition(":")[2])
                         for r, k in enumerate(keys)}
+            if time.monotonic() > next_look:
+                next_look = time.monotonic() + 0.2
+                lost = self.unreplaceable(generation, world)
+                if lost:
+                    raise GenerationError(f"generation {generation}: nobody can take rank(s) "
+                                          f"{lost}: their node agent is gone (no respawn) and "
+                                          f"no spare is waiting")
             if time.monotonic() > deadline:
                 missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
                 raise GenerationError(f"generation {generation}: rank(s) {missing} did not join "

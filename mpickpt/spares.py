@@ -64,11 +64,22 @@ class Spare:
         except (RuntimeError, OSError) as e:
             return f"the rendezvous store is gone ({e})"
 
+    def _count(self, change: int) -> bool:
+        """Count this spare in (+1) or out (-1) of the waiting ones (the survivors do not give
+        up on a rank whose agent is gone while one waits). Local; False if the store is
+        gone."""
+        try:
+            self.rendezvous.spares_waiting(change)
+            return True
+        except (RuntimeError, OSError):
+            return False
+
     def wait(self, say, poll_s: float = POLL_S) -> tuple[int, int] | str:
         """Wait for a dead rank's slot and claim it: (generation, rank), or why to leave
         instead. Local (the claim is atomic at the store)."""
         stopped = []
         previous = {s: signal.signal(s, lambda n, f: stopped.append(n)) for s in _STOP}
+        counted = self._count(+1)
         try:
             while not stopped:
                 try:
@@ -84,5 +95,7 @@ class Spare:
                 time.sleep(poll_s)
             return f"{signal.Signals(stopped[0]).name} received"
         finally:
+            if counted:
+                self._count(-1)
             for s, handler in previous.items():
                 signal.signal(s, handler)

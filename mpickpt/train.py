@@ -133,6 +133,8 @@ def _train(topo, trainer) -> int:
     try:
         trainer.run()
         status = stop_status(trainer)
+        if status == 0 and topo.is_root and topo.rendezvous is not None:
+            topo.rendezvous.complete(trainer.step)  # mpickpt-run: the run is done
     except (CriteoFormatError, Unrecoverable, CheckpointError) as e:
         # found mid-stream, on every rank at the same step (the same lines, the same injected
         # failure, an agreed restore), so this exit is collective

@@ -14,7 +14,7 @@ import pytest
 
 from tests.fault_jobs import (OPEN_MPI_ARGS, Job, alive, digest_in, mpickpt_run, open_mpi_skip,
                               rank_of)
-from tests.launch import run_ranks
+from tests.launch import descendants, run_ranks
 
 FLAGS = ["--num-batches", "120", "--mini-batch-size", "256", "--print-freq", "1",
          "--test-num-batches", "0", "--digest", "--ckpt-interval", "20", "--parity-k", "3"]
@@ -247,3 +247,69 @@ def test_a_trainer_killed_during_startup_ends_the_run_at_once(tmp_path, clean_di
 def test_startup_kills_randomized(tmp_path, clean_digest, seed):
     job, t = _startup_trial(tmp_path, seed)
     _check_startup_trial(job, t, clean_digest)
+
+
+NODES = ("--launcher-arg=-launcher", "--launcher-arg=fork", "--launcher-arg=-hosts",
+         "--launcher-arg=127.0.0.1:2,127.0.0.2:2,127.0.0.3:2")
+"""Hydra with one proxy per "host", all forked here: three emulated nodes of two processes
+each (ranks 0-1, 2-3, and the spares 4-5 when there are two)."""
+
+
+def _agent_of(job: Job, launcher_rank: int) -> int:
+    """The pid of the node agent (rank wrapper) of `launcher_rank`."""
+    for pid, cmd in descendants(job.proc.pid):
+        if "mpickpt.launch.rank_wrapper" in cmd:
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+            except OSError:
+                continue
+            if env.get(b"PMI_RANK") == str(launcher_rank).encode():
+                return pid
+    raise AssertionError(f"no agent of rank {launcher_rank}:\n{job.output[-2000:]}")
+
+
+def _node_loss(tmp_path, victim: int, spares: int) -> tuple[Job, int, int]:
+    """Kill the agent of launcher rank `victim` (its trainer dies with it, hydra's proxy ends
+    the rest of that emulated node) at a random step; (job, exit status, agent pid)."""
+    job = Job(mpickpt_run("-n", "4", "--max-restarts", "1", *NODES, "--", *FLAGS,
+                          "--ckpt-dir", str(tmp_path / "ckpt"), "--spares", str(spares)))
+    try:
+        assert job.wait_for_step(random.Random(victim).randint(25, 45)), job.output
+        agent = _agent_of(job, victim)
+        os.kill(agent, 9)
+        code = job.wait(240)
+    finally:
+        job.stop()
+    return job, code, agent
+
+
+def test_rank_0s_node_lost_with_spares_is_recovered_in_place(tmp_path, clean_digest):
+    """The node of ranks 0 and 1 is lost (rank 0's agent SIGKILLed; the store lives in
+    mpickpt-run, so the job goes on): the two spares on the third node take both ranks, two
+    losses exceed parity's r=1 so the generation rolls back to the checkpoint in place, and the
+    run counts as finished though hydra reports the killed agent."""
+    job, code, agent = _node_loss(tmp_path, 0, spares=2)
+    out = job.output
+    assert code == 0, out
+    found = re.findall(r"in-place recovery: generation 1 at step \d+: rank\(s\) \[([0-9, ]+)\] "
+                       r"replaced", out)
+    assert found and set(map(int, found[0].split(","))) >= {0}, out
+    assert "spare: took rank 0 of generation 1" in out, out
+    assert "relaunching" not in out and "exiting for a relaunch" not in out, out
+    assert "the training completed (step 120)" in out and "agents lost: [0" in out, out
+    assert digest_in(out) == clean_digest, out
+
+
+@pytest.mark.slow
+def test_a_lost_node_without_spares_falls_back_at_once(tmp_path, clean_digest):
+    """No spare, the agents of ranks 2-3 gone: nobody can take their ranks, so the survivors
+    give up at once (not after --join-timeout) and the relaunch resumes from their dumps."""
+    start = time.monotonic()
+    job, code, agent = _node_loss(tmp_path, 2, spares=0)
+    out = job.output
+    assert code == 0 and "nobody can take rank(s) [2" in out, out
+    assert "relaunching (restart 1 of 1)" in out, out
+    assert "restored from their survivor dumps" in out, out
+    assert digest_in(out) == clean_digest, out
+    assert time.monotonic() - start < 100, "the survivors waited for a respawn"

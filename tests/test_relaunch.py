@@ -112,8 +112,12 @@ def test_open_mpi_ranks_run_under_agents_that_may_end_without_finalize():
     if mpi_flavour(program) != "openmpi":
         pytest.skip(f"{program} is not Open MPI 4.x")
     cmd = launch_command("mpiexec", 3, ["--digest"], ["--oversubscribe"], program=program)
-    assert cmd[:6] == [program, "--mca", "orte_allowed_exit_without_sync", "1", "-n", "3"]
-    assert cmd[6:10] == ["--oversubscribe", sys.executable, "-m", "mpickpt.launch.rank_wrapper"]
+    assert cmd[:4] == [program, "--mca", "orte_allowed_exit_without_sync", "1"]
+    exported = [cmd[i + 1] for i, a in enumerate(cmd) if a == "-x"]
+    assert exported == ["MPICKPT_IN_PLACE", "MPICKPT_RESTART", "MPICKPT_STORE", "MPICKPT_AGENTS"]
+    at = cmd.index("-n")
+    assert cmd[at:at + 6] == ["-n", "3", "--oversubscribe", sys.executable, "-m",
+                              "mpickpt.launch.rank_wrapper"]
     assert agents_respawn("mpiexec", program) and agents_respawn("mpiexec")
     assert not agents_respawn("mpiexec", "/bin/true")
 

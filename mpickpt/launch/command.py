@@ -56,6 +56,9 @@ WRAPPED = ("hydra", "openmpi")
 ORTE_NO_SYNC = ["--mca", "orte_allowed_exit_without_sync", "1"]
 """Open MPI 4: a rank of a later generation ends without MPI_Finalize, which is no abnormal
 termination (the job's other ranks are not killed for it)."""
+RUN_VARIABLES = ("MPICKPT_IN_PLACE", "MPICKPT_RESTART", "MPICKPT_STORE", "MPICKPT_AGENTS")
+"""What mpickpt-run sets for every rank of a run: Open MPI's mpirun passes them to other nodes
+only when named (`-x`); hydra and srun pass the whole environment."""
 
 
 def agents_respawn(launcher: str, program: str | None = None) -> bool:
@@ -88,7 +91,8 @@ def launch_command(launcher: str, ranks: int | None, flags: list[str],
     if flavour not in WRAPPED:
         return [program, "-n", str(ranks), *extra, *trainer_command(flags)]
     wrapped = [sys.executable, "-m", "mpickpt.launch.rank_wrapper", *trainer_command(flags)]
-    keep_going = ["-disable-auto-cleanup"] if flavour == "hydra" else ORTE_NO_SYNC
+    keep_going = ["-disable-auto-cleanup"] if flavour == "hydra" else \
+        ORTE_NO_SYNC + [x for name in RUN_VARIABLES for x in ("-x", name)]
     return [program, *keep_going, "-n", str(ranks), *extra, *wrapped]
 
 

@@ -18,12 +18,17 @@ Two jobs:
 - **Leftover shared memory.** MPI's node-local segments (`/dev/shm/mpich_shm_*`, ...) that
   appeared while the agent ran and that no process holds any more are deleted when it ends: a
   killed rank, or a generation that skipped MPI_Finalize, leaves them behind.
-- **In-place recovery** (`MPICKPT_IN_PLACE=1`, set by `mpickpt-run`): the agent of launcher rank
-  0 hosts the job's rendezvous store (so the store outlives rank 0's trainer), and every agent
-  starts a replacement when its trainer is killed by a signal: the same command, without MPI, told
-  which rank it replaces (`MPICKPT_REPLACES`) and where the store is. The replacement joins the
-  survivors' next generation (`mpickpt.generation`). A trainer that exits with a status (done,
-  bad input, stopped on a signal, or a survivor leaving for a relaunch) is not replaced.
+- **In-place recovery** (`MPICKPT_IN_PLACE=1`, set by `mpickpt-run`, which hosts the run's
+  rendezvous store and agent watch, `mpickpt.launch.run_store`): every agent tells the watch it
+  lives, and starts a replacement when its trainer is killed by a signal: the same command,
+  without MPI, told which rank it replaces (`MPICKPT_REPLACES`) and where the store is. The
+  replacement joins the survivors' next generation (`mpickpt.generation`). A trainer that exits
+  with a status (done, bad input, stopped on a signal, or a survivor leaving for a relaunch) is
+  not replaced.
+- **The trainer dies with its agent** (a parent-death signal, SIGKILL): a killed agent (or its
+  lost node) takes its trainer along, instead of leaving an orphan that trains on while the
+  launcher counts its rank gone. The survivors then see one death, and the agent watch tells
+  them that no respawn will come for it.
 Local.
 """
 from __future__ import annotations
@@ -38,6 +43,8 @@ import tempfile
 import time
 
 from mpickpt.background import JOB_SIGNALS
+from mpickpt.job_variables import AGENTS_VARIABLE, STORE_VARIABLE
+from mpickpt.launch.run_store import announce, goodbye
 
 IN_PLACE_VARIABLE = "MPICKPT_IN_PLACE"
 RESTART_VARIABLE = "MPICKPT_RESTART"
@@ -56,14 +63,12 @@ DEFAULT_RESPAWNS = 3
 """Replacements one agent starts before it lets a death end its rank (a relaunch then)."""
 _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
 _SIZE_VARIABLES = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS")
+_PR_SET_PDEATHSIG = 1
 _MPI_ONLY = ("PMI_FD", "PMI_PORT", "PMI_ID", "PMI_RANK", "PMI_SIZE", "PMI_HOSTNAME",
              "PMIX_RANK", "PMIX_NAMESPACE", "PMIX_SERVER_URI2", "PMIX_SERVER_URI21")
 FINISHED = "finished"
 STORE_CHECK_S = 10.0
 """Seconds an agent waits for the job's store before it decides the job is gone."""
-FINISH_WAIT = 10.0
-"""Seconds the store's host waits, after its own trainer ended, for the other ranks to finish
-with the store."""
 
 
 def launcher_slot(environ) -> tuple[int | None, int | None]:
@@ -89,7 +94,7 @@ class Agent:
         value = self.env.get(RESPAWNS_VARIABLE, "").strip()
         self.respawns_left = int(value) if value.isdigit() else DEFAULT_RESPAWNS
         self.say = say or (lambda m: print(f"mpickpt-agent: {m}", file=sys.stderr, flush=True))
-        self.store = self.address = None
+        self.address = self.env.get(STORE_VARIABLE) or None
         self.folder: str | None = None
         self.respawned = 0
         self.end_by_signal: int | None = None
@@ -99,14 +104,11 @@ class Agent:
         env = dict(self.env)
         self.folder = tempfile.mkdtemp(prefix=f"mpickpt-agent-{self.rank}-")
         env[AGENT_VARIABLE] = self.folder
-        if self.in_place and self.rank == 0:
-            from mpickpt.generation import STORE_VARIABLE, host_store
-
-            self.store, self.address = host_store()
-            env[STORE_VARIABLE] = self.address
+        watch = announce(self.env.get(AGENTS_VARIABLE), self.rank) if self.in_place else None
         since = time.time()
-        try:
-            child = subprocess.Popen(self.cmd, close_fds=False, env=env)  # PMI_FD goes along
+        try:  # PMI_FD goes along
+            child = subprocess.Popen(self.cmd, close_fds=False, env=env,
+                                     preexec_fn=_die_with_parent)
             _close_pmi_fd(self.env)
             status = child.wait()
             if status < 0 and not self._started():
@@ -119,9 +121,9 @@ class Agent:
                     break
                 child = self._replace(child.pid, -status, env)
                 status = child.wait()
-            self._wait_for_finish(status)
             return status
         finally:
+            goodbye(watch)
             shutil.rmtree(self.folder, ignore_errors=True)
             from mpickpt.launch.mpich_shm import remove_orphans_saying
 
@@ -157,7 +159,8 @@ class Agent:
         return None
 
     def _store_address(self) -> str | None:
-        """The store's address: hosted here, or left by the trainer in the agent's folder."""
+        """The store's address: mpickpt-run's (in this agent's environment), or the one the
+        trainer left in the agent's folder."""
         if self.address is None and self.folder:
             try:
                 with open(os.path.join(self.folder, STARTED_FILE)) as f:
@@ -167,8 +170,6 @@ class Agent:
         return self.address
 
     def _replace(self, pid: int, signum: int, env: dict) -> subprocess.Popen:
-        from mpickpt.generation import STORE_VARIABLE
-
         self.respawns_left -= 1
         self.respawned += 1
         self.say(f"rank {self.rank}: its trainer (pid {pid}) was killed by "
@@ -179,18 +180,7 @@ class Agent:
         child_env[STORE_VARIABLE] = self._store_address()
         # born ignoring hydra's SIGUSR1 (an ignored disposition survives exec): the death notices
         # of this very failure arrive while the interpreter starts, before any handler exists
-        return subprocess.Popen(self.cmd, env=child_env, preexec_fn=_ignore_usr1)
-
-    def _wait_for_finish(self, status: int) -> None:
-        """The store's host stays until every rank said it is done with the store (or a
-        while), so that a rank finishing last does not lose it."""
-        if self.store is None or status != 0:
-            return
-        deadline = time.monotonic() + FINISH_WAIT
-        while time.monotonic() < deadline:
-            if int(self.store.add("finished", 0)) >= (self.size or 1):
-                return
-            time.sleep(0.05)
+        return subprocess.Popen(self.cmd, env=child_env, preexec_fn=_replacement_start)
 
 
 def main(argv=None) -> int:
@@ -232,7 +222,19 @@ def _signal_name(n: int) -> str:
         return f"signal {n}"
 
 
-def _ignore_usr1() -> None:
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the agent dies (Linux's PR_SET_PDEATHSIG; the
+    agent forks from its only thread). Elsewhere nothing."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    except (OSError, AttributeError):
+        pass
+
+
+def _replacement_start() -> None:
+    _die_with_parent()
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 

@@ -29,6 +29,7 @@ from mpickpt.launch.command import (LAUNCHERS, agents_respawn, cleanup_command,
                                      launch_command)
 from mpickpt.launch.mpich_shm import remove_orphans_saying
 from mpickpt.launch.rank_wrapper import IN_PLACE_VARIABLE, RESTART_VARIABLE
+from mpickpt.job_variables import AGENTS_VARIABLE, STORE_VARIABLE
 from mpickpt.exit_codes import (EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_SAVE_FAILED, EXIT_SAVED,
                                 EXIT_STARTUP_FAILED)
 
@@ -130,8 +131,28 @@ class Relauncher:
     def _one_run(self) -> tuple[int, RunWatch, float]:
         if self.cleanup:  # a requeued job's first step needs it too
             subprocess.run(self.cleanup, check=False, stdin=subprocess.DEVNULL)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **{RESTART_VARIABLE: str(self.restarts)},
-                   **({IN_PLACE_VARIABLE: "1"} if self.in_place else {}))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{RESTART_VARIABLE: str(self.restarts),
+                                                        IN_PLACE_VARIABLE: "0",
+                                                        STORE_VARIABLE: "", AGENTS_VARIABLE: ""})
+        host = None
+        if self.in_place:  # a store and agent watch of this run's own, outliving its ranks
+            from mpickpt.launch.run_store import RunStore
+
+            host = RunStore()
+            env.update(host.environment(), **{IN_PLACE_VARIABLE: "1"})
+        try:
+            status, watch, seconds = self._launch(env)
+            if status != 0 and host is not None and host.completed() is not None:
+                self.say(f"the training completed (step {host.completed()}); the launcher's "
+                         f"status {status} comes from rank(s) lost on the way (agents lost: "
+                         f"{host.lost_agents() or 'none'}): the run counts as finished")
+                status = 0
+            return status, watch, seconds
+        finally:
+            if host is not None:
+                host.close()
+
+    def _launch(self, env: dict) -> tuple[int, RunWatch, float]:
         watch, start, since = RunWatch(), time.monotonic(), time.time()
         self._proc = subprocess.Popen(self.command, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, env=env, bufsize=0)
