@@ -2,7 +2,7 @@
 
 A job starts in generation 0. Every change of membership (a rank died and a replacement takes its
 place) starts the next generation: its members meet at the rendezvous (a TCPStore, hosted by a
-process that outlives trainers: the node agent of rank 0 under `mpickpt-run`), and build a new
+process that outlives trainers: `mpickpt-run`, beside the launcher), and build a new
 training process group and a new control channel (`mpickpt.control.StoreControl`) under the
 generation's own key prefix. The old generation's groups are aborted, never waited on, so no
 survivor hangs on a dead peer. MPI is not used after the job started: a replacement process never

@@ -100,7 +100,7 @@ class Topology:
         """Build the topology of generation 0. Collective over `comm` (default MPI.COMM_WORLD).
 
         The rendezvous store is agreed over MPI, so users set no environment variables: rank 0
-        uses the store its node agent hosts ($MPICKPT_STORE, set by `mpickpt-run`) or opens one
+        uses the store `mpickpt-run` hosts ($MPICKPT_STORE, set by `mpickpt-run`) or opens one
         itself on a free port, and broadcasts the address. Nothing after this uses MPI.
         The last `spares` processes of `comm` do not train: each gets a `mpickpt.spares.Spare`
         instead of a Topology, and the job's world is the others.
