@@ -142,8 +142,9 @@ class Relauncher:
             env.update(host.environment(), **{IN_PLACE_VARIABLE: "1"})
         try:
             status, watch, seconds = self._launch(env)
-            if status != 0 and host is not None and host.completed() is not None:
-                self.say(f"the training completed (step {host.completed()}); the launcher's "
+            done = host.completed() if status != 0 and host is not None else None
+            if done is not None:
+                self.say(f"the training completed (step {done}); the launcher's "
                          f"status {status} comes from rank(s) lost on the way (agents lost: "
                          f"{host.lost_agents() or 'none'}): the run counts as finished")
                 status = 0
