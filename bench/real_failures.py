@@ -17,7 +17,9 @@ processes):
 - full: no dumps; every rank rolls back to the last checkpoint (what a plain restart does);
 - parity-inplace, partial-inplace, full-inplace: the same recoveries without the relaunch;
 - parity-spare: parity in place, but a hot spare launched with the job (`--spares 1`, waiting
-  warm) takes the dead rank instead of its respawn.
+  warm) takes the dead rank instead of its respawn;
+- parity-warm: parity in place, the respawn from the dead rank's own agent, which keeps a warm
+  standby process (`--warm-respawn`).
 
 Every line of the job's output is time-stamped as it arrives. Per trial: detect + dump (kill to
 the first survivor's line, which it prints once its dump is written, and the dump time it
@@ -73,8 +75,10 @@ STRATEGIES = {
     "full-inplace": ["--recovery", "full", "--in-place", "on"],
     "parity-spare": ["--parity-k", "3", "--recovery", "parity", "--in-place", "on", "--spares",
                      "1"],
+    "parity-warm": ["--parity-k", "3", "--recovery", "parity", "--in-place", "on",
+                    "--warm-respawn"],
 }
-IN_PLACE = ("parity-inplace", "partial-inplace", "full-inplace", "parity-spare")
+IN_PLACE = ("parity-inplace", "partial-inplace", "full-inplace", "parity-spare", "parity-warm")
 _IN_PLACE = re.compile(r"in-place recovery: generation \d+ at step (\d+): .*?; ([\d.]+) s on the "
                        r"survivors \(join ([\d.]+) s, agree ([\d.]+) s\)")
 _REBUILT = re.compile(r"parity: rebuilt ranks")
@@ -119,9 +123,11 @@ class StampedJob:
             time.sleep(0.005)
 
     def ranks(self) -> list[int]:
+        """The trainers (and waiting spares), not the agents' warm standbys."""
         return sorted(pid for pid, cmd in descendants(self.proc.pid)
                       if " -m mpickpt.train" in f" {cmd}" and "multiprocessing" not in cmd
-                      and "rank_wrapper" not in cmd and not cmd.split()[0].endswith("mpiexec"))
+                      and "rank_wrapper" not in cmd and not cmd.split()[0].endswith("mpiexec")
+                      and b"MPICKPT_STANDBY=1" not in _environ(pid))
 
     def finish(self, timeout: float = 1800) -> int:
         code = self.proc.wait(timeout)
@@ -176,10 +182,17 @@ def trial(strategy: str, seed: int, ranks: int, interval: int) -> dict:
     return measure(job, strategy, killed)
 
 
+def _environ(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def launch_rank(pid: int) -> int:
     """The launcher's rank of a process (PMI_RANK in its environment; spares are the last)."""
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    env = dict(kv.split(b"=", 1) for kv in _environ(pid).split(b"\0") if b"=" in kv)
     return int(env.get(b"PMI_RANK", b"0"))
 
 
@@ -307,7 +320,7 @@ def plot(trials: dict[str, list[dict]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 5))
     colors = {"parity": "tab:green", "partial": "tab:blue", "full": "tab:red",
               "parity-inplace": "lime", "partial-inplace": "deepskyblue",
-              "full-inplace": "orange", "parity-spare": "magenta"}
+              "full-inplace": "orange", "parity-spare": "magenta", "parity-warm": "purple"}
     for name, rows in trials.items():
         tl = rows[0]["timeline"]
         t0 = tl["killed"]
@@ -396,6 +409,10 @@ def main() -> int:
               f"survivors' rate during the rebuild: "
               + (f"{rate:.2f} of before (target >= 0.9: {'met' if rate >= 0.9 else 'MISSED'})"
                  if rate is not None else "- (the rebuild ended within two steps)"))
+    if "parity-warm" in summary:
+        print(f"in-place parity (warm standby respawn) / full rollback: "
+              f"{ratios['parity-warm']:.3f} (target <= 1/8 = 0.125: "
+              f"{'met' if ratios['parity-warm'] <= 0.125 else 'MISSED'})")
     if "parity-spare" in summary:
         spare = summary["parity-spare"]
         print(f"in-place parity (hot spare) / full rollback: {ratios['parity-spare']:.3f} (target "

@@ -18,6 +18,7 @@ trainers'); after a generation change nobody finalizes MPI.
 """
 from __future__ import annotations
 
+import importlib
 import signal
 import time
 from dataclasses import dataclass
@@ -30,6 +31,21 @@ _STOP = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
 """Signals that end a waiting spare's wait (a stop of the whole job). Hydra's SIGUSR1, its notice
 that a rank exited, is not one: that rank's death is what a spare waits for (the caller's
 `StopSignals.notices_only`)."""
+
+
+def warm_up(config) -> float:
+    """Do now what a replacement's first model build pays once per process (a hot spare's, a
+    warm standby's): a torch optimizer's first construction imports torch._dynamo (1.4 s
+    measured here, most of a replacement's start); the dense part and its optimizer are built
+    and dropped, and the trainer's modules imported. Returns the seconds it took. Local."""
+    start = time.perf_counter()
+    importlib.import_module("mpickpt.trainer")  # the imports a replacement pays
+    from mpickpt.model.dense import DLRMDense
+    from mpickpt.model.optimizers import make_dense_optimizer
+
+    dense = DLRMDense(config.arch)
+    make_dense_optimizer(config.optim, dense.parameters())
+    return time.perf_counter() - start
 
 
 @dataclass
@@ -45,17 +61,8 @@ class Spare:
     timeout_s: float
 
     def warm_up(self, config) -> float:
-        """Do now what a replacement's first model build pays once per process: a torch
-        optimizer's first construction imports torch._dynamo (1.4 s measured here, most of a
-        replacement's start); the dense part and its optimizer are built and dropped. Returns
-        the seconds it took. Local."""
-        from mpickpt.model.dense import DLRMDense
-        from mpickpt.model.optimizers import make_dense_optimizer
-
-        start = time.perf_counter()
-        dense = DLRMDense(config.arch)
-        make_dense_optimizer(config.optim, dense.parameters())
-        return time.perf_counter() - start
+        """`warm_up(config)`. Local."""
+        return warm_up(config)
 
     def over(self) -> str | None:
         """Why this spare is not needed any more (see `wait`), or None. Local."""

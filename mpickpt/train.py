@@ -46,7 +46,10 @@ def main(argv=None) -> int:
     import signal
 
     from mpickpt.launch.rank_wrapper import REPLACES_VARIABLE
+    from mpickpt.launch.standby import STANDBY_VARIABLE
 
+    if os.environ.get(STANDBY_VARIABLE):
+        return standby_main(argv)
     if os.environ.get(REPLACES_VARIABLE):
         # hydra's notices that a process of generation 0 ended without MPI_Finalize (the
         # survivors' ends after a recovery) must not kill a replacement still importing; its
@@ -143,6 +146,26 @@ def _train(topo, trainer) -> int:
     finally:
         trainer.close()
     return _leave(topo, status)
+
+
+def standby_main(argv=None) -> int:
+    """A node agent's warm standby (`mpickpt.launch.standby`): warm up now, wait for the agent to
+    hand over a dead trainer's place, then go on as its replacement; status 0 when the agent
+    ends first. Local until it takes over."""
+    import os
+
+    from mpickpt.generation import STORE_VARIABLE
+    from mpickpt.launch.rank_wrapper import REPLACES_VARIABLE
+    from mpickpt.launch.standby import read_assignment
+    from mpickpt.spares import warm_up
+    from mpickpt.train_flags import TrainConfig
+
+    warm_up(TrainConfig.from_args(argv))  # the flags the job started with: already checked
+    assignment = read_assignment(sys.stdin.buffer)
+    if assignment is None:
+        return 0
+    os.environ[REPLACES_VARIABLE], os.environ[STORE_VARIABLE] = assignment
+    return replacement_main(argv)
 
 
 def replacement_main(argv=None) -> int:

@@ -61,11 +61,13 @@ class Job:
         return True
 
     def ranks(self) -> list[int]:
-        """Pids of the trainer processes of this job (not launchers, not their workers)."""
+        """Pids of the trainer processes of this job (not launchers, not their workers, not
+        warm standbys: `--warm-respawn`'s, even once one took over)."""
         return sorted(pid for pid, cmd in descendants(self.proc.pid)
                       if " -m mpickpt.train" in f" {cmd}" and "multiprocessing" not in cmd
                       and "mpickpt.launch.rank_wrapper" not in cmd
-                      and not os.path.basename(cmd.split()[0]).startswith(("mpiexec", "srun")))
+                      and not os.path.basename(cmd.split()[0]).startswith(("mpiexec", "srun"))
+                      and not _is_standby(pid))
 
     def kill_rank(self, sig: int = signal.SIGKILL, pick=None) -> tuple[int, int]:
         """Send `sig` to one trainer process (`pick` chooses from the sorted pids); returns its
@@ -108,6 +110,14 @@ class Job:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _is_standby(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return b"\0MPICKPT_STANDBY=1\0" in b"\0" + f.read()
+    except OSError:
+        return False
 
 
 def rank_of(pid: int) -> int:

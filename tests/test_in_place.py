@@ -36,13 +36,13 @@ def _mpi_segments() -> set[str]:
 
 
 def _trial(tmp_path, seed: int, recovery: str, spares: int = 0, launcher=(),
-           env=None) -> tuple[Job, dict]:
+           env=None, more=()) -> tuple[Job, dict]:
     rng = random.Random(seed)
     kill_at = rng.randint(22, 45)
     segments = _mpi_segments()
     job = Job(mpickpt_run("-n", "4", "--max-restarts", "1", *launcher, "--", *FLAGS,
                           "--ckpt-dir", str(tmp_path / "ckpt"), "--recovery", recovery,
-                          "--in-place", "on", "--spares", str(spares)), env=env)
+                          "--in-place", "on", "--spares", str(spares), *more), env=env)
     try:
         assert job.wait_for_step(kill_at), job.output
         launched = job.ranks()
@@ -99,6 +99,22 @@ def test_a_killed_rank_is_replaced_in_place_with_parity(tmp_path, clean_digest, 
     assert not t["segments_left"], f"MPI segments left in /dev/shm: {t['segments_left']}"
     assert (tmp_path / "ckpt" / "mpickpt-restarts.log").read_text().count("in-place recovery") \
         == 1
+
+
+def test_a_warm_standby_takes_its_killed_trainers_place(tmp_path, clean_digest):
+    """--warm-respawn: the dead trainer's agent hands its place to the standby it keeps warm
+    (started after the trainer's startup), which joins as the replacement."""
+    job, t = _trial(tmp_path, 6, "parity", more=("--warm-respawn",))
+    out = job.output
+    started = re.findall(rf"rank {t['rank']}: warm standby started \(pid (\d+)\)", out)
+    assert started, out
+    assert f"rank {t['rank']}: the warm standby (pid {started[0]}) takes over" in out, out
+    assert [int(p) for p in _REPLACED_BY.findall(out)] == [int(started[0])], out
+    assert t["code"] == 0 and digest_in(out) == clean_digest, out
+    assert "relaunching" not in out and len(_IN_PLACE.findall(out)) == 1, out
+    assert set(t["survivors"]) <= set(t["after"]), (t, out)
+    assert not [p for p in t["after"] if alive(p)], "a process outlived the job"
+    assert not t["segments_left"], f"MPI segments left in /dev/shm: {t['segments_left']}"
 
 
 @pytest.mark.parametrize("seed", [5])
@@ -269,44 +285,46 @@ def _agent_of(job: Job, launcher_rank: int) -> int:
     raise AssertionError(f"no agent of rank {launcher_rank}:\n{job.output[-2000:]}")
 
 
-def _node_loss(tmp_path, victim: int, spares: int) -> tuple[Job, int, int]:
-    """Kill the agent of launcher rank `victim` (its trainer dies with it, hydra's proxy ends
-    the rest of that emulated node) at a random step; (job, exit status, agent pid)."""
+def _node_loss(tmp_path, node: int, spares: int) -> tuple[Job, int, list[int]]:
+    """Lose emulated node `node` at a random step: SIGKILL the agents of its two ranks at once
+    (each trainer dies with its agent); (job, exit status, the agents' pids)."""
     job = Job(mpickpt_run("-n", "4", "--max-restarts", "1", *NODES, "--", *FLAGS,
                           "--ckpt-dir", str(tmp_path / "ckpt"), "--spares", str(spares)))
     try:
-        assert job.wait_for_step(random.Random(victim).randint(25, 45)), job.output
-        agent = _agent_of(job, victim)
-        os.kill(agent, 9)
+        assert job.wait_for_step(random.Random(node).randint(25, 45)), job.output
+        agents = [_agent_of(job, rank) for rank in (2 * node, 2 * node + 1)]
+        for agent in agents:
+            os.kill(agent, 9)
         code = job.wait(240)
     finally:
         job.stop()
-    return job, code, agent
+    return job, code, agents
 
 
 def test_rank_0s_node_lost_with_spares_is_recovered_in_place(tmp_path, clean_digest):
-    """The node of ranks 0 and 1 is lost (rank 0's agent SIGKILLed; the store lives in
-    mpickpt-run, so the job goes on): the two spares on the third node take both ranks, two
-    losses exceed parity's r=1 so the generation rolls back to the checkpoint in place, and the
-    run counts as finished though hydra reports the killed agent."""
-    job, code, agent = _node_loss(tmp_path, 0, spares=2)
+    """The node of ranks 0 and 1 is lost (their agents SIGKILLed; the store lives in
+    mpickpt-run, so the job goes on): the two spares on the third node take both ranks in one
+    generation, two losses exceed parity's r=1 so the generation rolls back to the checkpoint
+    in place, and the run counts as finished though hydra reports the killed agents."""
+    job, code, agents = _node_loss(tmp_path, 0, spares=2)
     out = job.output
     assert code == 0, out
-    found = re.findall(r"in-place recovery: generation 1 at step \d+: rank\(s\) \[([0-9, ]+)\] "
+    found = re.findall(r"in-place recovery: generation 1 at step \d+: rank\(s\) \[0, 1\] "
                        r"replaced", out)
-    assert found and set(map(int, found[0].split(","))) >= {0}, out
+    assert len(found) == 1 and len(_IN_PLACE.findall(out)) == 0, out
     assert "spare: took rank 0 of generation 1" in out, out
+    assert "spare: took rank 1 of generation 1" in out, out
     assert "relaunching" not in out and "exiting for a relaunch" not in out, out
-    assert "the training completed (step 120)" in out and "agents lost: [0" in out, out
+    assert "the training completed (step 120)" in out and "agents lost: [0, 1]" in out, out
     assert digest_in(out) == clean_digest, out
 
 
 @pytest.mark.slow
 def test_a_lost_node_without_spares_falls_back_at_once(tmp_path, clean_digest):
-    """No spare, the agents of ranks 2-3 gone: nobody can take their ranks, so the survivors
+    """No spare, the node of ranks 2-3 lost: nobody can take their ranks, so the survivors
     give up at once (not after --join-timeout) and the relaunch resumes from their dumps."""
     start = time.monotonic()
-    job, code, agent = _node_loss(tmp_path, 2, spares=0)
+    job, code, agents = _node_loss(tmp_path, 1, spares=0)
     out = job.output
     assert code == 0 and "nobody can take rank(s) [2" in out, out
     assert "relaunching (restart 1 of 1)" in out, out

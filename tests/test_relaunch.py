@@ -86,6 +86,8 @@ def test_launch_commands():
     srun = launch_command("srun", None, ["--digest"], ["-N2"], srun_mpi="pmix")
     assert srun[:3] == ["srun", "--mpi=pmix", "--kill-on-bad-exit=0"] and "-N2" in srun
     assert srun[-3:] == ["-m", "mpickpt.train", "--digest"]
+    assert srun[4:7] == [sys.executable, "-m", "mpickpt.launch.rank_wrapper"]  # an agent per task
+    assert agents_respawn("srun")
     assert mpi_flavour(mpiexec()) == "hydra"
     hydra = launch_command("mpiexec", 4, ["--digest"])
     assert hydra[1:4] == ["-disable-auto-cleanup", "-n", "4"]
@@ -114,7 +116,8 @@ def test_open_mpi_ranks_run_under_agents_that_may_end_without_finalize():
     cmd = launch_command("mpiexec", 3, ["--digest"], ["--oversubscribe"], program=program)
     assert cmd[:4] == [program, "--mca", "orte_allowed_exit_without_sync", "1"]
     exported = [cmd[i + 1] for i, a in enumerate(cmd) if a == "-x"]
-    assert exported == ["MPICKPT_IN_PLACE", "MPICKPT_RESTART", "MPICKPT_STORE", "MPICKPT_AGENTS"]
+    assert exported == ["MPICKPT_IN_PLACE", "MPICKPT_RESTART", "MPICKPT_STORE", "MPICKPT_AGENTS",
+                        "MPICKPT_WARM_RESPAWN"]
     at = cmd.index("-n")
     assert cmd[at:at + 6] == ["-n", "3", "--oversubscribe", sys.executable, "-m",
                               "mpickpt.launch.rank_wrapper"]

@@ -2,8 +2,9 @@
 a 2-rank job trains to the same digest as `mpiexec -n 2`, and with no MPI plugin
 (SRUN_MPI=none) it stops at the launch check with exit 2; `scontrol requeue` mid-run resumes to the
 uninterrupted digest; `scancel --signal=TERM` commits an emergency checkpoint at the step reached
-and the job's own requeue replays no step; a rank SIGKILLed under srun is relaunched inside the
-allocation and the job ends with the failure-free digest (parity on). Skipped with the reason
+and the job's own requeue replays no step; a rank SIGKILLed under srun is replaced in place by its
+agent (the survivors keep their processes; with --in-place off, slow: relaunched inside the
+allocation) and the job ends with the failure-free digest (parity on). Skipped with the reason
 where Slurm is not installed or this is not root."""
 import os
 import re
@@ -39,7 +40,8 @@ def submit(slurm, tmp_path, ranks: int, steps: int, *args: str, **env) -> tuple[
     job_env = dict(MODEL_ENV, VENV=str(Path(sys.executable).parents[1]),
                    NUM_BATCHES=str(steps), CKPT_DIR=str(tmp_path / "ckpt"),
                    PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", **env)
-    job = slurm.sbatch(SCRIPT, "-N", "1", f"--ntasks={ranks}", "--cpus-per-task=1",
+    job = slurm.sbatch(SCRIPT, "-N", "1", f"--ntasks={ranks}", f"--ntasks-per-node={ranks}",
+                       "--cpus-per-task=1",
                        f"--output={out}", "--time=10", script_args=[*TRAIN_ARGS, *args],
                        env=job_env)
     return job, out
@@ -61,7 +63,8 @@ def last_step(text: str) -> int:
 
 
 def trainer_pids(ckpt: Path) -> list[int]:
-    """The job's trainer processes (found by their checkpoint directory on the command line)."""
+    """The job's trainer processes (found by their checkpoint directory on the command line; not
+    srun, not the tasks' agents)."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -72,6 +75,7 @@ def trainer_pids(ckpt: Path) -> list[int]:
         except OSError:
             continue
         if " -m mpickpt.train " in cmd and str(ckpt) in cmd and "multiprocessing" not in cmd \
+                and "rank_wrapper" not in cmd \
                 and os.path.basename(cmd.split()[0]).startswith("python"):  # not srun
             pids.append(int(entry))
     return sorted(pids)
@@ -152,9 +156,41 @@ def test_scancel_term_saves_the_step_reached_and_the_requeue_replays_none(slurm,
     assert "stopped on a signal with its checkpoint committed; requeueing" in log
 
 
-def test_a_rank_sigkilled_under_srun_is_relaunched_in_the_allocation(slurm, tmp_path, reference):
+@pytest.mark.parametrize("spares", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_a_rank_sigkilled_under_srun_is_replaced_in_place(slurm, tmp_path, reference, spares):
+    """In place is the default under the script: the dead task's agent respawns its trainer
+    inside the step (or, with a fifth task and --spares 1, the waiting spare takes the rank), the
+    survivors keep their processes, parity rebuilds the lost shard."""
     ckpt = tmp_path / "ckpt"
-    job, out = submit(slurm, tmp_path, 4, 120, "--parity-k", "3", CKPT_INTERVAL="40")
+    job, out = submit(slurm, tmp_path, 4 + spares, 120, "--parity-k", "3", "--spares",
+                      str(spares), CKPT_INTERVAL="40")
+    wait_for(out, r"^step 60/", 180)
+    pids = trainer_pids(ckpt)
+    assert len(pids) == 4 + spares, pids
+    victim = [p for p in pids if rank_of(p) < 4][2]
+    rank = rank_of(victim)
+    os.kill(victim, signal.SIGKILL)
+    found = wait_for(out, r"in-place recovery: generation 1 at step (\d+): rank\(s\) "
+                          r"\[(\d+)\] replaced", 120)
+    assert int(found.group(2)) == rank
+    after = trainer_pids(ckpt)
+    result = slurm.wait_job(job, timeout=240)
+    text = out.read_text()
+    assert (result.state, result.exit_code) == ("COMPLETED", 0), text[-4000:]
+    assert slurm.job_info(job)["Restarts"] == "0"
+    assert "relaunching" not in text and f"parity: rebuilt ranks [{rank}]" in text, text[-4000:]
+    assert set(pids) - {victim} <= set(after) and victim not in after, (pids, after)
+    assert (f"spare: took rank {rank} of generation 1" in text) == bool(spares), text[-4000:]
+    assert digest_in(text) == reference(4, 120, "--parity-k", "3")
+    assert "in-place recovery" in (ckpt / "mpickpt-restarts.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_rank_sigkilled_under_srun_is_relaunched_in_the_allocation(slurm, tmp_path, reference):
+    """--in-place off: the survivors dump and exit, mpickpt-run relaunches the step."""
+    ckpt = tmp_path / "ckpt"
+    job, out = submit(slurm, tmp_path, 4, 120, "--parity-k", "3", "--in-place", "off",
+                      CKPT_INTERVAL="40")
     wait_for(out, r"^step 60/", 180)
     pids = trainer_pids(ckpt)
     assert len(pids) == 4, pids

@@ -227,12 +227,13 @@ def test_scripted_losses_fire_once_each_in_step_order():
 
 
 def test_spares_are_refused_where_nothing_can_place_them():
-    """--spares needs in-place recovery under a respawning agent and a rank left to train;
-    mpickpt-run -n N launches N + S processes."""
+    """--spares and --warm-respawn need in-place recovery under a respawning agent, and spares
+    a rank left to train; mpickpt-run -n N launches N + S processes."""
     from mpickpt.launch.relaunch import processes
 
     agent = {"MPICKPT_AGENT_DIR": "/tmp/a", "MPICKPT_IN_PLACE": "1", "MPICKPT_RESTART": "0"}
     RecoveryConfig(spares=1).check_launcher(agent, 5)
+    RecoveryConfig(warm_respawn=True).check_launcher(agent, 4)
     for rec, environ, n, message in [
             (RecoveryConfig(spares=4), agent, 4, r"--spares 4 leaves no rank to train among the "
                                                  r"launch's 4 processes"),
@@ -241,7 +242,14 @@ def test_spares_are_refused_where_nothing_can_place_them():
                                                                  r"needs in-place recovery, not "
                                                                  r"--in-place off"),
             (RecoveryConfig(spares=2), {}, 6, r"--spares 2 needs in-place recovery, which needs "
-                                              r"the node agents that mpickpt-run starts")]:
+                                              r"the node agents that mpickpt-run starts "
+                                              r"\(MPICH's mpiexec, Open MPI 4's mpirun, srun"),
+            (RecoveryConfig(warm_respawn=True), {}, 4, r"--warm-respawn keeps a standby .* not a "
+                                                      r"launch without them"),
+            (RecoveryConfig(warm_respawn=True, in_place="off"), agent, 4,
+             r"--warm-respawn .* needs in-place recovery under mpickpt-run's agents, not "
+             r"--in-place off"),
+            (RecoveryConfig(in_place="on"), {}, 4, r"--in-place on needs the node agents")]:
         with pytest.raises(ValueError, match=message):
             rec.check_launcher(environ, n)
     assert processes(4, ["--spares", "1", "--parity-k", "3"]) == 5

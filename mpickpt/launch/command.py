@@ -6,8 +6,9 @@ leaves the others alive long enough to dump their state.
   in order, see `mpickpt.survivors.survival`), unless a signal ended the dead rank: then its node's
   proxy SIGKILLs them at its next event, so each rank runs under `mpickpt.launch.rank_wrapper`,
   which turns a death by signal into an exit status.
-- `srun` keeps the other tasks alive by default (`--kill-on-bad-exit=0`); it needs the MPI plugin
-  the MPI library speaks (`--mpi=pmi2` for MPICH, the pip wheel included).
+- `srun` keeps the other tasks alive when one ends (`--kill-on-bad-exit=0`); it needs the MPI
+  plugin the MPI library speaks (`--mpi=pmi2` for MPICH, the pip wheel included). Each task runs
+  under the rank wrapper too, so that a killed trainer is respawned in place inside the step.
 - Open MPI's `mpirun` (4.x, ORTE) kills the job when a rank it started dies or exits with a
   status other than 0, whatever is asked. Each rank runs under the rank wrapper there too: a
   trainer's death is then the agent's business (it respawns it in place, or exits with its
@@ -56,7 +57,8 @@ WRAPPED = ("hydra", "openmpi")
 ORTE_NO_SYNC = ["--mca", "orte_allowed_exit_without_sync", "1"]
 """Open MPI 4: a rank of a later generation ends without MPI_Finalize, which is no abnormal
 termination (the job's other ranks are not killed for it)."""
-RUN_VARIABLES = ("MPICKPT_IN_PLACE", "MPICKPT_RESTART", "MPICKPT_STORE", "MPICKPT_AGENTS")
+RUN_VARIABLES = ("MPICKPT_IN_PLACE", "MPICKPT_RESTART", "MPICKPT_STORE", "MPICKPT_AGENTS",
+                 "MPICKPT_WARM_RESPAWN")
 """What mpickpt-run sets for every rank of a run: Open MPI's mpirun passes them to other nodes
 only when named (`-x`); hydra and srun pass the whole environment."""
 
@@ -64,7 +66,8 @@ only when named (`-x`); hydra and srun pass the whole environment."""
 def agents_respawn(launcher: str, program: str | None = None) -> bool:
     """Whether `launch_command` runs every rank under a node agent that respawns a killed
     trainer in place (mpickpt-run then asks for in-place recovery). Local."""
-    return launcher == "mpiexec" and mpi_flavour(program or mpiexec()) in WRAPPED
+    return launcher == "srun" or \
+        launcher == "mpiexec" and mpi_flavour(program or mpiexec()) in WRAPPED
 
 
 def trainer_command(flags: list[str]) -> list[str]:
@@ -81,7 +84,7 @@ def launch_command(launcher: str, ranks: int | None, flags: list[str],
         cmd = [program or "srun", f"--mpi={srun_mpi}", "--kill-on-bad-exit=0"]
         if ranks is not None:
             cmd += ["-n", str(ranks)]
-        return cmd + list(extra) + trainer_command(flags)
+        return cmd + list(extra) + wrapped(flags)
     if launcher != "mpiexec":
         raise ValueError(f"launcher {launcher!r}: expected one of {', '.join(LAUNCHERS)}")
     program = program or mpiexec()
@@ -90,10 +93,14 @@ def launch_command(launcher: str, ranks: int | None, flags: list[str],
     flavour = mpi_flavour(program)
     if flavour not in WRAPPED:
         return [program, "-n", str(ranks), *extra, *trainer_command(flags)]
-    wrapped = [sys.executable, "-m", "mpickpt.launch.rank_wrapper", *trainer_command(flags)]
     keep_going = ["-disable-auto-cleanup"] if flavour == "hydra" else \
         ORTE_NO_SYNC + [x for name in RUN_VARIABLES for x in ("-x", name)]
-    return [program, *keep_going, "-n", str(ranks), *extra, *wrapped]
+    return [program, *keep_going, "-n", str(ranks), *extra, *wrapped(flags)]
+
+
+def wrapped(flags: list[str]) -> list[str]:
+    """The trainer under its node agent (`mpickpt.launch.rank_wrapper`). Local."""
+    return [sys.executable, "-m", "mpickpt.launch.rank_wrapper", *trainer_command(flags)]
 
 
 def cleanup_command(launcher: str, nodes: str | None) -> list[str] | None:

@@ -45,6 +45,7 @@ import time
 from mpickpt.background import JOB_SIGNALS
 from mpickpt.job_variables import AGENTS_VARIABLE, STORE_VARIABLE
 from mpickpt.launch.run_store import announce, goodbye
+from mpickpt.launch.standby import WARM_VARIABLE, Standby
 
 IN_PLACE_VARIABLE = "MPICKPT_IN_PLACE"
 RESTART_VARIABLE = "MPICKPT_RESTART"
@@ -99,18 +100,22 @@ class Agent:
         self.respawned = 0
         self.end_by_signal: int | None = None
         """Set when the agent should end by this signal (a failed start) instead of a status."""
+        self.standby: Standby | None = None
+        """The warm standby (`--warm-respawn`, `mpickpt.launch.standby`), in place only."""
 
     def run(self) -> int:
         env = dict(self.env)
         self.folder = tempfile.mkdtemp(prefix=f"mpickpt-agent-{self.rank}-")
         env[AGENT_VARIABLE] = self.folder
         watch = announce(self.env.get(AGENTS_VARIABLE), self.rank) if self.in_place else None
+        if self.in_place and self.env.get(WARM_VARIABLE) == "1":
+            self.standby = Standby(self.cmd, _without_mpi(env), _replacement_start)
         since = time.time()
         try:  # PMI_FD goes along
             child = subprocess.Popen(self.cmd, close_fds=False, env=env,
                                      preexec_fn=_die_with_parent)
             _close_pmi_fd(self.env)
-            status = child.wait()
+            status = self._wait(child)
             if status < 0 and not self._started():
                 return self._failed_start(child.pid, -status)
             while status < 0:
@@ -120,14 +125,29 @@ class Agent:
                 if why_not is not None:
                     break
                 child = self._replace(child.pid, -status, env)
-                status = child.wait()
+                status = self._wait(child)
             return status
         finally:
+            if self.standby is not None:
+                self.standby.drop()
             goodbye(watch)
             shutil.rmtree(self.folder, ignore_errors=True)
             from mpickpt.launch.mpich_shm import remove_orphans_saying
 
             remove_orphans_saying(since, self.say)
+
+    def _wait(self, child: subprocess.Popen) -> int:
+        """Wait for the trainer's end; meanwhile keep a warm standby once it has started."""
+        if self.standby is None:
+            return child.wait()
+        while True:
+            try:
+                return child.wait(timeout=0.25)
+            except subprocess.TimeoutExpired:
+                pass
+            if self._started() and self.standby.due():
+                self.say(f"rank {self.rank}: warm standby started (pid "
+                         f"{self.standby.start()})")
 
     def _started(self) -> bool:
         return os.path.exists(os.path.join(self.folder, STARTED_FILE))
@@ -175,8 +195,14 @@ class Agent:
         self.say(f"rank {self.rank}: its trainer (pid {pid}) was killed by "
                  f"{_signal_name(signum)}; starting a replacement in place (respawn "
                  f"{self.respawned}, {self.respawns_left} left)")
-        child_env = {k: v for k, v in env.items() if k not in _MPI_ONLY}
-        child_env[REPLACES_VARIABLE] = f"{self.rank}/{self.size}/{socket.gethostname()}:{pid}"
+        replaces = f"{self.rank}/{self.size}/{socket.gethostname()}:{pid}"
+        warm = self.standby.take_over(replaces, self._store_address()) \
+            if self.standby is not None else None
+        if warm is not None:
+            self.say(f"rank {self.rank}: the warm standby (pid {warm.pid}) takes over")
+            return warm
+        child_env = _without_mpi(env)
+        child_env[REPLACES_VARIABLE] = replaces
         child_env[STORE_VARIABLE] = self._store_address()
         # born ignoring hydra's SIGUSR1 (an ignored disposition survives exec): the death notices
         # of this very failure arrive while the interpreter starts, before any handler exists
@@ -203,6 +229,11 @@ def main(argv=None) -> int:
     # at once: an interpreter shutting down restores the default dispositions, and a SIGUSR1
     # meant for the rank would then end the wrapper by a signal after all
     os._exit(status if status >= 0 else 128 - status)
+
+
+def _without_mpi(env: dict) -> dict:
+    """A replacement's environment: no launcher connection (it never joins MPI). Local."""
+    return {k: v for k, v in env.items() if k not in _MPI_ONLY}
 
 
 def _close_pmi_fd(environ) -> None:

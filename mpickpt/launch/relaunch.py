@@ -29,6 +29,7 @@ from mpickpt.launch.command import (LAUNCHERS, agents_respawn, cleanup_command,
                                      launch_command)
 from mpickpt.launch.mpich_shm import remove_orphans_saying
 from mpickpt.launch.rank_wrapper import IN_PLACE_VARIABLE, RESTART_VARIABLE
+from mpickpt.launch.standby import WARM_VARIABLE
 from mpickpt.job_variables import AGENTS_VARIABLE, STORE_VARIABLE
 from mpickpt.exit_codes import (EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_SAVE_FAILED, EXIT_SAVED,
                                 EXIT_STARTUP_FAILED)
@@ -93,10 +94,13 @@ class Relauncher:
     """The relaunch loop of one job. `run()` returns the exit status to pass on. Local."""
 
     def __init__(self, command: list[str], max_restarts: int, log_path: str | None,
-                 cleanup: list[str] | None = None, say=None, in_place: bool = True):
+                 cleanup: list[str] | None = None, say=None, in_place: bool = True,
+                 warm: bool = False):
         """`in_place`: the rank agents replace a trainer killed by a signal inside the run
-        (survivors keep their processes); a relaunch is then the fallback."""
+        (survivors keep their processes); a relaunch is then the fallback. `warm`: the agents
+        keep a warm standby for that (`--warm-respawn`)."""
         self.in_place = in_place
+        self.warm = warm and in_place
         self.command, self.max_restarts = command, max_restarts
         self.log_path, self.cleanup = log_path, cleanup
         self.say = say or (lambda m: print(f"mpickpt-run: {m}", file=sys.stderr, flush=True))
@@ -133,7 +137,8 @@ class Relauncher:
             subprocess.run(self.cleanup, check=False, stdin=subprocess.DEVNULL)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **{RESTART_VARIABLE: str(self.restarts),
                                                         IN_PLACE_VARIABLE: "0",
-                                                        STORE_VARIABLE: "", AGENTS_VARIABLE: ""})
+                                                        STORE_VARIABLE: "", AGENTS_VARIABLE: "",
+                                                        WARM_VARIABLE: "1" if self.warm else ""})
         host = None
         if self.in_place:  # a store and agent watch of this run's own, outliving its ranks
             from mpickpt.launch.run_store import RunStore
@@ -218,9 +223,6 @@ def ckpt_dir_of(flags: list[str]) -> str | None:
     return flag_value(flags, "--ckpt-dir")
 
 
-
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mpickpt-run", description="Run mpickpt-train under mpiexec or srun and relaunch "
@@ -271,7 +273,8 @@ def main(argv=None) -> int:
     nodes = os.environ.get("SLURM_JOB_NUM_NODES")
     return Relauncher(command, args.max_restarts, log, cleanup_command(args.launcher, nodes),
                       in_place=(flag_value(flags, "--in-place") or "auto") != "off"
-                      and agents_respawn(args.launcher, args.launcher_path)).run()
+                      and agents_respawn(args.launcher, args.launcher_path),
+                      warm="--warm-respawn" in flags).run()
 
 
 if __name__ == "__main__":

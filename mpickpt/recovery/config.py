@@ -71,6 +71,11 @@ class RecoveryConfig:
     """hot spares: the last S processes of the launch train nothing until a rank dies, then one
     takes its place in place (faster than a respawn, and it outlives the loss of the dead rank's
     node); mpickpt-run -n N launches N + S processes. Needs in-place recovery"""
+    warm_respawn: bool = option(False, switch=True)
+    """each node agent keeps a warm standby process (imported and warmed up, waiting) that
+    takes its trainer's place at once when the trainer is killed, instead of a process
+    started after the death (seconds of Python and torch start); one idle process per rank.
+    Needs in-place recovery"""
     startup_timeout: float = option(300.0, parse=positive_float, metavar="S")
     """seconds from a trainer's start to its first step (MPI_Init, the groups, the model, the
     restore) before it gives up on a peer that never came and exits 77 for a relaunch"""
@@ -101,9 +106,14 @@ class RecoveryConfig:
         """`--in-place on` and `--spares` need a node agent that respawns; spares must leave a
         rank to train among the launch's `processes` (ValueError naming the fix). Local."""
         if self.in_place == "on" and not _respawning_agent(environ):
-            raise ValueError("--in-place on needs the node agents that mpickpt-run starts under "
-                             "MPICH's mpiexec (this rank has none: plain mpiexec, srun or Open "
-                             "MPI); run under mpickpt-run, or use --in-place auto or off")
+            raise ValueError("--in-place on needs the node agents that mpickpt-run starts "
+                             f"({AGENT_LAUNCHERS}; this rank has none: a launch without "
+                             "mpickpt-run); run under mpickpt-run, or use --in-place auto or off")
+        if self.warm_respawn and (self.in_place == "off" or not _respawning_agent(environ)):
+            raise ValueError("--warm-respawn keeps a standby for the node agent's respawn in "
+                             "place; it needs in-place recovery under mpickpt-run's agents, not "
+                             + ("--in-place off" if self.in_place == "off" else
+                                f"a launch without them (they run under {AGENT_LAUNCHERS})"))
         if not self.spares:
             return
         if self.in_place == "off":
@@ -111,9 +121,10 @@ class RecoveryConfig:
                              f"needs in-place recovery, not --in-place off")
         if not _respawning_agent(environ):
             raise ValueError(f"--spares {self.spares} needs in-place recovery, which needs the "
-                             f"node agents that mpickpt-run starts under MPICH's mpiexec (this "
-                             f"rank has none: plain mpiexec, srun or Open MPI); run under "
-                             f"mpickpt-run -n N, which launches N + {self.spares} processes")
+                             f"node agents that mpickpt-run starts ({AGENT_LAUNCHERS}; this rank "
+                             f"has none); run under mpickpt-run -n N, which launches N + "
+                             f"{self.spares} processes (under srun: allocate N + "
+                             f"{self.spares} tasks)")
         if processes is not None and self.spares >= processes:
             raise ValueError(f"--spares {self.spares} leaves no rank to train among the "
                              f"launch's {processes} processes: the spares are the last "
@@ -128,9 +139,13 @@ class RecoveryConfig:
         return self.target_pls if self.target_pls is not None else DEFAULT_TARGET_PLS
 
 
+AGENT_LAUNCHERS = "MPICH's mpiexec, Open MPI 4's mpirun, srun"
+"""The launchers under which mpickpt-run starts respawning node agents (refusals name them)."""
+
+
 def _respawning_agent(environ) -> bool:
-    """This rank runs under a node agent that respawns a dead trainer (mpickpt-run under hydra
-    sets MPICKPT_IN_PLACE=1 for it)."""
+    """This rank runs under a node agent that respawns a dead trainer (mpickpt-run sets
+    MPICKPT_IN_PLACE=1 for it under the AGENT_LAUNCHERS)."""
     return bool(environ.get(AGENT_VARIABLE)) and environ.get(IN_PLACE_VARIABLE) == "1"
 
 
