@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import time
 
 import numpy as np
 import torch
@@ -145,9 +146,16 @@ class StoreControl:
         return self.store.check([self._next_key(tag)])
 
     def recv(self, tag: int = 0):
-        """The next message for this rank with `tag`, waiting for it."""
+        """The next message for this rank with `tag`, waiting for it; an abort from another
+        thread ends the wait (GenerationAborted: the sender may be dead). The store is polled
+        (1 ms, backing off to 20 ms): TCPStore's own wait with a timeout logs a warning per
+        slice."""
         key = self._next_key(tag)
-        self.store.wait([key])
+        pause = 0.001
+        while not self.store.check([key]):
+            self.interrupt.check()
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
         data = self.store.get(key)
         self.store.delete_key(key)
         self._next_in[tag] = self._next_in.get(tag, 1) + 1

@@ -31,6 +31,7 @@ import datetime
 import os
 import socket
 import time
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
@@ -44,7 +45,19 @@ the job falls back to a relaunch."""
 
 
 TRAINING_FINISHED = "the training finished"
-"""`Rendezvous.job_over` when a member is done with the store."""
+"""`Rendezvous.job_over`'s reason when a member is done with the store."""
+
+
+@dataclass(frozen=True)
+class JobOver:
+    """Why a process waiting for a slot leaves: `reason` in words, and whether the job falls
+    back to a relaunch (the process then ends with the survivors' EXIT_PEER_LOST, else 0)."""
+
+    reason: str
+    relaunch: bool = False
+
+    def __str__(self) -> str:
+        return self.reason
 
 
 class GenerationError(RuntimeError):
@@ -73,7 +86,11 @@ def rendezvous_host() -> str:
         return "127.0.0.1"
 
 
-def host_store(timeout_s: float = 300.0):
+STORE_TIMEOUT_S = 300.0
+"""Seconds a store or group operation may take before it fails (the default everywhere)."""
+
+
+def host_store(timeout_s: float = STORE_TIMEOUT_S):
     """A TCPStore server on a free port of this host; returns (store, "host:port"). Local."""
     host = rendezvous_host()
     store = dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
@@ -81,7 +98,7 @@ def host_store(timeout_s: float = 300.0):
     return store, f"{host}:{store.port}"
 
 
-def connect_store(address: str, timeout_s: float = 300.0):
+def connect_store(address: str, timeout_s: float = STORE_TIMEOUT_S):
     """A client of the store at "host:port". Local."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -169,13 +186,14 @@ class Rendezvous:
                 return g, rank
         return None
 
-    def job_over(self) -> str | None:
+    def job_over(self) -> JobOver | None:
         """Why a process waiting for a slot should leave, or None: the training finished (a
         member is done with the store) or the job gave up recovering in place. Local."""
         if self.store.check(["fallback"]):
-            return "the job falls back to a relaunch: " + self.store.get("fallback").decode()
+            return JobOver("the job falls back to a relaunch: "
+                           + self.store.get("fallback").decode(), relaunch=True)
         if int(self.store.add("finished", 0)) > 0:
-            return TRAINING_FINISHED
+            return JobOver(TRAINING_FINISHED)
         return None
 
     def agent_lost(self, rank: int) -> bool:

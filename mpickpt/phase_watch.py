@@ -23,6 +23,8 @@ import time
 
 HOOK_LIMIT = 5.0
 """Seconds the exit hooks may take once a deadline has passed (they may wait on the stuck phase)."""
+POLL_S = 0.5
+"""Seconds between two questions to `abandoned`."""
 BACKSTOP = HOOK_LIMIT + 3.0
 """Seconds after the deadline at which faulthandler ends a process whose Python threads cannot
 run."""
@@ -31,16 +33,20 @@ run."""
 class PhaseWatch:
     """One deadline over named phases (`phase` moves on, `end` disarms). Local; any thread."""
 
-    def __init__(self, what: str, limit_s: float, status: int, say=None, before_exit=None):
+    def __init__(self, what: str, limit_s: float, status: int, say=None, before_exit=None,
+                 abandoned=None):
         """`before_exit`: run (at most `HOOK_LIMIT` seconds, on a thread of its own) before the
         process ends on an expired deadline, e.g. the exit hooks that stop background
-        workers."""
+        workers. `abandoned()`: asked every `POLL_S` seconds; a reason (str) ends the process
+        at once as a passed deadline does: the job gave up on what this phase waits for (a
+        replacement stuck in a group's rendezvous after the survivors fell back to a
+        relaunch)."""
         if not limit_s > 0:
             raise ValueError(f"{what} deadline {limit_s!r}: expected seconds > 0")
         self.what, self.limit_s, self.status = what, float(limit_s), status
         self.say = say or (lambda m: print(f"mpickpt: {m}", file=sys.stderr, flush=True))
         self.current = "start"
-        self.before_exit = before_exit
+        self.before_exit, self.abandoned = before_exit, abandoned
         self.started = time.monotonic()
         self._ended = threading.Event()
         self._thread = threading.Thread(target=self._watch, name=f"mpickpt-{what}-watch",
@@ -59,10 +65,19 @@ class PhaseWatch:
         return time.monotonic() - self.started
 
     def _watch(self) -> None:
-        if self._ended.wait(self.limit_s):
-            return
-        self.say(f"{self.what} did not finish within {self.limit_s:g} s (stuck in "
-                 f"{self.current}); ending this process with status {self.status}")
+        deadline = self.started + self.limit_s
+        why = None
+        while why is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                why = f"did not finish within {self.limit_s:g} s"
+            elif self._ended.wait(min(left, POLL_S) if self.abandoned else left):
+                return
+            elif self.abandoned is not None:
+                reason = self._abandoned()
+                why = f"was abandoned ({reason})" if reason else None
+        self.say(f"{self.what} {why} (stuck in {self.current}); ending this process with "
+                 f"status {self.status}")
         if self.before_exit is not None:
             hooks = threading.Thread(target=self.before_exit, daemon=True)
             hooks.start()
@@ -70,3 +85,11 @@ class PhaseWatch:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(self.status)
+
+    def _abandoned(self) -> str | None:
+        try:
+            return self.abandoned()
+        except Exception as e:  # noqa: BLE001 (a failed question is no reason to end)
+            self.say(f"{self.what}: could not ask whether it was abandoned: {e}")
+            self.abandoned = None
+            return None

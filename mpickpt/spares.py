@@ -23,7 +23,7 @@ import signal
 import time
 from dataclasses import dataclass
 
-from mpickpt.generation import Rendezvous
+from mpickpt.generation import JobOver, Rendezvous
 
 POLL_S = 0.05
 """Seconds between a waiting spare's looks at the store (one round trip each)."""
@@ -64,12 +64,12 @@ class Spare:
         """`warm_up(config)`. Local."""
         return warm_up(config)
 
-    def over(self) -> str | None:
+    def over(self) -> JobOver | None:
         """Why this spare is not needed any more (see `wait`), or None. Local."""
         try:
             return self.rendezvous.job_over()
         except (RuntimeError, OSError) as e:
-            return f"the rendezvous store is gone ({e})"
+            return _store_gone(e)
 
     def _count(self, change: int) -> bool:
         """Count this spare in (+1) or out (-1) of the waiting ones (the survivors do not give
@@ -81,7 +81,7 @@ class Spare:
         except (RuntimeError, OSError):
             return False
 
-    def wait(self, say, poll_s: float = POLL_S) -> tuple[int, int] | str:
+    def wait(self, say, poll_s: float = POLL_S) -> tuple[int, int] | JobOver:
         """Wait for a dead rank's slot and claim it: (generation, rank), or why to leave
         instead. Local (the claim is atomic at the store)."""
         stopped = []
@@ -98,11 +98,16 @@ class Spare:
                         say(f"spare: took rank {slot[1]} of generation {slot[0]}")
                         return slot
                 except (RuntimeError, OSError) as e:  # the store's host is gone: the job is
-                    return f"the rendezvous store is gone ({e})"
+                    return _store_gone(e)
                 time.sleep(poll_s)
-            return f"{signal.Signals(stopped[0]).name} received"
+            return JobOver(f"{signal.Signals(stopped[0]).name} received")
         finally:
             if counted:
                 self._count(-1)
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+
+def _store_gone(error) -> JobOver:
+    """The store's host (mpickpt-run) is gone: the job is over, nothing to relaunch here."""
+    return JobOver(f"the rendezvous store is gone ({error})")

@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         return started
     if not isinstance(started, tuple):  # a hot spare
         _tell_agent(started.rendezvous.address)
-        return _serve_as_spare(started, config, signals, mpi=True)
+        return _serve_as_spare(started, config, signals)
     topo, trainer = started
     _tell_agent(topo.rendezvous.address if topo.rendezvous is not None else None)
     return _train(topo, trainer)
@@ -145,7 +145,7 @@ def _train(topo, trainer) -> int:
         topo.control.Barrier()
     finally:
         trainer.close()
-    return _leave(topo, status)
+    return _leave(topo, status, finalize=not trainer.survival.in_place)
 
 
 def standby_main(argv=None) -> int:
@@ -175,7 +175,8 @@ def replacement_main(argv=None) -> int:
     whose rank a hot spare took first, or the respawn of a spare, serves as a spare."""
     import os
 
-    from mpickpt.generation import STORE_VARIABLE, Rendezvous, SlotTaken, connect_store
+    from mpickpt.generation import (STORE_TIMEOUT_S, STORE_VARIABLE, Rendezvous, SlotTaken,
+                                    connect_store)
     from mpickpt.launch.rank_wrapper import REPLACES_VARIABLE
     from mpickpt.spares import Spare
     from mpickpt.stop_signals import StopSignals
@@ -195,21 +196,23 @@ def replacement_main(argv=None) -> int:
                 config, signals, f"the replacement of rank {rank}",
                 lambda: Topology.from_store(address, rank, world, local_rank,
                                             backend=config.run.backend, join_timeout_s=join_s,
-                                            dead=dead or None))
+                                            dead=dead or None),
+                Rendezvous(connect_store(address, join_s), address))
             return _train(topo, trainer)
         except SlotTaken as e:
             print(f"mpickpt-train: {e}; this process serves as a spare", file=sys.stderr,
                   flush=True)
     spare = Spare(Rendezvous(connect_store(address, join_s), address), world, local_rank, 1,
-                  choose_backend(config.run.backend), 300.0)
-    return _serve_as_spare(spare, config, signals, mpi=False)
+                  choose_backend(config.run.backend), STORE_TIMEOUT_S)
+    return _serve_as_spare(spare, config, signals)
 
 
-def _serve_as_spare(spare, config, signals, mpi: bool) -> int:
-    """Wait for a dead rank's slot, then train as that rank; or leave when the job ends.
-    `mpi`: this process went through MPI_Init (a launched spare), so in generation 0 it returns
-    for the interpreter's MPI_Finalize. Collective with the generation it joins, if any."""
+def _serve_as_spare(spare, config, signals) -> int:
+    """Wait for a dead rank's slot, then train as that rank; or leave when the job ends
+    (without MPI_Finalize, as the trainers under agents do: a launched spare's would wait for
+    them forever). Collective with the generation it joins, if any."""
     from mpickpt.exit_codes import EXIT_PEER_LOST
+    from mpickpt.generation import JobOver
     from mpickpt.topology import Topology
 
     def say(message):
@@ -220,39 +223,39 @@ def _serve_as_spare(spare, config, signals, mpi: bool) -> int:
         warm = spare.warm_up(config)
         say(f"spare: waiting for a dead rank's slot (warmed up in {warm:.2f} s)")
         outcome = spare.wait(say)
-    if isinstance(outcome, str):
+    if isinstance(outcome, JobOver):
         _ignore_death_notices()
         say(f"spare: leaving: {outcome}")
         spare.rendezvous.done()
-        status = EXIT_PEER_LOST if "relaunch" in outcome else 0
-        try:
-            generation = spare.rendezvous.current()
-        except (RuntimeError, OSError):
-            generation = -1
-        if mpi and generation == 0:
-            return status
-        _run_exit_hooks()
-        _exit_now(status)
+        _run_exit_hooks()  # no MPI_Finalize: the trainers, under agents, end without it too
+        _exit_now(EXIT_PEER_LOST if outcome.relaunch else 0)
     generation, rank = outcome
     topo, trainer = _join_and_build(
         config, signals, f"spare taking rank {rank}",
         lambda: Topology.from_store(spare.rendezvous.address, rank, spare.world,
                                     spare.local_rank, spare.local_size, spare.backend,
                                     spare.timeout_s, config.recovery.join_timeout,
-                                    rendezvous=spare.rendezvous, generation=generation))
+                                    rendezvous=spare.rendezvous, generation=generation),
+        spare.rendezvous)
     return _train(topo, trainer)
 
 
-def _join_and_build(config, signals, what: str, join):
+def _join_and_build(config, signals, what: str, join, rendezvous):
     """`join()` (a Topology of a later generation), then the Trainer, under the startup
     deadline; a failure ends the process with EXIT_STARTUP_FAILED (the survivors' formation
-    then fails too, and the job falls back to a relaunch). SlotTaken passes through.
+    then fails too, and the job falls back to a relaunch), and so does the job's fallback to a
+    relaunch meanwhile (`rendezvous` says so: a process stuck in a group's rendezvous with a
+    member that died would wait for the store's timeout). SlotTaken passes through.
     Collective with the generation joined."""
     from mpickpt.generation import SlotTaken
     from mpickpt.trainer import Trainer
 
+    def abandoned() -> str | None:
+        over = rendezvous.job_over()
+        return str(over) if over is not None and over.relaunch else None
+
     watch = PhaseWatch(f"startup of {what}", config.recovery.startup_timeout,
-                       EXIT_STARTUP_FAILED, before_exit=_run_exit_hooks)
+                       EXIT_STARTUP_FAILED, before_exit=_run_exit_hooks, abandoned=abandoned)
     try:
         watch.phase("joining the next generation")
         topo = join()
@@ -289,13 +292,16 @@ def _tell_agent(address: str | None) -> None:
     os.replace(tmp, os.path.join(folder, STARTED_FILE))
 
 
-def _leave(topo, status: int) -> int:
-    """Release the groups and say this rank is done with the store. After a change of
-    generation MPI_Finalize would wait forever for the dead rank (and a replacement never
-    joined MPI): the exit hooks run and the process ends without it. In generation 0 the
-    interpreter's exit finalizes MPI as before (an explicit MPI_Finalize under a deadline,
-    followed by os._exit, ended ranks by SIGKILL after their last step in 3 CI tests of 400, not
-    reproduced by hand; a death after the last step is not watched yet)."""
+def _leave(topo, status: int, finalize: bool = True) -> int:
+    """Release the groups and say this rank is done with the store. MPI_Finalize waits
+    forever for a rank that died (after a change of generation, or a death after the last
+    step: measured, the survivors of a kill right after the digest hung there), and a
+    replacement never joined MPI: in place (`finalize` False: the ranks run under agents,
+    which delete the MPI segments left behind) and after a change of generation the exit hooks
+    run and the process ends without it. Otherwise (plain mpiexec, in place off) the
+    interpreter's exit finalizes MPI (an explicit MPI_Finalize under a deadline, followed by
+    os._exit, ended ranks by SIGKILL after their last step in 3 CI tests of 400, not reproduced
+    by hand)."""
     _ignore_death_notices()
     generation = topo.generation
     if topo.rendezvous is not None:
@@ -303,7 +309,7 @@ def _leave(topo, status: int) -> int:
     # The process group is released here: a gloo group left to the interpreter's teardown can
     # abort the process ("terminate called without an active exception", exit status 6).
     topo.close()
-    if generation == 0 and not topo.replacement:
+    if finalize and generation == 0 and not topo.replacement:
         return status
     _run_exit_hooks()
     _exit_now(status)

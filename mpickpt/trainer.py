@@ -84,6 +84,8 @@ class Trainer:
         """One record per in-place recovery this process took part in."""
         self._left_at = None
         self.dumps_pending = False
+        self.finish_done: list[str] = []
+        """The phases of the run's end (`_finish`) completed, in order."""
         self.step, start, pls, lost = self._join_as_replacement() if topo.replacement \
             else self._resume(first)
         self.resumed_step = self.step
@@ -133,6 +135,8 @@ class Trainer:
     def _take_over(self, joined: Rejoined) -> None:
         """Checkpointing continues from the agreed step: a new baseline next, the job's attempt
         id and interval. Local."""
+        # the replaced shards' recovery (a parity rebuild) is settled again by every member
+        self.finish_done = [p for p in joined.finish_done if p != "settle"]
         if self.ckpt is not None:
             self.ckpt.resumed_at(joined.step)
             if joined.attempt is not None:
@@ -194,7 +198,7 @@ class Trainer:
                      f"{self.topo.generation + 1})")
         try:
             joined = self.in_place.survivor(dead, step, reader, pls, attempt, interval,
-                                            self.survival.more_dead)
+                                            self.survival.more_dead, self.finish_done)
         except (GenerationError, *COMM_ERRORS) as e:
             self.survival.left_generation()
             self.survival.give_up_in_place(dead | self.survival.more_dead(), str(e))
@@ -336,9 +340,27 @@ class Trainer:
         self.log.say(f"survivor dumps of step {self.resumed_step} removed: {why}")
 
     def _finish(self) -> None:
-        cfg = self.config
+        """The run's end: the rebuild settled, the last checkpoint committed and the writers
+        stopped, then the report. Collective. A death in the middle forms a new generation like
+        any other; its members then run only the phases the survivors had not completed
+        (`finish_done`, agreed when the generation formed), so that all make the same
+        collectives; a replacement stops its idle writers locally instead of a close the
+        survivors already made."""
+        for name, phase in (("settle", self._settle), ("close", self._close_checkpoints),
+                            ("report", self._report_end)):
+            if name in self.finish_done:
+                if name == "close" and self.ckpt is not None:
+                    self.ckpt.abort()  # nothing of this process's to commit; no-op if closed
+                continue
+            phase()
+            self.finish_done.append(name)
+
+    def _settle(self) -> None:
         if self.parity is not None:
             self.parity.settle()
+
+    def _close_checkpoints(self) -> None:
+        cfg = self.config
         if self.ckpt is not None:
             if cfg.checkpoint.final and self.stopped is None:
                 self.ckpt.save_now(self.step, self.reader)
@@ -347,6 +369,9 @@ class Trainer:
                 self._drop_dumps_once_replaced()
             if self.dumps_pending and self.stopped is None:
                 self._drop_dumps("the job completed")  # nothing resumes from them now
+
+    def _report_end(self) -> None:
+        cfg = self.config
         for line in self.faults.summary():
             self.log.say(line)
         if self.stopped is None:

@@ -48,14 +48,24 @@ class Job:
 
     def wait_for_step(self, step: int, timeout: float = 120) -> bool:
         """True once the job printed a step >= `step`; False if it ended first."""
+        return self._wait_until(lambda: self.step >= step, f"step {step}", timeout)
+
+    def wait_for_line(self, pattern: str, timeout: float = 120) -> bool:
+        """True once a line of the job's output matched `pattern` (re.search); False if it
+        ended first."""
+        found = re.compile(pattern)
+        return self._wait_until(lambda: any(found.search(x) for x in self.lines),
+                                repr(pattern), timeout)
+
+    def _wait_until(self, done, what: str, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         with self._changed:
-            while self.step < step:
+            while not done():
                 if self.proc.poll() is not None and not self._reader.is_alive():
                     return False
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"step {step} not reached in {timeout} s:\n"
+                    raise TimeoutError(f"{what} not reached in {timeout} s:\n"
                                        + "".join(self.lines[-30:]))
                 self._changed.wait(min(left, 0.5))
         return True

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from mpickpt.control import StoreControl
-from mpickpt.generation import (TRAINING_FINISHED, GenerationError, Rendezvous, SlotTaken,
-                                connect_store, host_store, process_identity)
+from mpickpt.generation import (TRAINING_FINISHED, GenerationError, JobOver, Rendezvous,
+                                SlotTaken, connect_store, host_store, process_identity)
 from mpickpt.interruptible import SLICE_S, GenerationAborted, Interruptible
 from mpickpt.stop_signals import StopSignals
 
@@ -180,11 +180,12 @@ def test_a_dead_ranks_slot_goes_to_exactly_one_claimer_and_the_others_serve_as_s
         rv.generation_for_replacement(1, 5, dead=dead)
     assert rv.job_over() is None
     store.add("finished", 1)
-    assert rv.job_over() == TRAINING_FINISHED
+    assert rv.job_over() == JobOver(TRAINING_FINISHED, relaunch=False)
     with pytest.raises(SlotTaken, match="not needed any more"):
         rv.generation_for_replacement(0, 5, dead=dead)
     rv.give_up("rank 0: generation 2 did not form")
-    assert "falls back to a relaunch: rank 0" in rv.job_over()
+    over = rv.job_over()
+    assert "falls back to a relaunch: rank 0" in str(over) and over.relaunch
 
 
 def test_a_waiting_spare_takes_a_slot_or_leaves_with_the_reason():
@@ -201,10 +202,11 @@ def test_a_waiting_spare_takes_a_slot_or_leaves_with_the_reason():
     assert said == ["spare: took rank 2 of generation 1"]
     assert rv.holder(1, 2) == process_identity()
     threading.Timer(0.2, lambda: rv.give_up("rank 1: no replacement came")).start()
-    assert spare.wait(said.append, poll_s=0.01).endswith("rank 1: no replacement came")
+    over = spare.wait(said.append, poll_s=0.01)
+    assert str(over).endswith("rank 1: no replacement came") and over.relaunch
     threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
     other = Spare(Rendezvous(host_store(30)[0], None), 3, 0, 1, "gloo", 30)
-    assert other.wait(said.append, poll_s=0.01) == "SIGTERM received"
+    assert other.wait(said.append, poll_s=0.01) == JobOver("SIGTERM received", relaunch=False)
 
 
 def _deliver(sig) -> None:

@@ -159,6 +159,17 @@ def test_two_deaths_in_different_parity_groups_are_rebuilt_together_by_two_spare
     assert not _mpi_segments() - segments
 
 
+def test_an_idle_spare_leaves_when_the_training_finishes(tmp_path):
+    """No death: the spare leaves at the end and the job ends at once (it used to wait in
+    MPI_Finalize for trainers that, under agents, end without it)."""
+    job = Job(mpickpt_run("-n", "2", "--", "--num-batches", "10", "--mini-batch-size", "64",
+                          "--test-num-batches", "0", "--spares", "1"))
+    started = time.monotonic()
+    code = job.wait(60)
+    assert code == 0 and "spare: leaving: the training finished" in job.output, job.output
+    assert time.monotonic() - started < 45, job.output
+
+
 def test_spares_with_in_place_off_are_refused_before_training(tmp_path):
     job = Job(mpickpt_run("-n", "2", "--", "--num-batches", "5", "--spares", "1",
                           "--in-place", "off"))
@@ -250,6 +261,106 @@ def _check_startup_trial(job: Job, t: dict, clean_digest: str) -> None:
     assert digest_in(out) == clean_digest, out
     assert not t["left"], f"processes of the first run outlived the job: {t['left']}"
     assert not t["segments_left"], f"MPI segments left in /dev/shm: {t['segments_left']}"
+
+
+def _second_death_trial(tmp_path, seed: int, target: str, pause: float) -> tuple[Job, dict]:
+    """Kill a random trainer at a random step, then, while the next generation forms, kill
+    `target` ("replacement": the process its agent started; "survivor": another trainer)
+    `pause` s after the first death is seen (or after the replacement appeared)."""
+    rng = random.Random(seed)
+    job = Job(mpickpt_run("-n", "4", "--max-restarts", "1", "--", *FLAGS,
+                          "--ckpt-dir", str(tmp_path / "ckpt")))
+    try:
+        assert job.wait_for_step(rng.randint(22, 45)), job.output
+        before = job.ranks()
+        pid, rank = job.kill_rank(pick=rng.choice)
+        assert job.wait_for_line(rf"its trainer \(pid {pid}\) was killed", 30), job.output
+        if target == "replacement":
+            deadline = time.monotonic() + 30
+            while not (new := set(job.ranks()) - set(before)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert new, job.output
+            victim = new.pop()
+        else:
+            victim = rng.choice([p for p in before if p != pid])
+        time.sleep(pause)
+        during = not _IN_PLACE.search(job.output)  # the generation had not formed yet
+        os.kill(victim, 9)
+        code = job.wait(240)
+    finally:
+        job.stop()
+    return job, {"rank": rank, "victim": victim, "during": during, "code": code}
+
+
+@pytest.mark.parametrize("target", ["replacement"])
+def test_a_second_death_while_the_generation_forms(tmp_path, clean_digest, target):
+    """The replacement killed as it starts: the job recovers (in place, or by a relaunch from
+    the survivors' state) to the failure-free digest and never hangs."""
+    job, t = _second_death_trial(tmp_path, 8, target, 0.2)
+    out = job.output
+    assert t["during"], out
+    assert f"its trainer (pid {t['victim']}) was killed by SIGKILL" in out, out
+    assert t["code"] == 0 and digest_in(out) == clean_digest, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(90, 110))
+def test_second_deaths_while_the_generation_forms_randomized(tmp_path, clean_digest, seed):
+    rng = random.Random(seed)
+    target = rng.choice(["replacement", "survivor"])
+    job, t = _second_death_trial(tmp_path, seed, target,
+                                 rng.uniform(0.0, 0.8 if target == "replacement" else 1.5))
+    out = job.output
+    assert t["during"], f"the second kill came after the recovery:\n{out}"
+    assert f"its trainer (pid {t['victim']}) was killed by SIGKILL" in out, out
+    assert t["code"] == 0 and digest_in(out) == clean_digest, out
+
+
+def _end_trial(tmp_path, pattern: str, rank: int, delay: float) -> tuple[Job, int, int, float]:
+    """Kill launcher rank `rank`'s trainer `delay` s after a line matching `pattern`, at the
+    run's end; (job, exit status, killed pid, seconds from the kill to the job's end)."""
+    job = Job(mpickpt_run("-n", "4", "--max-restarts", "1", "--", *FLAGS,
+                          "--ckpt-dir", str(tmp_path / "ckpt")))
+    try:
+        assert job.wait_for_step(5), job.output
+        pid = {rank_of(p): p for p in job.ranks()}[rank]
+        assert job.wait_for_line(pattern), job.output
+        time.sleep(delay)
+        os.kill(pid, 9)  # raises if it had ended already: the kill must land
+        killed = time.monotonic()
+        code = job.wait(120)
+        took = time.monotonic() - killed
+    finally:
+        job.stop()
+    return job, code, pid, took
+
+
+@pytest.mark.parametrize("pattern,rank", [(r"^checkpoints: \d+ saved", 0),
+                                          (r"^digest [0-9a-f]", 2)])
+def test_a_death_at_the_runs_end_neither_hangs_nor_changes_the_digest(tmp_path, clean_digest,
+                                                                       pattern, rank):
+    """After the last checkpoint closed (the survivors and the replacement then agree on what
+    of the run's end is left to do: the rebuild settled again, the report) and after the
+    digest (the survivors end without MPI_Finalize, which waited for the dead rank: a hang)."""
+    job, code, pid, took = _end_trial(tmp_path, pattern, rank, 0.0)
+    out = job.output
+    assert f"rank {rank}: its trainer (pid {pid}) was killed by SIGKILL" in out, out
+    assert code == 0 and digest_in(out) == clean_digest, out
+    assert "relaunching" not in out and took < 30, (took, out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(70, 90))
+def test_deaths_at_the_runs_end_randomized(tmp_path, clean_digest, seed):
+    """A random rank killed 0-0.4 s after the last step's line: in place or already done,
+    exit 0 with the failure-free digest within seconds."""
+    rng = random.Random(seed)
+    job, code, pid, took = _end_trial(tmp_path, r"^step 120/120", rng.randrange(4),
+                                      rng.uniform(0.0, 0.4))
+    out = job.output
+    assert f"its trainer (pid {pid}) was killed by SIGKILL" in out, out
+    assert code == 0 and digest_in(out) == clean_digest, out
+    assert "relaunching" not in out and took < 30, (took, out)
 
 
 @pytest.mark.parametrize("seed", [5])

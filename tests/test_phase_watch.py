@@ -47,6 +47,31 @@ def test_a_phase_that_ends_in_time_is_not_cut_short():
     assert proc.returncode == 0 and "survived" in proc.stdout, proc.stderr
 
 
+_ABANDONED = """
+import time
+from mpickpt.phase_watch import PhaseWatch
+start = time.monotonic()
+asked = []
+def abandoned():
+    asked.append(1)
+    return "the job falls back" if time.monotonic() - start > 0.6 else None
+w = PhaseWatch("joining", 60, 77, abandoned=abandoned)
+w.phase("a group's rendezvous")
+time.sleep(30)
+print("survived", flush=True)
+"""
+
+
+def test_an_abandoned_phase_ends_the_process_long_before_its_deadline():
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _ABANDONED], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert proc.returncode == 77, proc.stdout + proc.stderr
+    assert "joining was abandoned (the job falls back) (stuck in a group's rendezvous)" \
+        in proc.stderr and "survived" not in proc.stdout
+    assert time.monotonic() - start < 10
+
+
 def test_a_rank_whose_peer_hangs_in_startup_leaves_within_the_deadline(tmp_path):
     """Rank 1 is stopped (SIGSTOP) as soon as it exists: rank 0 waits for it in MPI_Init, which
     holds the GIL, so the faulthandler backstop ends it (status 1, its stack on stderr) within

@@ -37,6 +37,8 @@ class Rejoined:
     """Survivors that went back one step to reach `step`."""
     attempt: str | None
     interval: int | None
+    finish_done: list[str]
+    """The phases of the run's end that the survivors completed (`Trainer._finish`)."""
     pids: dict[int, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
 
@@ -49,15 +51,16 @@ class InPlace:
         self.join_timeout_s = join_timeout_s
 
     def survivor(self, dead, step: int, reader: dict, pls: dict | None, attempt: str | None,
-                 interval: int | None, more_dead=None) -> Rejoined:
+                 interval: int | None, more_dead=None, finish_done=()) -> Rejoined:
         """Leave the broken generation and form the next one with the replacements of `dead`.
-        `step`, `reader`: this rank's last completed step and the reader position there.
+        `step`, `reader`: this rank's last completed step and the reader position there;
+        `finish_done`: the phases of the run's end it completed (a death during the end).
         Collective with the next generation's members; raises GenerationError when a member
         never comes or a further death overtakes the formation."""
         start = time.perf_counter()
         generation = self.topo.advance(dead, self.join_timeout_s, more_dead)
         joined = time.perf_counter()
-        out = self._agree(step, reader, pls, attempt, interval)
+        out = self._agree(step, reader, pls, attempt, interval, list(finish_done))
         out.seconds.update(join=joined - start, agree=time.perf_counter() - joined)
         out.generation = generation
         return out
@@ -65,21 +68,25 @@ class InPlace:
     def replacement(self) -> Rejoined:
         """The replacement's side, right after `Topology.from_store` joined it. Collective."""
         start = time.perf_counter()
-        out = self._agree(None, None, None, None, None)
+        out = self._agree(None, None, None, None, None, None)
         out.seconds.update(agree=time.perf_counter() - start)
         out.generation = self.topo.generation
         return out
 
     @torch.no_grad()
-    def _agree(self, step, reader, pls, attempt, interval) -> Rejoined:
+    def _agree(self, step, reader, pls, attempt, interval, finish_done) -> Rejoined:
         me, control = self.topo.rank, self.topo.control
         last = self.undo.last if self.undo is not None else None
-        mine = {"step": step, "pid": os.getpid(),
+        mine = {"step": step, "pid": os.getpid(), "finish_done": finish_done,
                 "back": step is not None and last is not None and last.step == step}
         everyone = control.allgather(mine)
         survivors = [r for r, e in enumerate(everyone) if e["step"] is not None]
         if not survivors:
             raise GenerationError("no member of the new generation holds the training state")
+        ends = {tuple(everyone[r]["finish_done"]) for r in survivors}
+        if len(ends) > 1:  # never resume from a mixed state
+            raise GenerationError(f"the survivors completed different parts of the run's end: "
+                                  f"{sorted(ends)}")
         agreed = min(everyone[r]["step"] for r in survivors)
         undone = [r for r in survivors if everyone[r]["step"] != agreed]
         for r in undone:
@@ -102,4 +109,5 @@ class InPlace:
                 self.parity.lose_parity([me])
         return Rejoined(self.topo.generation, agreed, shared["reader"], shared["pls"], replaced,
                         undone, shared["attempt"], shared["interval"],
+                        list(everyone[first]["finish_done"]),
                         {r: e["pid"] for r, e in enumerate(everyone)})

@@ -128,18 +128,46 @@ class Survival:
     def _on_death(self, dead: set[int]) -> None:
         """On the watch thread, the moment a death is known. Under the lock that
         `leave_generation` takes, so a late notice of the old ring never aborts the next
-        generation's groups."""
+        generation's groups. While the next generation forms (in place), a death of a survivor
+        that already joined it means it cannot form: this thread falls back to a relaunch at
+        once (the main thread may be waiting in a group's rendezvous with the dead rank)."""
         with self._lock:
-            watch = self.watch
-            if watch is None or watch.closed:  # an old ring, or this rank ends normally
+            watch, old = self.watch, self._old_watch
+            if watch is None:
+                lost = self._members_lost(dead) if self.in_place and old is not None else None
+                if not lost:  # `Rendezvous.gather` offers the others to a replacement or a
+                    return    # spare; without a formation, this rank ends normally
+            elif watch.closed:
                 return
-            if self.on_notice is not None:
-                self.on_notice()
-            if self.in_place:
-                self.dead |= set(dead)
-                self.topo.abort()  # the main thread's collectives raise now, or at their next
-                return             # call
+            else:
+                lost = None
+                if self.on_notice is not None:
+                    self.on_notice()
+                if self.in_place:
+                    self.dead |= set(dead)
+                    self.topo.abort()  # the main thread's collectives raise now, or at their
+                    return             # next call
+        if lost:
+            generation, ranks = lost
+            self.give_up_in_place(set(dead) | old.dead, f"ranks {ranks} died while "
+                                  f"generation {generation} formed, after they joined it")
         self.survive(dead, watch.how)
+
+    def _members_lost(self, dead) -> tuple[int, list[int]] | None:
+        """(the forming generation, those of `dead` that already joined it as themselves), or
+        None if none did: `dead` were seen on the broken generation's ring while the next one
+        forms; a survivor that joined it holds its slot, so the generation cannot form without
+        it and nobody else may take the slot. Local (store lookups)."""
+        rv = self.topo.rendezvous
+        if rv is None:
+            return None
+        try:
+            g = rv.current()
+            ranks = [r for r in sorted(dead)
+                     if rv.holder(g, r) is not None and rv.holder(g, r) == rv.holder(g - 1, r)]
+        except (RuntimeError, OSError):
+            return None
+        return (g, ranks) if ranks else None
 
     def leave_generation(self) -> set[int]:
         """Leave the broken generation and hand over the dead ranks known so far. Local. Its
@@ -175,7 +203,6 @@ class Survival:
                 self.topo.rendezvous.give_up(f"rank {self.topo.rank}: {why}")
             except (RuntimeError, OSError):
                 pass
-        self.surviving = False
         self.survive(dead, f"in-place recovery failed: {why}")
 
     def survive(self, dead: set[int], cause: str) -> None:
@@ -184,9 +211,10 @@ class Survival:
         main thread can change nothing meanwhile."""
         noticed = time.time()
         with self._lock:
-            if self.surviving:
-                return
+            already = self.surviving
             self.surviving = True
+        while already:  # another thread dumps and ends the process
+            time.sleep(1.0)
         start = time.perf_counter()
         locked = self.model.state_lock.acquire(timeout=LOCK_WAIT)
         step, reader, pls = self.state_at_boundary()
