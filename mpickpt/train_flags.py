@@ -18,6 +18,7 @@ from mpickpt.engine.config import CheckpointConfig
 from mpickpt.faults.config import FaultConfig
 from mpickpt.model.dense import DenseArch, parse_mlp
 from mpickpt.model.optimizers import OPTIMIZERS, OptimizerConfig
+from mpickpt.model.registry import MODEL_NAMES
 from mpickpt.model.shard_plan import ShardPlan, ShardPlanOptions
 from mpickpt.options import add_options, int_at_least, option, positive_float, values_from
 from mpickpt.parity.guard import ParityConfig
@@ -66,6 +67,8 @@ class ModelConfig:
     """bottom MLP widths, input (13) first, last = dim"""
     arch_mlp_top: str = option("64-32-1")
     """top MLP widths after the interaction, last = 1"""
+    model: str = option("dlrm", choices=MODEL_NAMES)
+    """the model: mpickpt's hybrid-parallel DLRM (see mpickpt.model.registry)"""
     optimizer: str = option("adagrad", choices=OPTIMIZERS)
     """rowwise Adagrad (embeddings) + Adagrad (MLPs), SGD, or SGD with momentum"""
     learning_rate: float = option(0.05, parse=positive_float)

@@ -13,7 +13,7 @@ from mpickpt.data.synthetic import SyntheticConfig, SyntheticStream
 from mpickpt.engine.manager import CheckpointManager
 from mpickpt.engine.restorer import Restorer
 from mpickpt.evaluation import evaluate
-from mpickpt.model.hybrid import HybridDLRM
+from mpickpt.model.registry import build_model
 from mpickpt.parity.guard import ParityGuard
 from mpickpt.progress import ProgressLog
 from mpickpt.faults.loss import Loss
@@ -57,9 +57,7 @@ class Trainer:
         self.topo, self.config = topo, config
         self.signals = signals or StopSignals().install()
         self.timer = PhaseTimer(topo.device, enabled=config.run.phase_times)
-        self.model = HybridDLRM(topo, config.arch, config.table_sizes, config.optim,
-                                config.model.seed, config.plan_options, self.timer,
-                                shard_lost=topo.replacement)
+        self.model = build_model(config.model.model, topo, config, self.timer)
         self.log = log or ProgressLog(topo.is_root, config.num_batches, config.run.print_freq)
         self.source, first, self.test_source, self.test_start = make_sources(config)
         self.ckpt = self.restorer = None

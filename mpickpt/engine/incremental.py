@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpickpt.model.contract import INCREMENTAL, require
 from mpickpt.kinds.base import SavePlan
 from mpickpt.kinds.planner import KindPlanner
 from mpickpt.kinds.registry import kind_named
@@ -26,6 +27,7 @@ class IncrementalSaves:
         self.tracker: RowBitVector | None = None
         self._detach = None
         if self.planner.tracks_rows:
+            require(model, INCREMENTAL)
             self.tracker = RowBitVector(model.plan.local_rows(topo.rank), device=topo.device)
             self._detach = self.tracker.attach(model.embeddings)
         attached = kind.attach(model)

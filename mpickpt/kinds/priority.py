@@ -49,8 +49,10 @@ class Priority(Kind):
         self._remove = None
 
     def attach(self, model) -> str:
+        from mpickpt.model.contract import PRIORITY, require
         from mpickpt.track.priority import make_tracker, shard_ranges
 
+        require(model, PRIORITY)
         emb = model.embeddings
         ranges = shard_ranges(model.plan, emb.topo.rank)
         self.tracker = make_tracker(self.rule, len(emb.local_gids), ranges, emb.device,

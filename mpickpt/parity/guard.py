@@ -14,6 +14,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from mpickpt.model.contract import PARITY, require
 from mpickpt.options import int_at_least, option, positive_float
 from mpickpt.parity.layout import check_parity_shape
 from mpickpt.parity.rebuild import Rebuild
@@ -56,6 +57,7 @@ class ParityGuard:
     and the hooks it installs are collective."""
 
     def __init__(self, topo, model, config: ParityConfig, say):
+        require(model, PARITY)
         self.topo, self.config, self.say = topo, config, say
         self.embeddings = model.embeddings
         self.store = ParityStore(topo, model.embeddings, config.k, config.r)

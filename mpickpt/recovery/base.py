@@ -12,10 +12,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mpickpt.faults.loss import Loss
+from mpickpt.model.contract import FROM_START, missing_for
 
 
 class Unrecoverable(RuntimeError):
     """Lost shards that no configured policy can bring back."""
+
+
+def cannot_start_over(model, loss) -> None:
+    """Raise Unrecoverable if `model` cannot give back its initial rows (nothing committed
+    yet, so the loss must start over from them). Local."""
+    missing = missing_for(model, FROM_START)
+    if missing:
+        raise Unrecoverable(f"{loss}, no checkpoint is committed yet, and "
+                            f"{type(model).__name__} cannot start over from its initial state "
+                            f"(it lacks {', '.join(missing)})")
 
 
 @dataclass(frozen=True)

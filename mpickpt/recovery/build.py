@@ -2,6 +2,7 @@
 planner of the checkpoint interval."""
 from __future__ import annotations
 
+from mpickpt.model.contract import PARTIAL, require
 from mpickpt.recovery.auto import AutoRecovery
 from mpickpt.recovery.chain import Recovery
 from mpickpt.recovery.full_rollback import FullRollback
@@ -14,6 +15,8 @@ def build_recovery(mode: str, topo, model, parity, ckpt, restorer, pls, planner,
     """The policies of `mode`: full (roll back), partial (CPR), parity (rebuild, else roll
     back), auto (rebuild where parity covers, else CPR's choice). After a recovery replaced rows,
     parity is re-encoded. Local."""
+    if mode in ("partial", "auto"):
+        require(model, PARTIAL)
     full = FullRollback(ckpt, restorer, topo.world_size, model, start_state, pls)
     partial = PartialRecovery(ckpt, restorer, model, pls, global_batch, say)
     rebuild = [ParityRebuild(parity)] if parity is not None else []

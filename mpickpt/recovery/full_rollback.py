@@ -6,7 +6,7 @@ since the checkpoint, the partial recoveries after it included."""
 from __future__ import annotations
 
 from mpickpt.faults.loss import Loss
-from mpickpt.recovery.base import Outcome, RecoveryPolicy, Unrecoverable
+from mpickpt.recovery.base import Outcome, RecoveryPolicy, Unrecoverable, cannot_start_over
 
 
 class FullRollback(RecoveryPolicy):
@@ -34,6 +34,7 @@ class FullRollback(RecoveryPolicy):
         if restored is None:
             if self.model is None or self.start_state is None:
                 raise Unrecoverable(f"{loss}, and no checkpoint is committed yet")
+            cannot_start_over(self.model, loss)
             self.model.reset_to_initial()
             self.ckpt.incremental.reset()
             self.ckpt.schedule.restart(0)

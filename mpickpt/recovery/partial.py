@@ -11,7 +11,7 @@ CPR eq. 3; for prioritized saves the last save is the newest, partial one, as in
 from __future__ import annotations
 
 from mpickpt.faults.loss import Loss
-from mpickpt.recovery.base import Outcome, RecoveryPolicy
+from mpickpt.recovery.base import Outcome, RecoveryPolicy, cannot_start_over
 
 
 class PartialRecovery(RecoveryPolicy):
@@ -34,6 +34,7 @@ class PartialRecovery(RecoveryPolicy):
         restored = self.restorer.restore_rows(loss.shards)
         total = sum(self.model.plan.local_rows(r) for r in range(self.model.plan.world_size))
         if restored is None:
+            cannot_start_over(self.model, loss)
             self._initial_rows(loss)
             saved, source = 0, "the initial model (nothing committed yet)"
         else:

@@ -8,6 +8,7 @@ collective.
 """
 from __future__ import annotations
 
+from mpickpt.model.contract import EMULATED_FAILURES, require
 from mpickpt.durations import Duration, StepClock
 from mpickpt.faults.emulator import FailureEmulator
 from mpickpt.faults.loss import Loss
@@ -27,6 +28,8 @@ class FaultTolerance:
         with nothing committed starts over)."""
         self.config, self.topo, self.model, self.parity, self.say = config, topo, model, parity, say
         faults, rec = config.faults, config.recovery
+        if faults.inject_failure is not None or faults.failure_model is not None:
+            require(model, EMULATED_FAILURES)
         self.clock = StepClock(faults.hours_per_step(config.num_batches))
         self.pls = PLSAccount.resumed(config.num_batches * config.global_batch, pls)
         self.mode = rec.resolved_mode(parity is not None)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mpickpt.model.contract import STEP_UNDO, require
 from mpickpt.parity.row_words import RowWords
 
 
@@ -38,6 +39,7 @@ class StepUndo:
     itself into the embeddings' updates and the model's dense update."""
 
     def __init__(self, model, parity_store=None):
+        require(model, STEP_UNDO)
         self.model, self.parity = model, parity_store
         self.words = RowWords(model.embeddings)
         self.current: StepRecord | None = None
