@@ -19,6 +19,10 @@ import time
 from mpickpt.exit_codes import EXIT_SAVE_FAILED, EXIT_SAVED  # noqa: F401 (its outcomes)
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+NOTICES_VARIABLE = "MPICKPT_SIGUSR1_NOTICES"
+"""Set by `mpickpt-run` to "0" where the launcher sends no SIGUSR1 death notices (srun, Open
+MPI): every SIGUSR1 is then a stop (Slurm's `--signal=USR1@T` before the time limit), never
+muted. Unset or "1": MPICH's hydra, which sends one to every rank when a rank exits."""
 
 
 def stop_failed_message(name: str, step: int, last_valid: int | None, directory: str) -> str:
@@ -32,7 +36,11 @@ def stop_failed_message(name: str, step: int, last_valid: int | None, directory:
 class StopSignals:
     """The first stop signal received (name and time), while installed. Local."""
 
-    def __init__(self):
+    def __init__(self, environ=None):
+        """`environ` (default os.environ) says whether the launcher sends SIGUSR1 as a death
+        notice (NOTICES_VARIABLE)."""
+        environ = os.environ if environ is None else environ
+        self.launcher_notices = environ.get(NOTICES_VARIABLE, "1") != "0"
         self.received: str | None = None
         self.at: float | None = None
         self._previous = {}
@@ -50,7 +58,10 @@ class StopSignals:
         """A peer just died and the job recovers in place: MPICH's hydra sends SIGUSR1 to every
         rank when a rank's PMI connection closes, which is no request to stop. Forget a SIGUSR1
         that arrived in the last `looking_back` seconds and ignore those of the next `seconds`.
-        SIGTERM and SIGINT are never muted. Local; any thread."""
+        SIGTERM and SIGINT are never muted, nor is SIGUSR1 under a launcher that sends no such
+        notices. Local; any thread."""
+        if not self.launcher_notices:
+            return
         now = time.perf_counter()
         self.muted_until = max(self.muted_until, now + seconds)
         if self.received == "SIGUSR1" and self.at is not None and self.at >= now - looking_back:
@@ -60,8 +71,11 @@ class StopSignals:
     def notices_only(self) -> None:
         """From now on every SIGUSR1 is a launcher's death notice, never a stop: under in-place
         recovery with hydra, where a process of the job dying (a waiting hot spare included,
-        whose death no peer watch reports) makes hydra send it to every rank. Local."""
-        self.muted_until = float("inf")
+        whose death no peer watch reports) makes hydra send it to every rank. A no-op under a
+        launcher that sends no such notices (srun: SIGUSR1 stays the time limit's stop).
+        Local."""
+        if self.launcher_notices:
+            self.muted_until = float("inf")
 
     def _handle(self, signum, frame) -> None:
         if signum == signal.SIGUSR1 and time.perf_counter() < self.muted_until:

@@ -233,3 +233,16 @@ def test_hydra_death_notice_is_muted_but_not_sigterm(spares):
         assert signals.received == ("SIGINT" if spares else "SIGTERM")
     finally:
         signals.uninstall()
+
+
+def test_sigusr1_stays_a_stop_under_a_launcher_without_death_notices():
+    """srun (mpickpt-run sets MPICKPT_SIGUSR1_NOTICES=0): Slurm's --signal=USR1@T before the time
+    limit must stop the job even around a death and with spares."""
+    signals = StopSignals({"MPICKPT_SIGUSR1_NOTICES": "0"}).install()
+    try:
+        signals.notices_only()
+        signals.mute_death_notices(5.0)
+        _deliver(signal.SIGUSR1)
+        assert signals.received == "SIGUSR1" and not signals.muted
+    finally:
+        signals.uninstall()

@@ -117,7 +117,7 @@ def test_open_mpi_ranks_run_under_agents_that_may_end_without_finalize():
     assert cmd[:4] == [program, "--mca", "orte_allowed_exit_without_sync", "1"]
     exported = [cmd[i + 1] for i, a in enumerate(cmd) if a == "-x"]
     assert exported == ["MPICKPT_IN_PLACE", "MPICKPT_RESTART", "MPICKPT_STORE", "MPICKPT_AGENTS",
-                        "MPICKPT_WARM_RESPAWN"]
+                        "MPICKPT_WARM_RESPAWN", "MPICKPT_SIGUSR1_NOTICES"]
     at = cmd.index("-n")
     assert cmd[at:at + 6] == ["-n", "3", "--oversubscribe", sys.executable, "-m",
                               "mpickpt.launch.rank_wrapper"]

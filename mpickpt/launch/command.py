@@ -58,7 +58,7 @@ ORTE_NO_SYNC = ["--mca", "orte_allowed_exit_without_sync", "1"]
 """Open MPI 4: a rank of a later generation ends without MPI_Finalize, which is no abnormal
 termination (the job's other ranks are not killed for it)."""
 RUN_VARIABLES = ("MPICKPT_IN_PLACE", "MPICKPT_RESTART", "MPICKPT_STORE", "MPICKPT_AGENTS",
-                 "MPICKPT_WARM_RESPAWN")
+                 "MPICKPT_WARM_RESPAWN", "MPICKPT_SIGUSR1_NOTICES")
 """What mpickpt-run sets for every rank of a run: Open MPI's mpirun passes them to other nodes
 only when named (`-x`); hydra and srun pass the whole environment."""
 
@@ -68,6 +68,12 @@ def agents_respawn(launcher: str, program: str | None = None) -> bool:
     trainer in place (mpickpt-run then asks for in-place recovery). Local."""
     return launcher == "srun" or \
         launcher == "mpiexec" and mpi_flavour(program or mpiexec()) in WRAPPED
+
+
+def sends_death_notices(launcher: str, program: str | None = None) -> bool:
+    """Whether the launcher sends every rank SIGUSR1 when a rank exits (MPICH's hydra); the
+    ranks then take a SIGUSR1 around a death for that notice, not for a stop. Local."""
+    return launcher == "mpiexec" and mpi_flavour(program or mpiexec()) == "hydra"
 
 
 def trainer_command(flags: list[str]) -> list[str]:

@@ -26,10 +26,11 @@ import time
 from dataclasses import dataclass, field
 
 from mpickpt.launch.command import (LAUNCHERS, agents_respawn, cleanup_command,
-                                     launch_command)
+                                     launch_command, sends_death_notices)
 from mpickpt.launch.mpich_shm import remove_orphans_saying
 from mpickpt.launch.rank_wrapper import IN_PLACE_VARIABLE, RESTART_VARIABLE
 from mpickpt.launch.standby import WARM_VARIABLE
+from mpickpt.stop_signals import NOTICES_VARIABLE
 from mpickpt.job_variables import AGENTS_VARIABLE, STORE_VARIABLE
 from mpickpt.exit_codes import (EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_SAVE_FAILED, EXIT_SAVED,
                                 EXIT_STARTUP_FAILED)
@@ -95,10 +96,12 @@ class Relauncher:
 
     def __init__(self, command: list[str], max_restarts: int, log_path: str | None,
                  cleanup: list[str] | None = None, say=None, in_place: bool = True,
-                 warm: bool = False):
+                 warm: bool = False, notices: bool = True):
         """`in_place`: the rank agents replace a trainer killed by a signal inside the run
         (survivors keep their processes); a relaunch is then the fallback. `warm`: the agents
-        keep a warm standby for that (`--warm-respawn`)."""
+        keep a warm standby for that (`--warm-respawn`). `notices`: the launcher sends SIGUSR1
+        as a death notice (hydra), so the ranks may mute it around a death."""
+        self.notices = notices
         self.in_place = in_place
         self.warm = warm and in_place
         self.command, self.max_restarts = command, max_restarts
@@ -138,7 +141,9 @@ class Relauncher:
         env = dict(os.environ, PYTHONUNBUFFERED="1", **{RESTART_VARIABLE: str(self.restarts),
                                                         IN_PLACE_VARIABLE: "0",
                                                         STORE_VARIABLE: "", AGENTS_VARIABLE: "",
-                                                        WARM_VARIABLE: "1" if self.warm else ""})
+                                                        WARM_VARIABLE: "1" if self.warm else "",
+                                                        NOTICES_VARIABLE:
+                                                            "1" if self.notices else "0"})
         host = None
         if self.in_place:  # a store and agent watch of this run's own, outliving its ranks
             from mpickpt.launch.run_store import RunStore
@@ -274,7 +279,8 @@ def main(argv=None) -> int:
     return Relauncher(command, args.max_restarts, log, cleanup_command(args.launcher, nodes),
                       in_place=(flag_value(flags, "--in-place") or "auto") != "off"
                       and agents_respawn(args.launcher, args.launcher_path),
-                      warm="--warm-respawn" in flags).run()
+                      warm="--warm-respawn" in flags,
+                      notices=sends_death_notices(args.launcher, args.launcher_path)).run()
 
 
 if __name__ == "__main__":
