@@ -29,6 +29,9 @@ setup(
         "gpu": ["cupy-cuda12x>=13"],
         "mpich": ["mpich"],
         "bench": ["matplotlib>=3.6"],
+        # torchrec's requirements besides torchrec and fbgemm-gpu themselves, which are installed
+        # with --no-deps from requirements-torchrec.txt (see there)
+        "torchrec": ["pyre-extensions", "tensordict", "torchmetrics", "tqdm"],
     },
     entry_points={"console_scripts": ["mpickpt-train=mpickpt.train:main",
                                       "mpickpt-run=mpickpt.launch.relaunch:main",
