@@ -78,3 +78,36 @@ def test_bad_layouts_name_the_value(sizes, world, options, message):
 def test_bad_options():
     with pytest.raises(ValueError, match="row_wise_threshold must be a positive integer"):
         ShardPlanOptions(row_wise_threshold=0)
+
+
+def test_a_plan_from_another_frameworks_shards_keeps_their_local_order():
+    """from_shards: rank 0 holds table 2 before table 0 (a fused module's order) and half of
+    table 1 row-wise; ids, owners and local order follow the given shards."""
+    from mpickpt.model.shard_plan import Shard
+
+    sizes = (5, 4, 3)
+    shards = [Shard(2, 0, 3, 0, 0), Shard(0, 0, 5, 0, 3), Shard(1, 0, 2, 0, 8),
+              Shard(1, 2, 4, 1, 0)]
+    plan = ShardPlan.from_shards(sizes, 2, shards)
+    assert [(s.table, s.local_start) for s in plan.shards_of(0)] == [(2, 0), (0, 3), (1, 8)]
+    assert plan.local_rows(0) == 10 and plan.local_rows(1) == 2
+    assert plan.rank_global_ids(0).tolist() == [9, 10, 11, 0, 1, 2, 3, 4, 5, 6]
+    owner, local = plan.owner_of(np.arange(12))
+    assert owner.tolist() == [0] * 7 + [1, 1] + [0] * 3
+    assert local.tolist() == [3, 4, 5, 6, 7, 8, 9, 0, 1, 0, 1, 2]
+    built = ShardPlan.build(sizes, 2)
+    assert ShardPlan.from_shards(sizes, 2, built.shards).describe() == built.describe()
+
+
+@pytest.mark.parametrize("shards,message", [
+    ([(0, 0, 5, 0, 0), (1, 0, 3, 1, 0)], r"table 1 \(4 rows\): its shards \[\(0, 3\)\] do not "
+                                         r"cover rows \[0, 4\) exactly once"),
+    ([(0, 0, 5, 0, 0), (1, 0, 4, 1, 0), (1, 2, 4, 0, 5)], r"table 1 .* exactly once"),
+    ([(0, 0, 5, 0, 0), (1, 0, 4, 0, 6)], r"rank 0: shard .* starts at local row 6, expected 5"),
+    ([(0, 0, 5, 2, 0), (1, 0, 4, 0, 0)], r"does not fit tables of \[5, 4\] rows over 2 ranks"),
+])
+def test_shards_that_do_not_tile_the_tables_are_refused(shards, message):
+    from mpickpt.model.shard_plan import Shard
+
+    with pytest.raises(ValueError, match=message):
+        ShardPlan.from_shards((5, 4), 2, [Shard(*s) for s in shards])

@@ -10,7 +10,8 @@ Rows are named three ways:
 - global id: ``table_offset[table] + row``, one int64 per row of the whole model; checkpoints,
   exports and digests are keyed by it, which makes them independent of the world size;
 - (rank, local row): where the row lives; a rank's local rows are its shards concatenated in
-  (table, first row) order.
+  (table, first row) order (`ShardPlan.from_shards` takes another framework's placement and
+  local order as they are).
 """
 from __future__ import annotations
 
@@ -74,12 +75,24 @@ class ShardPlan:
         pieces = _place(sizes, world_size, options)
         shards = _assign_local_offsets(pieces, world_size)
         _check_capacity(shards, world_size, options)
+        return cls.from_shards(sizes, world_size, shards, options)
+
+    @classmethod
+    def from_shards(cls, table_sizes, world_size: int, shards,
+                    options: ShardPlanOptions | None = None):
+        """A plan made elsewhere (another framework's sharding): `shards` must cover every row
+        of every table exactly once, and each rank's shards must tile its local rows from 0 in
+        `local_start` order (any order of tables: e.g. the order of a fused embedding module's
+        flat weights). ValueError naming the first problem. Local and pure."""
+        sizes = _check_inputs(table_sizes, world_size)
+        shards = tuple(sorted(shards, key=lambda s: (s.table, s.row_start)))
+        _check_cover(sizes, world_size, shards)
         offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
-        ordered = sorted(shards, key=lambda s: offsets[s.table] + s.row_start)
-        starts = np.array([offsets[s.table] + s.row_start for s in ordered], dtype=np.int64)
-        owner = np.array([s.rank for s in ordered], dtype=np.int64)
-        base = np.array([s.local_start for s in ordered], dtype=np.int64)
-        return cls(sizes, world_size, options, tuple(shards), offsets, starts, owner, base)
+        starts = np.array([offsets[s.table] + s.row_start for s in shards], dtype=np.int64)
+        owner = np.array([s.rank for s in shards], dtype=np.int64)
+        base = np.array([s.local_start for s in shards], dtype=np.int64)
+        return cls(sizes, world_size, options or ShardPlanOptions(), shards, offsets, starts,
+                   owner, base)
 
     @property
     def num_tables(self) -> int:
@@ -91,7 +104,7 @@ class ShardPlan:
 
     def shards_of(self, rank: int) -> list[Shard]:
         """Shards held by `rank`, in local-row order. Local."""
-        return [s for s in self.shards if s.rank == rank]
+        return sorted((s for s in self.shards if s.rank == rank), key=lambda s: s.local_start)
 
     def local_rows(self, rank: int) -> int:
         """Number of embedding rows held by `rank`. Local."""
@@ -183,6 +196,29 @@ def _assign_local_offsets(pieces, world) -> list[Shard]:
             shards.append(Shard(t, a, b, r, local))
             local += b - a
     return sorted(shards, key=lambda s: (s.table, s.row_start))
+
+
+def _check_cover(sizes, world, shards) -> None:
+    """Every row of every table in exactly one shard; each rank's local rows tiled from 0."""
+    for s in shards:
+        if not (0 <= s.table < len(sizes) and 0 <= s.row_start < s.row_end <= sizes[s.table]
+                and 0 <= s.rank < world and s.local_start >= 0):
+            raise ValueError(f"shard {s} does not fit tables of {list(sizes)} rows over "
+                             f"{world} ranks")
+    for t, n in enumerate(sizes):
+        mine = [s for s in shards if s.table == t]  # sorted by row_start
+        edges = [0] + [x for s in mine for x in (s.row_start, s.row_end)] + [n]
+        if any(edges[i] != edges[i + 1] for i in range(0, len(edges), 2)):
+            spans = [(s.row_start, s.row_end) for s in mine]
+            raise ValueError(f"table {t} ({n} rows): its shards {spans} do not cover rows "
+                             f"[0, {n}) exactly once")
+    for r in range(world):
+        local = 0
+        for s in sorted((s for s in shards if s.rank == r), key=lambda s: s.local_start):
+            if s.local_start != local:
+                raise ValueError(f"rank {r}: shard {s} starts at local row {s.local_start}, "
+                                 f"expected {local} (local rows must be tiled from 0)")
+            local += s.rows
 
 
 def _check_capacity(shards, world, options) -> None:
