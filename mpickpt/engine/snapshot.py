@@ -107,9 +107,11 @@ def codec_fields(codec) -> dict:
 
 
 def dense_file_spec(model, root: str, ckpt_id: str, step: int) -> FileSpec:
-    """The replicated dense state, written once (by rank 0's last writer). Local."""
-    return dense_spec(root, ckpt_id, step, list(model.dense_state()),
-                      [n for n, _ in model.dense.named_parameters()])
+    """The replicated dense state, written once (by rank 0's last writer); the parameters in
+    the order `dense_state()` lists them (the contract's core). Local."""
+    names = list(model.dense_state())
+    return dense_spec(root, ckpt_id, step, names,
+                      [n[len("param/"):] for n in names if n.startswith("param/")])
 
 
 def rng_blobs() -> dict[str, bytes]:

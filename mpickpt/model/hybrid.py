@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mpickpt.model.dense import DenseArch, DLRMDense
+from mpickpt.model.dense_state import dense_state_of, load_dense_state_into
 from mpickpt.model.embedding import ShardedEmbeddingBags
 from mpickpt.model.optimizers import OptimizerConfig, make_dense_optimizer
 from mpickpt.model.shard_plan import ShardPlan, ShardPlanOptions
@@ -119,12 +120,7 @@ class HybridDLRM:
 
     def dense_state(self) -> dict[str, torch.Tensor]:
         """Replicated state: 'param/<name>' and 'opt/<i>/<key>' tensors. Local."""
-        out = {f"param/{n}": p.detach() for n, p in self.dense.named_parameters()}
-        for i, p in enumerate(self.dense.parameters()):
-            for key, value in self.dense_optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor):
-                    out[f"opt/{i}/{key}"] = value.detach()
-        return out
+        return dense_state_of(self.dense.named_parameters(), self.dense_optimizer)
 
     @torch.no_grad()
     def load_row_state(self, arrays: dict) -> None:
@@ -156,30 +152,10 @@ class HybridDLRM:
         return {name: (rows if name == "weight" else torch.zeros_like(t[start:stop], device="cpu"))
                 for name, t in self.row_state().items()}
 
-    @torch.no_grad()
     def load_dense_state(self, arrays: dict) -> None:
         """Replace dense parameters and dense optimizer state. Local."""
-        params = dict(self.dense.named_parameters())
-        needed = {f"param/{n}" for n in params}
-        if not needed <= set(arrays):
-            raise ValueError(f"dense state lacks {sorted(needed - set(arrays))}")
         with self.state_lock:
-            for name, value in arrays.items():
-                kind, rest = name.split("/", 1)
-                tensor = torch.as_tensor(value)
-                if kind == "param":
-                    params[rest].copy_(tensor.to(params[rest].device))
-                else:
-                    self._load_dense_opt(rest, tensor)
-
-    def _load_dense_opt(self, name: str, tensor: torch.Tensor) -> None:
-        """One entry 'i/key' of the dense optimizer's state. Local."""
-        i, key = name.split("/", 1)
-        p = list(self.dense.parameters())[int(i)]
-        state = self.dense_optimizer.state[p]
-        old = state.get(key)  # keep e.g. Adagrad's CPU 'step' where torch put it
-        device = old.device if isinstance(old, torch.Tensor) else p.device
-        state[key] = tensor.to(device).clone()
+            load_dense_state_into(self.dense.named_parameters(), self.dense_optimizer, arrays)
 
     def gather_tables(self, root: int = 0) -> dict | None:
         """Every table's rows and sparse optimizer state in global row order, on `root` only.
