@@ -1,9 +1,10 @@
-"""A TorchRec DMP model (torchrec's DLRM over an EmbeddingBagCollection, fused row-wise
-Adagrad) under mpickpt on 2+ ranks: checkpointed by CheckpointManager and restored by Restorer
-into a freshly built DMP, training on from the checkpoint gives the digest and predictions of the
-uninterrupted run, bit for bit, under table-wise and row-wise plans (the dense part averaged by
-the adapter's own allreduce: DDP's rebuilt buckets change the summation order at 4 ranks); a model whose features
-need row hooks is refused by the contract. Skipped where torchrec is not installed."""
+"""A TorchRec DMP model (torchrec's DLRM over an EmbeddingBagCollection, fused optimizer)
+under mpickpt on 2+ ranks: checkpointed by CheckpointManager and restored by Restorer into a
+freshly built DMP, training on from the checkpoint gives the digest and predictions of the
+uninterrupted run, bit for bit, under table-wise and row-wise plans and with fused row-wise
+Adagrad, Adagrad and SGD (the dense part averaged by the adapter's own allreduce: DDP's rebuilt
+buckets change the summation order at 4 ranks); a model whose features need row hooks is
+refused by the contract. Skipped where torchrec is not installed."""
 import pytest
 import torch
 
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.skipif(installed_version("torchrec") is None,
 ROWS, DIM, B = (100, 60, 40, 20), 8, 16
 
 
-def build(topo, sharding: str, seed: int):
+def build(topo, sharding: str, seed: int, fused: str = "RowWiseAdagrad"):
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -22,7 +23,7 @@ def build(topo, sharding: str, seed: int):
                                                     table_wise)
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
     from torchrec.models.dlrm import DLRM
-    from torchrec.optim import RowWiseAdagrad
+    import torchrec.optim
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     from mpickpt.model.torchrec import TorchRecModel, dense_allreduce_wrapper
@@ -38,7 +39,7 @@ def build(topo, sharding: str, seed: int):
     model = DLRM(embedding_bag_collection=ebc, dense_in_features=13,
                  dense_arch_layer_sizes=[16, DIM], over_arch_layer_sizes=[16, 1],
                  dense_device=torch.device("cpu"))
-    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.1})
+    apply_optimizer_in_backward(getattr(torchrec.optim, fused), ebc.parameters(), {"lr": 0.1})
     world = topo.world_size
     spec = (lambda i: row_wise(compute_kernel="fused")) if sharding == "row_wise" else \
         (lambda i: table_wise(rank=i % world, compute_kernel="fused"))
@@ -69,16 +70,21 @@ def batch(rank: int, step: int):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("sharding", ["table_wise", "row_wise"])
-def test_a_restored_dmp_trains_on_to_the_uninterrupted_digest(topology, shared_dir, sharding):
+@pytest.mark.parametrize("sharding,fused,states", [
+    ("table_wise", "RowWiseAdagrad", ["state/momentum1", "weight"]),
+    ("row_wise", "RowWiseAdagrad", ["state/momentum1", "weight"]),
+    ("table_wise", "Adagrad", ["state/momentum1", "weight"]),
+    ("row_wise", "SGD", ["weight"])])
+def test_a_restored_dmp_trains_on_to_the_uninterrupted_digest(topology, shared_dir, sharding,
+                                                              fused, states):
     from mpickpt.engine.config import CheckpointConfig
     from mpickpt.engine.manager import CheckpointManager
     from mpickpt.engine.restorer import Restorer
 
     rank = topology.rank
-    first = build(topology, sharding, seed=0)
+    first = build(topology, sharding, seed=0, fused=fused)
     assert first.plan.total_rows == sum(ROWS)
-    assert sorted(first.row_state()) == ["state/momentum1", "weight"]
+    assert sorted(first.row_state()) == states
     config = CheckpointConfig(directory=shared_dir, interval=1000, resume="none")
     mgr = CheckpointManager(topology, config, first, log=lambda line: None)
     for step in range(3):
@@ -89,7 +95,7 @@ def test_a_restored_dmp_trains_on_to_the_uninterrupted_digest(topology, shared_d
         first.train_step(batch(rank, step))
     expected, probe = first.digest(), first.predict(batch(rank, 9))
 
-    second = build(topology, sharding, seed=1)  # other initial rows and dense part
+    second = build(topology, sharding, seed=1, fused=fused)  # other initial rows and dense
     assert second.digest() != expected
     restored = Restorer(topology, shared_dir, second, lambda line: None).restore()
     assert restored is not None and restored.step == 3
