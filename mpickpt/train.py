@@ -190,20 +190,21 @@ def replacement_main(argv=None) -> int:
     rank, world = int(slot), int(size) - config.recovery.spares
     address, local_rank = os.environ[STORE_VARIABLE], local_rank_from_env() or 0
     join_s = config.recovery.join_timeout
+    rendezvous = Rendezvous(connect_store(address, join_s), address)  # one client throughout
     if rank < world:
         try:
             topo, trainer = _join_and_build(
                 config, signals, f"the replacement of rank {rank}",
                 lambda: Topology.from_store(address, rank, world, local_rank,
                                             backend=config.run.backend, join_timeout_s=join_s,
-                                            dead=dead or None),
-                Rendezvous(connect_store(address, join_s), address))
+                                            rendezvous=rendezvous, dead=dead or None),
+                rendezvous)
             return _train(topo, trainer)
         except SlotTaken as e:
             print(f"mpickpt-train: {e}; this process serves as a spare", file=sys.stderr,
                   flush=True)
-    spare = Spare(Rendezvous(connect_store(address, join_s), address), world, local_rank, 1,
-                  choose_backend(config.run.backend), STORE_TIMEOUT_S)
+    spare = Spare(rendezvous, world, local_rank, 1, choose_backend(config.run.backend),
+                  STORE_TIMEOUT_S)
     return _serve_as_spare(spare, config, signals)
 
 

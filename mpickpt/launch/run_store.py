@@ -34,9 +34,10 @@ _GOODBYE = b"bye\n"
 class RunStore:
     """The store and the agent watch of one run. Local; `close()` when the run ended."""
 
-    def __init__(self, timeout_s: float = 300.0):
-        from mpickpt.generation import host_store
+    def __init__(self, timeout_s: float | None = None):
+        from mpickpt.generation import STORE_TIMEOUT_S, host_store
 
+        timeout_s = STORE_TIMEOUT_S if timeout_s is None else timeout_s
         self.store, self.address = host_store(timeout_s)
         self.watch = AgentWatch(self.address, timeout_s)
 

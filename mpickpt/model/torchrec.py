@@ -246,7 +246,6 @@ def _check_sharding(sharded, path: str) -> None:
 
 def _stitch(parts: list[torch.Tensor], what: str) -> torch.Tensor:
     """One live view over consecutive per-table slices of a flat buffer (rows first). Local."""
-    parts = [p for p in parts]
     first = parts[0]
     tail = tuple(first.shape[1:])
     width = int(np.prod(tail)) if tail else 1

@@ -164,7 +164,7 @@ class Survival:
         try:
             g = rv.current()
             ranks = [r for r in sorted(dead)
-                     if rv.holder(g, r) is not None and rv.holder(g, r) == rv.holder(g - 1, r)]
+                     if (held := rv.holder(g, r)) is not None and held == rv.holder(g - 1, r)]
         except (RuntimeError, OSError):
             return None
         return (g, ranks) if ranks else None
