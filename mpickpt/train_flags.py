@@ -68,7 +68,10 @@ class ModelConfig:
     arch_mlp_top: str = option("64-32-1")
     """top MLP widths after the interaction, last = 1"""
     model: str = option("dlrm", choices=MODEL_NAMES)
-    """the model: mpickpt's hybrid-parallel DLRM (see mpickpt.model.registry)"""
+    """the model: mpickpt's hybrid-parallel DLRM, or torchrec's DLRM under
+    DistributedModelParallel (needs the torchrec extra; see mpickpt.model.registry)"""
+    torchrec_sharding: str = option("table_wise", choices=("table_wise", "row_wise"))
+    """--model torchrec: every table on one rank (table_wise) or split over all (row_wise)"""
     optimizer: str = option("adagrad", choices=OPTIMIZERS)
     """rowwise Adagrad (embeddings) + Adagrad (MLPs), SGD, or SGD with momentum"""
     learning_rate: float = option(0.05, parse=positive_float)
@@ -211,6 +214,9 @@ class TrainConfig:
         recovery = RecoveryConfig(**values_from(RecoveryConfig, args))
         faults = FaultConfig(**values_from(FaultConfig, args))
         check_combination(recovery, checkpoint, parity, faults)
+        if model.model == "torchrec":
+            from mpickpt.model.torchrec_dlrm import check_torchrec_options
+            check_torchrec_options(model.optimizer, model.torchrec_sharding, len(sizes), 1)
         return cls(model=model, data=data, run=RunConfig(**values_from(RunConfig, args)),
                    checkpoint=checkpoint, parity=parity, recovery=recovery, faults=faults,
                    table_sizes=sizes, arch=arch,
@@ -225,6 +231,10 @@ class TrainConfig:
             raise ValueError(f"--mini-batch-size {batch} is not divisible by the world "
                              f"size {world_size}: each rank needs an equal share of the batch")
         self.faults.check_world(world_size)
+        if self.model.model == "torchrec":
+            from mpickpt.model.torchrec_dlrm import check_torchrec_options
+            check_torchrec_options(self.optim.kind, self.model.torchrec_sharding,
+                                   len(self.table_sizes), world_size)
         if self.parity is not None:
             self.parity.check_world(world_size)
         if self.faults.injects_losses and self.parity is None and self.checkpoint is None:

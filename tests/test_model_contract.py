@@ -99,7 +99,7 @@ def test_a_recovery_that_must_start_over_is_unrecoverable_without_initial_rows()
 def test_an_unknown_model_name_is_refused_naming_the_choices():
     from mpickpt.model.registry import build_model
 
-    with pytest.raises(ValueError, match=r"--model must be one of dlrm, got 'torchrek'"):
+    with pytest.raises(ValueError, match=r"--model must be one of dlrm, torchrec, got 'torchrek'"):
         build_model("torchrek", None, None, None)
 
 

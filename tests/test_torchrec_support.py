@@ -22,3 +22,47 @@ def test_the_pinned_pair_loads():
     torchrec = load_torchrec()
     assert installed_version("torchrec").startswith("1.8.")
     assert hasattr(torchrec, "EmbeddingBagCollection")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--optimizer", "momentum"], r"--model torchrec trains its rows with fbgemm's fused "
+                                  r"optimizers: --optimizer must be one of adagrad, sgd, got "
+                                  r"'momentum'"),
+    (["--arch-embedding-size", "10"], None),
+])
+def test_the_trainer_refuses_what_the_torchrec_model_cannot_take(argv, message):
+    """Before any MPI work: the flags (momentum), then the world (one table on two ranks)."""
+    from mpickpt.train_flags import TrainConfig
+
+    if message:
+        with pytest.raises(ValueError, match=message):
+            TrainConfig.from_args(["--model", "torchrec", *argv])
+        return
+    config = TrainConfig.from_args(["--model", "torchrec", *argv])
+    with pytest.raises(ValueError, match=r"--torchrec-sharding table_wise leaves ranks without "
+                                         r"a table: 1 tables on 2 ranks; use row_wise"):
+        config.check_world(2)
+    config.check_world(1)
+
+
+def test_table_wise_placement_balances_rows_largest_first():
+    from mpickpt.model.torchrec_dlrm import table_wise_ranks
+
+    assert table_wise_ranks([300, 200, 100, 50], 2) == [0, 1, 1, 0]
+    assert table_wise_ranks([5, 5, 5], 3) == [0, 1, 2]
+
+
+def test_replace_references_reaches_attributes_lists_and_dicts():
+    """What `TorchRecModel.regroup` uses to point a DMP at a new generation's group."""
+    import torch
+
+    from mpickpt.model.torchrec import replace_references
+
+    old, new = object(), object()
+    inner = torch.nn.Module()
+    inner._pg = old
+    outer = torch.nn.Sequential(inner)
+    outer.envs = [{"pg": old, "other": 1}]
+    outer.shared = inner  # reached twice, replaced once
+    assert replace_references(outer, old, new) == 2
+    assert inner._pg is new and outer.envs[0]["pg"] is new and outer.envs[0]["other"] == 1

@@ -14,7 +14,14 @@ def _dlrm(topo, config, timer):
                       config.plan_options, timer, shard_lost=topo.replacement)
 
 
-MODELS = {"dlrm": _dlrm}
+def _torchrec(topo, config, timer):
+    """torchrec's DLRM under DistributedModelParallel (`mpickpt.model.torchrec_dlrm`)."""
+    from mpickpt.model.torchrec_dlrm import build_torchrec_dlrm
+
+    return build_torchrec_dlrm(topo, config, timer)
+
+
+MODELS = {"dlrm": _dlrm, "torchrec": _torchrec}
 """`--model` name -> builder(topo, TrainConfig, PhaseTimer)."""
 MODEL_NAMES = tuple(MODELS)
 

@@ -60,7 +60,7 @@ class ParityGuard:
         require(model, PARITY)
         self.topo, self.config, self.say = topo, config, say
         self.embeddings = model.embeddings
-        self.store = ParityStore(topo, model.embeddings, config.k, config.r)
+        self.store = ParityStore(topo, model.embeddings, model.plan, config.k, config.r)
         model.embeddings.add_update_hook(self.store)
         model.embeddings.add_index_hook(self._on_lookup)
         self.rebuild: Rebuild | None = None

@@ -47,11 +47,11 @@ class ParityStore:
     time a job builds one (it creates the upkeep process group); `encode_all`, `propagate` and
     the update hooks are collective over that group."""
 
-    def __init__(self, topo, embeddings, k: int, r: int):
+    def __init__(self, topo, embeddings, plan, k: int, r: int):
+        """`embeddings`: the model's rows (`RowWords` reads them); `plan`: its `ShardPlan`."""
         self.topo, self.k, self.r = topo, k, r
         topo.side_group("parity")  # created here (collective), read per call after
         self._flight: _Exchange | None = None
-        plan = embeddings.plan
         world = topo.world_size
         self.layouts = group_layouts(k, r, [plan.local_rows(i) for i in range(world)])
         self.layout = self.layouts[topo.rank // (k + r)]

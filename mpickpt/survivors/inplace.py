@@ -59,6 +59,9 @@ class InPlace:
         never comes or a further death overtakes the formation."""
         start = time.perf_counter()
         generation = self.topo.advance(dead, self.join_timeout_s, more_dead)
+        regroup = getattr(self.model, "regroup", None)
+        if regroup is not None:  # a model that holds the old generation's groups itself
+            regroup()
         joined = time.perf_counter()
         out = self._agree(step, reader, pls, attempt, interval, list(finish_done))
         out.seconds.update(join=joined - start, agree=time.perf_counter() - joined)

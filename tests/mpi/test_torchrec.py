@@ -3,8 +3,10 @@ under mpickpt on 2+ ranks: checkpointed by CheckpointManager and restored by Res
 freshly built DMP, training on from the checkpoint gives the digest and predictions of the
 uninterrupted run, bit for bit, under table-wise and row-wise plans and with fused row-wise
 Adagrad, Adagrad and SGD (the dense part averaged by the adapter's own allreduce: DDP's rebuilt
-buckets change the summation order at 4 ranks); a model whose features need row hooks is
-refused by the contract. Skipped where torchrec is not installed."""
+buckets change the summation order at 4 ranks); the row hooks see exactly the rows the fused
+update changes; the step undo takes a fused step back; column-wise tables are refused. The
+trainer's jobs with every feature are in tests/test_torchrec_training.py. Skipped where torchrec
+is not installed."""
 import pytest
 import torch
 
@@ -105,17 +107,103 @@ def test_a_restored_dmp_trains_on_to_the_uninterrupted_digest(topology, shared_d
     assert torch.equal(second.predict(batch(rank, 9)), probe)
 
 
+class Recorder:
+    """An update hook and index/count hooks that keep what they were told."""
+
+    def __init__(self, model):
+        self.model, self.seen, self.counts, self.calls = model, [], [], []
+        emb = model.embeddings
+        emb.add_index_hook(self.seen.append)
+        emb.add_count_hook(lambda rows, counts: self.counts.append((rows, counts)))
+        emb.add_update_hook(self)
+
+    def before_update(self, rows):
+        self.calls.append("before")
+        return self.model.embeddings.weight[rows].clone()
+
+    def after_update(self, rows, old):
+        self.calls.append("after")
+        self.changed = ~(self.model.embeddings.weight[rows] == old).all(dim=1)
+
+    def step_done(self):
+        self.calls.append("done")
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(240)
-def test_features_that_need_row_hooks_refuse_the_adapter(topology):
-    from mpickpt.model.contract import ModelContractError
-    from mpickpt.parity.guard import ParityConfig, ParityGuard
+@pytest.mark.parametrize("sharding", ["table_wise", "row_wise"])
+def test_row_hooks_see_exactly_the_rows_a_step_updates(topology, sharding):
+    """The ids after the input distribution, mapped to local rows, are the rows the fused
+    backward changes: no changed row is missed, every seen row changed (row-wise Adagrad moves
+    every row with a gradient), the update hooks bracket it, predictions call no hook."""
+    from mpickpt.model.contract import CAPABILITIES, capabilities_of
 
-    model = build(topology, "table_wise", seed=0)
-    with pytest.raises(ModelContractError, match=r"TorchRecModel cannot be used with parity "
-                                                 r"\(--parity-k\): it lacks "
-                                                 r"embeddings.add_index_hook"):
-        ParityGuard(topology, model, ParityConfig(k=1), print)
+    model = build(topology, sharding, seed=0)
+    # every capability; the initial rows only with init_seed (TorchRec's own are not recomputable)
+    assert capabilities_of(model) == [c.name for c in CAPABILITIES if c.name != "initial rows"]
+    rec = Recorder(model)
+    model.predict(batch(topology.rank, 7))
+    assert rec.seen == [] and rec.calls == []
+    before = model.embeddings.weight.clone()
+    model.train_step(batch(topology.rank, 0))
+    assert rec.calls == ["before", "after", "done"]
+    (rows,) = rec.seen
+    changed = torch.nonzero(~(model.embeddings.weight == before).all(dim=1)).flatten()
+    assert torch.equal(rows, changed) and bool(rec.changed.all())
+    (count_rows, counts), = rec.counts
+    assert torch.equal(count_rows, rows) and int(counts.min()) >= 1
+    assert len(rows) > 0
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(240)
+def test_the_step_undo_takes_a_fused_step_back(topology):
+    """StepUndo records the rows' old values from the lookup's ids (the fused update leaves no
+    other point) and the dense part before its step: undoing the last step restores the digest
+    of the step before, bit for bit."""
+    from mpickpt.survivors.undo import StepUndo
+
+    model = build(topology, "row_wise", seed=0)
+    undo = StepUndo(model)
+    model.train_step(batch(topology.rank, 0))
+    expected = model.digest()
+    undo.begin(1, {"at": 1})
+    model.train_step(batch(topology.rank, 1))
+    undo.complete()
+    assert model.digest() != expected
+    assert undo.undo_last() == {"at": 1}
+    assert model.digest() == expected
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(240)
+def test_a_column_wise_table_is_refused_naming_it(topology):
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    import torchrec.optim
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from mpickpt.model.torchrec import TorchRecContractError, TorchRecModel
+    from mpickpt.model.torchrec_dlrm import cpu_capable_sharder
+
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+        name="wide", embedding_dim=8, num_embeddings=50, feature_names=["f"])],
+        device=torch.device("meta"))
+    apply_optimizer_in_backward(torchrec.optim.RowWiseAdagrad, ebc.parameters(), {"lr": 0.1})
+    sharder = cpu_capable_sharder()
+    world = topology.world_size
+    plan = ShardingPlan({"": construct_module_sharding_plan(
+        ebc, {"wide": column_wise(ranks=list(range(world)), compute_kernel="fused")},
+        sharder=sharder, local_size=world, world_size=world, device_type="cpu")})
+    dmp = DistributedModelParallel(module=torch.nn.Sequential(ebc), device=torch.device("cpu"),
+                                   plan=ShardingPlan({"0": plan.plan[""]}),
+                                   env=ShardingEnv.from_process_group(topology.pg),
+                                   sharders=[sharder])
+    with pytest.raises(TorchRecContractError, match=r"tables \{'wide': .*column_wise.*\} are "
+                                                    r"sharded in a way mpickpt does not map"):
+        TorchRecModel(dmp, topology)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -1,0 +1,131 @@
+"""Real 1- and 2-rank `mpickpt-train --model torchrec` jobs (torchrec's DLRM under
+DistributedModelParallel, fused row-wise Adagrad, gloo) with mpickpt's features switched on by
+the same flags as for the built-in model: a job SIGKILLed at a random step resumes from an
+incremental (incrcp) checkpoint to the uninterrupted digest; 4-bit checkpoints stay within the
+codec's bound of the float32 ones; parity rebuilds a lost shard while training goes on, to the
+failure-free digest; partial recovery reloads the lost shard without a rollback; a real death
+under mpickpt-run is recovered in place (survivors keep their processes); a table-wise
+checkpoint restores on 1 rank and under a row-wise plan with the same digest. Skipped where
+torchrec is not installed."""
+from __future__ import annotations
+
+import functools
+import random
+import subprocess
+
+import h5py
+import numpy as np
+import pytest
+
+from mpickpt.checkpoint.export import export_checkpoint
+from mpickpt.model.torchrec_support import installed_version
+from mpickpt.quant.codecs import Codec
+from mpickpt.store.manifest import list_manifests
+from tests.fault_jobs import digest_in, mpickpt_run
+from tests.launch import REPO, SMALL_MODEL, digest_of, resumed_step, run_ranks
+
+pytestmark = pytest.mark.skipif(installed_version("torchrec") is None,
+                                reason="torchrec is not installed (.ci/run installs it)")
+STEPS = 24
+TORCHREC = ("--model", "torchrec", *SMALL_MODEL, "--num-batches", str(STEPS), "--digest")
+CKPT = ("--ckpt-interval", "4", "--ckpt-keep", "100")
+
+
+def _train(n: int, sharding: str, *more: str) -> subprocess.CompletedProcess:
+    return run_ranks(n, "mpickpt.train", *TORCHREC, "--torchrec-sharding", sharding, *more)
+
+
+@functools.lru_cache(maxsize=None)
+def _clean(sharding: str, root: str) -> tuple[str, str]:
+    """(digest, checkpoint directory) of the uninterrupted 2-rank run (checkpoints every 4)."""
+    ckpt = f"{root}/clean-{sharding}"
+    return digest_of(_train(2, sharding, "--ckpt-dir", ckpt, *CKPT)), ckpt
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("torchrec"))
+
+
+def test_a_killed_job_resumes_from_incrcp_to_the_uninterrupted_digest(root, tmp_path):
+    kill_at = random.Random().randint(14, 21)  # after incrcp step 8 committed
+    ckpt = str(tmp_path / "ckpt")
+    args = ("--ckpt-dir", ckpt, *CKPT, "--ckpt-kind", "incrcp")
+    killed = _train(2, "row_wise", *args, "--inject-kill", f"{kill_at}:1")
+    assert killed.returncode != 0 and "digest" not in killed.stdout, killed.stdout
+    kinds = {m.step: m.kind for m in list_manifests(ckpt)}
+    assert "incrcp" in kinds.values() and max(kinds) <= kill_at, kinds
+    resumed = _train(2, "row_wise", *args)
+    assert resumed_step(resumed.stdout) == max(kinds), resumed.stdout
+    assert digest_of(resumed) == _clean("row_wise", root)[0]
+
+
+def _arrays(path) -> dict:
+    with h5py.File(path, "r") as f:
+        out = {}
+        f.visititems(lambda name, obj: out.__setitem__(name, obj[()])
+                     if isinstance(obj, h5py.Dataset) else None)
+        return out
+
+
+def test_4bit_checkpoints_stay_within_the_codec_bound_and_resume(root, tmp_path):
+    ckpt = str(tmp_path / "q4")
+    args = ("--ckpt-dir", ckpt, *CKPT, "--ckpt-bits", "4")
+    killed = _train(2, "table_wise", *args, "--inject-kill", "14:0")
+    assert killed.returncode != 0
+    quant = {m.step: m for m in list_manifests(ckpt)}
+    exact = {m.step: m for m in list_manifests(_clean("table_wise", root)[1])}
+    last = max(quant)
+    assert last in (8, 12) and quant[last].codec.startswith("adaptive-4"), quant
+    export_checkpoint(ckpt, quant[last], str(tmp_path / "q.h5"), with_optimizer=True)
+    export_checkpoint(_clean("table_wise", root)[1], exact[last], str(tmp_path / "e.h5"),
+                      with_optimizer=True)
+    got, want = _arrays(tmp_path / "q.h5"), _arrays(tmp_path / "e.h5")
+    weights = [k for k in want if k.startswith("embeddings/")]
+    assert sorted(got) == sorted(want) and len(weights) == 4
+    codec = Codec("adaptive", 4)
+    for k in weights:
+        err = np.sqrt(((got[k].astype(np.float64) - want[k]) ** 2).sum(axis=1))
+        assert (err <= codec.row_error_bound(want[k])).all(), k
+        assert not np.array_equal(got[k], want[k])  # it really was quantized
+    resumed = _train(2, "table_wise", *args)
+    assert resumed_step(resumed.stdout) == last and "digest" in resumed.stdout
+
+
+def test_parity_rebuilds_a_lost_shard_while_training_goes_on(root):
+    proc = _train(2, "table_wise", "--parity-k", "1", "--inject-failure", "7:1")
+    assert "parity: ranks [1] lost their shards after step 7" in proc.stdout, proc.stdout
+    assert "parity: rebuilt ranks [1]" in proc.stdout
+    assert digest_of(proc) == _clean("table_wise", root)[0]
+
+
+def test_partial_recovery_reloads_the_lost_shard_without_a_rollback(tmp_path):
+    proc = _train(2, "table_wise", "--ckpt-dir", str(tmp_path / "ckpt"), *CKPT,
+                  "--recovery", "partial", "--inject-failure", "6:1")
+    assert proc.returncode == 0, proc.stderr
+    assert "ranks [1] lost their shards after step 6" in proc.stdout, proc.stdout
+    assert "reloaded from checkpoint step 4" in proc.stdout and resumed_step(proc.stdout) is None
+
+
+def test_a_real_death_is_recovered_in_place(root, tmp_path):
+    """mpickpt-run's agent respawns the killed rank; the survivor re-points its DMP at the next
+    generation's process group, parity rebuilds the shard, the digest is the failure-free one."""
+    cmd = mpickpt_run("-n", "2", "--max-restarts", "1", "--", *TORCHREC, "--torchrec-sharding",
+                      "row_wise", "--parity-k", "1", "--inject-kill", "13:0",
+                      "--ckpt-dir", str(tmp_path / "ckpt"), *CKPT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "in-place recovery: generation 1 at step 13: rank(s) [0] replaced" in proc.stdout, \
+        proc.stdout
+    assert "mpickpt-run: run 1 finished" in proc.stderr, proc.stderr  # no relaunch
+    assert digest_in(proc.stdout) == _clean("row_wise", root)[0]
+
+
+def test_a_table_wise_checkpoint_restores_on_1_rank_and_row_wise(root):
+    """Checkpoints are keyed by global row id: the last one of the 2-rank table-wise run,
+    restored on 1 rank and under a row-wise plan, has the same digest (nothing left to train)."""
+    digest, ckpt = _clean("table_wise", root)
+    for n, sharding in ((1, "table_wise"), (2, "row_wise")):
+        proc = _train(n, sharding, "--ckpt-dir", ckpt, *CKPT)
+        assert resumed_step(proc.stdout) == STEPS, proc.stdout
+        assert digest_of(proc) == digest, (n, sharding)
