@@ -10,6 +10,7 @@ flag or file and what was expected.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -72,6 +73,13 @@ class ModelConfig:
     DistributedModelParallel (needs the torchrec extra; see mpickpt.model.registry)"""
     torchrec_sharding: str = option("table_wise", choices=("table_wise", "row_wise"))
     """--model torchrec: every table on one rank (table_wise) or split over all (row_wise)"""
+    import_dcp: str | None = option(None, metavar="DIR")
+    """--model torchrec: start from this torch DCP checkpoint of the DMP (dmp.state_dict()
+    under 'model'; any plan or world size) when --ckpt-dir holds no checkpoint yet, and make it
+    the first checkpoint there"""
+    export_dcp: str | None = option(None, metavar="DIR")
+    """--model torchrec: at the end, also write the model as a torch DCP checkpoint here
+    ('model': dmp.state_dict(), 'fused_optimizer', 'dense_optimizer')"""
     optimizer: str = option("adagrad", choices=OPTIMIZERS)
     """rowwise Adagrad (embeddings) + Adagrad (MLPs), SGD, or SGD with momentum"""
     learning_rate: float = option(0.05, parse=positive_float)
@@ -82,6 +90,18 @@ class ModelConfig:
     """split tables with more rows than this row-wise (default: total rows / world size)"""
     max_rows_per_rank: int | None = option(None, parse=int_at_least(1))
     """capacity of one rank in embedding rows (default: unlimited)"""
+
+    def check_dcp_flags(self) -> None:
+        """--import-dcp and --export-dcp: only with --model torchrec; the import directory must
+        hold a DCP checkpoint. ValueError naming the flag. Local."""
+        for flag, path in (("--import-dcp", self.import_dcp), ("--export-dcp", self.export_dcp)):
+            if path is not None and self.model != "torchrec":
+                raise FlagError(f"{flag} needs --model torchrec (a DMP's state dict), got "
+                                f"--model {self.model}")
+        if self.import_dcp is not None and \
+                not os.path.isfile(os.path.join(self.import_dcp, ".metadata")):
+            raise FlagError(f"--import-dcp {self.import_dcp}: not a DCP checkpoint directory "
+                            f"(no .metadata file)")
 
     def table_sizes(self) -> tuple[int, ...]:
         """The tables' row counts; FlagError naming the flag when malformed. Local."""
@@ -217,6 +237,7 @@ class TrainConfig:
         if model.model == "torchrec":
             from mpickpt.model.torchrec_dlrm import check_torchrec_options
             check_torchrec_options(model.optimizer, model.torchrec_sharding, len(sizes), 1)
+        model.check_dcp_flags()
         return cls(model=model, data=data, run=RunConfig(**values_from(RunConfig, args)),
                    checkpoint=checkpoint, parity=parity, recovery=recovery, faults=faults,
                    table_sizes=sizes, arch=arch,

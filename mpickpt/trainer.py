@@ -113,13 +113,38 @@ class Trainer:
             self.dumps_pending = True
             return survey.step, position_from_dict(reader), pls, sorted(survey.lost)
         restored = self.restorer.restore() if self.restorer is not None else None  # collective
+        imported = self._import_dcp(first) if restored is None else None
         if self.parity is not None:
             self.parity.encode()  # collective
+        if imported is not None:
+            return (*imported, None, [])
         if restored is None:
             return 0, first, None, []
         self.ckpt.restored(restored)
         return (restored.step, position_from_dict(restored.reader_state),
                 restored.manifest.stats.get("pls"), [])
+
+    def _import_dcp(self, first):
+        """--import-dcp: the model from a DCP checkpoint, as the first checkpoint of
+        --ckpt-dir. Returns (step, reader position), from where mpickpt exported it, else
+        (0, the start). None without the flag. Collective."""
+        path = self.config.model.import_dcp
+        if path is None:
+            return None
+        from mpickpt.model.torchrec_dcp import load_dcp
+
+        start = time.perf_counter()
+        meta = load_dcp(self.model, path)
+        step, position = (meta["step"], position_from_dict(meta["reader"])) if meta else \
+            (0, first)
+        self.log.say(f"imported DCP checkpoint {path} at step {step} in "
+                     f"{time.perf_counter() - start:.2f} s"
+                     + ("" if meta else " (not written by mpickpt: training starts at step 0 "
+                        "with the reader at the start)"))
+        if self.ckpt is not None:
+            self.ckpt.resumed_at(step)
+            self.ckpt.save(step, position.to_dict(), wait=True)
+        return step, position
 
     def _join_as_replacement(self):
         """A process that replaces a dead rank: agree with the survivors on the step and take
@@ -376,9 +401,20 @@ class Trainer:
             self.test()
             if cfg.run.phase_times:
                 self._print_phases()
+            if cfg.model.export_dcp:
+                self._export_dcp(cfg.model.export_dcp)
             if cfg.run.digest:
                 self.log.say(f"digest {self.model.digest()}")
         self.report.finish(self)
+
+    def _export_dcp(self, path: str) -> None:
+        """--export-dcp: the final model as a DCP checkpoint. Collective."""
+        from mpickpt.model.torchrec_dcp import save_dcp
+
+        start = time.perf_counter()
+        save_dcp(self.model, path, self.step, self.reader.state().to_dict())
+        self.log.say(f"exported step {self.step} as DCP checkpoint {path} in "
+                     f"{time.perf_counter() - start:.2f} s")
 
     def _recover(self, lost) -> None:
         """Recover shards lost after this step; a rollback restarts the reader where the

@@ -66,3 +66,14 @@ def test_replace_references_reaches_attributes_lists_and_dicts():
     outer.shared = inner  # reached twice, replaced once
     assert replace_references(outer, old, new) == 2
     assert inner._pg is new and outer.envs[0]["pg"] is new and outer.envs[0]["other"] == 1
+
+
+def test_dcp_flags_are_refused_without_torchrec_or_a_dcp_directory(tmp_path):
+    from mpickpt.train_flags import TrainConfig
+
+    with pytest.raises(ValueError, match=r"--export-dcp needs --model torchrec \(a DMP's state "
+                                         r"dict\), got --model dlrm"):
+        TrainConfig.from_args(["--export-dcp", str(tmp_path)])
+    with pytest.raises(ValueError, match=rf"--import-dcp {tmp_path}: not a DCP checkpoint "
+                                         rf"directory \(no .metadata file\)"):
+        TrainConfig.from_args(["--model", "torchrec", "--import-dcp", str(tmp_path)])

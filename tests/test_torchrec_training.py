@@ -129,3 +129,19 @@ def test_a_table_wise_checkpoint_restores_on_1_rank_and_row_wise(root):
         proc = _train(n, sharding, "--ckpt-dir", ckpt, *CKPT)
         assert resumed_step(proc.stdout) == STEPS, proc.stdout
         assert digest_of(proc) == digest, (n, sharding)
+
+
+def test_a_dcp_export_imports_as_a_baseline_and_continues_like_the_original(root, tmp_path):
+    """Half the run exported to DCP (--export-dcp), the other half started from it
+    (--import-dcp, its first checkpoint the imported state at step 12), under table-wise and
+    under row-wise sharding: both end with the uninterrupted run's digest."""
+    dcp_dir, ckpt = str(tmp_path / "dcp"), str(tmp_path / "ckpt")
+    half = run_ranks(2, "mpickpt.train", *TORCHREC, "--num-batches", "12",
+                     "--export-dcp", dcp_dir)
+    assert "exported step 12 as DCP checkpoint" in half.stdout, half.stdout + half.stderr
+    digest = _clean("table_wise", root)[0]
+    rest = _train(2, "table_wise", "--import-dcp", dcp_dir, "--ckpt-dir", ckpt, *CKPT)
+    assert f"imported DCP checkpoint {dcp_dir} at step 12" in rest.stdout, rest.stdout
+    assert min(m.step for m in list_manifests(ckpt)) == 12  # the baseline
+    assert digest_of(rest) == digest
+    assert digest_of(_train(2, "row_wise", "--import-dcp", dcp_dir)) == digest

@@ -107,6 +107,14 @@ def test_a_restored_dmp_trains_on_to_the_uninterrupted_digest(topology, shared_d
     assert torch.equal(second.predict(batch(rank, 9)), probe)
 
 
+def _by_gid(topo, model, name: str) -> torch.Tensor:
+    """Every rank's rows of `row_state()[name]` in global id order. Collective."""
+    parts = topo.control.allgather((model.embeddings.local_gids,
+                                    model.row_state()[name].detach().clone()))
+    gids = torch.cat([torch.as_tensor(g) for g, _ in parts])
+    return torch.cat([t for _, t in parts])[torch.argsort(gids)]
+
+
 class Recorder:
     """An update hook and index/count hooks that keep what they were told."""
 
@@ -231,3 +239,33 @@ def test_a_table_wise_checkpoint_restores_into_a_row_wise_plan(topology, shared_
     assert Restorer(topology, shared_dir, second, lambda line: None).restore().step == 3
     assert torch.allclose(second.predict(batch(rank, 9)), probe, rtol=0, atol=1e-6)
     assert second.digest() == first.digest()  # the same rows by global id, the same dense part
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(240)
+def test_an_export_to_dcp_loads_into_a_fresh_dmp_with_plain_dcp_load(topology, shared_dir):
+    """What a TorchRec user does with the export: `dcp.load` of `dmp.state_dict()` and of the
+    fused optimizer's state into a DMP under another plan; it predicts what the exported model
+    did. mpickpt's own import (`load_dcp`) also brings the dense optimizer: the same digest."""
+    import torch.distributed.checkpoint as dcp
+
+    from mpickpt.model.torchrec_dcp import load_dcp, save_dcp
+
+    rank = topology.rank
+    first = build(topology, "table_wise", seed=0)
+    for step in range(3):
+        first.train_step(batch(rank, step))
+    save_dcp(first, f"{shared_dir}/dcp", 3, {"kind": "synthetic", "sample_index": 48})
+    probe = first.predict(batch(rank, 9))
+    user = build(topology, "row_wise", seed=1)
+    state = {"model": user.dmp.state_dict(), "fused_optimizer":
+             user.dmp.fused_optimizer.state_dict()}
+    dcp.load(state, checkpoint_id=f"{shared_dir}/dcp", process_group=topology.pg)
+    user.dmp.fused_optimizer.load_state_dict(state["fused_optimizer"])
+    assert torch.allclose(user.predict(batch(rank, 9)), probe, rtol=0, atol=1e-6)
+    for name in ("weight", "state/momentum1"):  # the fused optimizer state came back too
+        assert torch.equal(_by_gid(topology, user, name), _by_gid(topology, first, name)), name
+    ours = build(topology, "row_wise", seed=2)
+    assert load_dcp(ours, f"{shared_dir}/dcp") == {"step": 3, "reader": {
+        "kind": "synthetic", "sample_index": 48}}
+    assert ours.digest() == first.digest()
