@@ -226,9 +226,13 @@ def _apply_sorted(reader, seg, group, start, gids, mine, out, newest) -> None:
             keep = seg.order >= newest[local]
             if not keep.any():
                 continue
+            # every row, consecutive (a full shard): slices instead of index arrays
+            where = slice(int(local[0]), int(local[-1]) + 1) if keep.all() and \
+                int(local[-1]) - int(local[0]) + 1 == len(local) else local[keep]
             for name in out:
-                out[name][local[keep]] = reader.rows(seg, group, name, start + i0, start + i1)[keep]
-            newest[local[keep]] = seg.order
+                rows = reader.rows(seg, group, name, start + i0, start + i1)
+                out[name][where] = rows if isinstance(where, slice) else rows[keep]
+            newest[where] = seg.order
 
 
 def _apply_merged(reader, seg, group, start, gids, mine, out, newest) -> None:
