@@ -78,8 +78,18 @@ class TorchRecModel:
 
         self.dmp, self.topo, self.dense_optimizer = dmp, topo, dense_optimizer
         self.loss_fn = loss_fn or torch.nn.functional.binary_cross_entropy_with_logits
+        from torchrec.distributed.types import ShardedModule
+
         found = [(n, m) for n, m in dmp.module.named_modules()
                  if isinstance(m, ShardedEmbeddingBagCollection)]
+        unmapped = {n or type(dmp.module).__name__: type(m).__name__
+                    for n, m in dmp.module.named_modules()
+                    if isinstance(m, ShardedModule) and (len(found) != 1 or m is not found[0][1])}
+        if unmapped and len(found) == 1:  # e.g. managed collisions, sequence embeddings: their
+            raise TorchRecContractError(  # state would be left out of every checkpoint
+                f"{type(dmp.module).__name__}: sharded modules {unmapped} are not mapped by "
+                f"mpickpt (it maps one ShardedEmbeddingBagCollection with table-wise or "
+                f"row-wise fused tables); their state would be missing from checkpoints")
         if len(found) != 1:
             raise TorchRecContractError(f"{type(dmp.module).__name__}: mpickpt maps a model "
                                         f"with one sharded EmbeddingBagCollection, found "

@@ -98,10 +98,11 @@ class FusedRows:
         if missing:
             raise TorchRecContractError(f"the lookup sees features {missing} of no table "
                                         f"this rank holds")
-        base = torch.tensor([self.feature_base[k] for k in keys], dtype=torch.int64)
-        per_key = torch.tensor(kjt.length_per_key(), dtype=torch.int64)
-        local = kjt.values().to(torch.int64).cpu() + \
-            torch.repeat_interleave(base, per_key)
+        values = kjt.values()  # on the lookup's device (the GPU there): no copy to the host
+        base = torch.tensor([self.feature_base[k] for k in keys], dtype=torch.int64,
+                            device=values.device)
+        per_key = torch.tensor(kjt.length_per_key(), dtype=torch.int64, device=values.device)
+        local = values.to(torch.int64) + torch.repeat_interleave(base, per_key)
         rows, inverse = torch.unique(local, return_inverse=True)
         return rows.to(self.weight.device), inverse.to(self.weight.device)
 

@@ -269,3 +269,49 @@ def test_an_export_to_dcp_loads_into_a_fresh_dmp_with_plain_dcp_load(topology, s
     assert load_dcp(ours, f"{shared_dir}/dcp") == {"step": 3, "reader": {
         "kind": "synthetic", "sample_index": 48}}
     assert ours.digest() == first.digest()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(240)
+def test_a_sharded_module_it_does_not_map_is_refused_naming_it(topology):
+    """A sequence EmbeddingCollection beside the bag collection (as a managed-collision
+    wrapper would be): refused at construction, never checkpointed partly."""
+    from torchrec import (EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection,
+                          EmbeddingConfig)
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    import torchrec.optim
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from mpickpt.model.torchrec import TorchRecContractError, TorchRecModel
+    from mpickpt.model.torchrec_dlrm import cpu_capable_sharder
+
+    class Both(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+                name="a", embedding_dim=8, num_embeddings=50, feature_names=["fa"])],
+                device=torch.device("meta"))
+            self.ec = EmbeddingCollection(tables=[EmbeddingConfig(
+                name="s", embedding_dim=8, num_embeddings=40, feature_names=["fs"])],
+                device=torch.device("meta"))
+
+    model, world = Both(), topology.world_size
+    for module in (model.ebc, model.ec):
+        apply_optimizer_in_backward(torchrec.optim.RowWiseAdagrad, module.parameters(),
+                                    {"lr": 0.1})
+    bags, seqs = cpu_capable_sharder(), EmbeddingCollectionSharder()
+    plan = ShardingPlan({name: construct_module_sharding_plan(
+        module, {table: table_wise(rank=rank, compute_kernel="fused")}, sharder=sharder,
+        local_size=world, world_size=world, device_type="cpu")
+        for name, module, table, rank, sharder in (("ebc", model.ebc, "a", 0, bags),
+                                                    ("ec", model.ec, "s", 1, seqs))})
+    dmp = DistributedModelParallel(module=model, device=torch.device("cpu"), plan=plan,
+                                   env=ShardingEnv.from_process_group(topology.pg),
+                                   sharders=[bags, seqs])
+    with pytest.raises(TorchRecContractError, match=r"sharded modules \{'ec': "
+                                                    r"'ShardedEmbeddingCollection'\} are not "
+                                                    r"mapped by mpickpt"):
+        TorchRecModel(dmp, topology)
