@@ -40,6 +40,11 @@ class FusedRows:
     def __init__(self, topo, lookup, fused, table_index: dict[str, int]):
         emb = fused.emb_module
         tables = fused.config.embedding_tables
+        if not hasattr(emb, "optimizer") or not hasattr(emb, "split_optimizer_states"):
+            raise TorchRecContractError(
+                f"tables {[t.name for t in tables]} use {type(fused).__name__} ("
+                f"{type(emb).__name__}); mpickpt maps fused kernels (compute_kernel='fused', "
+                f"the optimizer in the backward)")
         kind = getattr(emb.optimizer, "name", str(emb.optimizer))
         if kind not in OPTIMIZERS:
             raise TorchRecContractError(

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(installed_version("torchrec") is None,
 ROWS, DIM, B = (100, 60, 40, 20), 8, 16
 
 
-def build(topo, sharding: str, seed: int, fused: str = "RowWiseAdagrad"):
+def build(topo, sharding: str, seed: int, fused: str = "RowWiseAdagrad", kernel: str = "fused"):
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -43,8 +43,8 @@ def build(topo, sharding: str, seed: int, fused: str = "RowWiseAdagrad"):
                  dense_device=torch.device("cpu"))
     apply_optimizer_in_backward(getattr(torchrec.optim, fused), ebc.parameters(), {"lr": 0.1})
     world = topo.world_size
-    spec = (lambda i: row_wise(compute_kernel="fused")) if sharding == "row_wise" else \
-        (lambda i: table_wise(rank=i % world, compute_kernel="fused"))
+    spec = (lambda i: row_wise(compute_kernel=kernel)) if sharding == "row_wise" else \
+        (lambda i: table_wise(rank=i % world, compute_kernel=kernel))
     sharder = CpuRowWise()
     plan = ShardingPlan({"sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
         ebc, {f"t{i}": spec(i) for i in range(len(ROWS))}, sharder=sharder, local_size=world,
@@ -181,6 +181,17 @@ def test_the_step_undo_takes_a_fused_step_back(topology):
     assert model.digest() != expected
     assert undo.undo_last() == {"at": 1}
     assert model.digest() == expected
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(240)
+def test_a_kernel_without_a_fused_optimizer_is_refused_naming_it(topology):
+    from mpickpt.model.torchrec import TorchRecContractError
+
+    with pytest.raises(TorchRecContractError, match=r"tables \['t\d', 't\d'\] use "
+                                                    r"BatchedDenseEmbeddingBag .*mpickpt maps "
+                                                    r"fused kernels"):
+        build(topology, "table_wise", seed=0, kernel="dense")
 
 
 @pytest.mark.mpi(min_size=2)
