@@ -28,6 +28,12 @@ class RunReport:
         if self.on:
             self.doc["steps"].append([step, loss, seconds])
 
+    def looped(self, seconds: float) -> None:
+        """The training loop's wall time (steps, reading, checkpoint calls; not start-up or the
+        run's end), summed over its passes."""
+        if self.on:
+            self.doc["loop_seconds"] = self.doc.get("loop_seconds", 0.0) + seconds
+
     def recovered(self, loss, outcome, seconds: float, executed: int) -> None:
         if self.on:
             self.doc["recoveries"].append({
@@ -58,6 +64,7 @@ class RunReport:
         if trainer.ckpt is not None:
             d["save_seconds"] = trainer.ckpt.save_seconds
             d["write_seconds"] = trainer.ckpt.write_seconds
+            d["write_cpu_seconds"] = trainer.ckpt.write_cpu_seconds
             d["restore_seconds"] = trainer.restorer.seconds
             d["checkpoints"] = trainer.ckpt.counters["saved"]
         tmp = f"{self.path}.tmp-{os.getpid()}"

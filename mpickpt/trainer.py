@@ -184,7 +184,11 @@ class Trainer:
             self._joined_log(self._joined, 0.0)
         while True:
             try:
-                self._loop()
+                started = time.perf_counter()
+                try:
+                    self._loop()
+                finally:
+                    self.report.looped(time.perf_counter() - started)
                 self._finish()
                 return
             except Exception as e:
@@ -335,6 +339,7 @@ class Trainer:
         if self.parity is not None:
             self.parity.settle()
         start = time.perf_counter()
+        self.ckpt.urgent()
         saved = self.ckpt.save_now(self.step, self.reader)
         self.ckpt.settle()  # committed on rank 0 when this returns there
         write = time.perf_counter() - start
@@ -385,6 +390,7 @@ class Trainer:
     def _close_checkpoints(self) -> None:
         cfg = self.config
         if self.ckpt is not None:
+            self.ckpt.urgent()  # training is over: nothing left to yield to
             if cfg.checkpoint.final and self.stopped is None:
                 self.ckpt.save_now(self.step, self.reader)
             self.ckpt.close()
@@ -420,6 +426,8 @@ class Trainer:
         """Recover shards lost after this step; a rollback restarts the reader where the
         checkpoint left it. Collective."""
         started = time.perf_counter()
+        if self.ckpt is not None:
+            self.ckpt.finish_snapshot()  # the recovery rewrites rows a snapshot may still need
         with self.model.state_lock:  # no survivor dump of a half-recovered state
             outcome = self.faults.recover(lost)
             self.report.recovered(lost, outcome, time.perf_counter() - started, self.executed)

@@ -80,3 +80,14 @@ def read_trace(path) -> dict[int, str]:
         step, position = line.split(" ", 1)
         trace[int(step)] = position
     return trace
+
+
+def h5_datasets(path) -> dict:
+    """Every dataset of an HDF5 file (an export) by its path, read whole."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        out = {}
+        f.visititems(lambda name, obj: out.__setitem__(name, obj[()])
+                     if isinstance(obj, h5py.Dataset) else None)
+        return out

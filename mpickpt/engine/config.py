@@ -69,6 +69,15 @@ class CheckpointConfig:
     align: int = option(1 << 20, flag="--ckpt-align", parse=_bytes, metavar="BYTES")
     """datasets of at least this size start at a multiple of it in the files, so that no two
     share a parallel filesystem stripe: the stripe size (0: packed)"""
+    snapshot: str = option("stop-the-world", flag="--ckpt-snapshot",
+                           choices=("stop-the-world", "copy-on-update"))
+    """how a checkpoint copies the rows: all at once in the stall, or copy-on-update (only the
+    dense part in the stall; each row copied in the background or before its first update,
+    byte-identical; CPU models; see mpickpt/engine/copy_on_update.py)"""
+    background: str = option("idle", flag="--ckpt-background", choices=("idle", "low", "normal"))
+    """CPU and I/O priority of the writers (CRC, quantizer) and the IncrCP extractor: idle
+    (SCHED_IDLE, idle I/O: only what training leaves), low (SCHED_BATCH, best-effort 7), normal
+    (see mpickpt.background_priority); a checkpoint before a stop runs at normal"""
     overlap: str = option("wait", flag="--ckpt-overlap", choices=OVERLAP_POLICIES)
     """when the previous checkpoint is still being written: wait for it, or skip this one"""
     kind: str = option("full", flag="--ckpt-kind", choices=KINDS)

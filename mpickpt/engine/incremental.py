@@ -70,6 +70,11 @@ class IncrementalSaves:
         if self.companion is not None:
             self.companion.poll(self.planner.kind, self.topo.rank, drain)
 
+    def prioritize(self, background: str) -> None:
+        """The companion's background process (the IncrCP extractor) at `background`. Local."""
+        if self.companion is not None and hasattr(self.companion, "prioritize"):
+            self.companion.prioritize(background)
+
     def close(self) -> None:
         """Finish the companion's queue, stop it and detach the tracker. Local. Safe twice."""
         self.poll(drain=True)

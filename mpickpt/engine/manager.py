@@ -30,6 +30,7 @@ import numpy as np
 from mpickpt.control import MAX
 from mpickpt.engine.commit import CommitCoordinator, PendingCheckpoint
 from mpickpt.engine.config import DEFAULT_INTERVAL, CheckpointConfig
+from mpickpt.engine.copy_on_update import CopyOnUpdate
 from mpickpt.engine.incremental import IncrementalSaves
 from mpickpt.engine.schedule import CheckpointSchedule
 from mpickpt.engine.snapshot import Snapshotter, dense_file_spec, rng_blobs, save_file_specs
@@ -51,7 +52,13 @@ class CheckpointManager:
             topo.control.bcast(uuid.uuid4().hex[:8] if topo.is_root else None, root=0)
         remove_stale_areas()
         self.snapshots = Snapshotter(model, with_dense=topo.is_root)
-        self.writers = WriterPool(config.writers)
+        self.copier = self._copier(config, model)
+        self._deferred: list | None = None
+        """The writer jobs of a snapshot whose rows are still being copied (copy-on-update)."""
+        self.writers = WriterPool(config.writers, config.background)
+        if self.writers.priority_problem:
+            self.say(f"the checkpoint writers run at their start priority: "
+                     f"{self.writers.priority_problem}")
         self.commits = CommitCoordinator(topo, self.root, config.keep, self.say)
         self.counters = {"saved": 0, "waits": 0, "skips": 0, "wait_seconds": 0.0}
         self.stalls: list[float] = []
@@ -65,11 +72,23 @@ class CheckpointManager:
         self.save_seconds: list[float] = []
         """Wall time of every save() on this rank: its stall and any wait (O_save)."""
         self.write_seconds: list[float] = []
+        self.write_cpu_seconds: list[float] = []
+        """CPU seconds the writers spent on each checkpoint (CRC, quantizer, HDF5), all of them."""
         """Background write time of every finished checkpoint on this rank."""
         self._last_submitted: int | None = None
         self._restored_step: int | None = None
         self.bits = config.quant.policy(max(1, topo.world_size // max(1, topo.local_size)))
         self.say(self.bits.explain())
+
+    @staticmethod
+    def _copier(config, model):
+        """The copy-on-update hook, when asked for and the rows are on the CPU. Local."""
+        if config.snapshot != "copy-on-update" or model.topo.device.type != "cpu":
+            return None
+        from mpickpt.model.contract import COPY_ON_UPDATE, require
+
+        require(model, COPY_ON_UPDATE)
+        return CopyOnUpdate(model)
 
     @property
     def kind(self):
@@ -103,6 +122,7 @@ class CheckpointManager:
 
     def poll(self) -> None:
         """Collect finished writes and move commit messages along; never blocks. Local."""
+        self._submit_deferred(block=False)
         results = self.writers.poll()
         if results is not None:
             self._report(results)
@@ -141,6 +161,9 @@ class CheckpointManager:
         (rank 0; empty elsewhere). Local."""
         if self.writers is None:
             return []
+        if self.copier is not None:
+            self.copier.cancel()
+        self._deferred = None
         self.writers.wait()
         self._in_flight = None
         self._last_submitted = None
@@ -153,8 +176,34 @@ class CheckpointManager:
             else None
         return self.topo.control.bcast(mine, root=0)
 
+    def finish_snapshot(self) -> None:
+        """A copy-on-update snapshot in progress is completed now and handed to the writers:
+        call before anything rewrites rows outside a training step (a recovery, a restore).
+        Local."""
+        self._submit_deferred(block=True)
+
+    def _submit_deferred(self, block: bool) -> None:
+        """Hand the deferred writer jobs over once the rows are copied (`block`: copy the rest
+        now). A copier failure abandons this checkpoint, never training. Local."""
+        if self._deferred is None or (not block and self.copier.active):
+            return
+        jobs, self._deferred = self._deferred, None
+        try:
+            self.copier.finish()
+        except RuntimeError as e:
+            print(f"mpickpt: rank {self.topo.rank}: {e}", flush=True)
+            self._report([{"ok": False, "error": str(e)}])
+            return
+        self.writers.submit(jobs)
+
+    @property
+    def busy(self) -> bool:
+        """A checkpoint is being copied or written on this rank. Local."""
+        return self._deferred is not None or self.writers.busy
+
     def settle(self) -> None:
         """Let the checkpoint in flight finish and commit. Collective."""
+        self._submit_deferred(block=True)
         results = self.writers.wait()
         if results is not None:
             self._report(results)
@@ -170,6 +219,12 @@ class CheckpointManager:
         self.topo.control.Barrier()
 
     # ---- saving ----------------------------------------------------------------------------
+    def urgent(self) -> None:
+        """Training is over or stopping: the background (writers, extractor) runs at normal
+        priority from now on, to finish what is left as fast as it can. Local."""
+        self.writers.prioritize("normal")
+        self.incremental.prioritize("normal")
+
     def save_now(self, step: int, reader) -> bool:
         """A checkpoint of `step` outside the interval (an emergency stop), waiting for the one
         in flight whatever the overlap policy; False when `step` was just saved. Collective."""
@@ -181,13 +236,13 @@ class CheckpointManager:
         """Snapshot now and write in the background; False if skipped (the overlap policy
         `skip`, unless `wait`). Collective."""
         start = time.perf_counter()
-        busy = self.topo.control.allreduce(int(self.writers.busy), op=MAX)
+        busy = self.topo.control.allreduce(int(self.busy), op=MAX)
         if busy and not self._make_room(step, wait):
             return False  # tracked rows stay marked for the next checkpoint
         if self.incremental.tracks_rows:
             self._settle()
         save = self.incremental.plan(step, self.attempt)
-        seconds, nbytes = self.snapshots.stage()
+        seconds, nbytes = self.snapshots.stage(self.copier, save.rows)
         self.stalls.append(seconds)
         ckpt_id = checkpoint_id(step, self.attempt)
         self._submit(step, ckpt_id, seconds, nbytes, save)
@@ -219,6 +274,7 @@ class CheckpointManager:
                      f"(skips so far: {self.counters['skips']})")
             return False
         start = time.perf_counter()
+        self._submit_deferred(block=True)
         results = self.writers.wait()
         if results is not None:
             self._report(results)
@@ -241,7 +297,10 @@ class CheckpointManager:
         self._in_flight = {"step": step, "stall_seconds": stall, "staged_bytes": staged,
                            "rows": int(rows), "save": save}
         self._last_submitted = step
-        self.writers.submit(jobs)
+        if self.copier is not None and self.copier.active:
+            self._deferred = jobs  # handed over by poll() once the rows are copied
+        else:
+            self.writers.submit(jobs)
 
     def _pending(self, step: int, ckpt_id: str, reader_state: dict, save) -> PendingCheckpoint:
         m = self.model
@@ -273,6 +332,7 @@ class CheckpointManager:
                   "seconds": max(r.get("seconds", 0.0) for r in results)}
         if not errors:
             self.write_seconds.append(report["seconds"])
+            self.write_cpu_seconds.append(sum(r.get("cpu_seconds", 0.0) for r in results))
             self.incremental.written(save, meta["step"], report["seconds"], self.writers.size,
                                      list(self.model.row_state()))
         if errors:
@@ -304,6 +364,9 @@ class CheckpointManager:
         """Stop writers and free staging without committing (error paths). Local. Safe twice."""
         if self.writers is None:
             return
+        if self.copier is not None:
+            self.copier.cancel()
+        self._deferred = None
         for line in self.writers.close():
             print(f"mpickpt: rank {self.topo.rank}: {line}", flush=True)
         self.snapshots.close()

@@ -39,14 +39,25 @@ class Snapshotter:
         if self.area is None or not self.area.matches(specs):
             self._reallocate(specs)
 
-    def stage(self) -> tuple[float, int]:
-        """Copy all state into staging; returns (seconds, bytes). Local."""
+    def stage(self, copier=None, selected=None) -> tuple[float, int]:
+        """Copy the state a save writes into staging; returns (seconds, bytes copied now).
+        `selected`: the sorted local rows it writes (None: every row); on the CPU only those
+        rows are copied, into their places (the writers read no other). With `copier` (a
+        `CopyOnUpdate`, CPU only) only the dense part is copied now and the rows are left to
+        it: pending until copied in the background or before their first update. Local."""
         self.prepare()
-        sources = dict(self.model.row_state())
-        if self.with_dense:
-            sources.update({f"dense/{k}": t for k, t in self.model.dense_state().items()})
+        rows = dict(self.model.row_state())
+        dense = {f"dense/{k}": t for k, t in self.model.dense_state().items()} \
+            if self.with_dense else {}
         start = time.perf_counter()
-        nbytes = self._copy(sources)
+        if self._stream is not None:
+            nbytes = self._copy({**rows, **dense})
+        elif copier is not None:
+            nbytes = self._copy(dense)
+            targets = self.area.tensors()
+            copier.start(rows, {name: targets[name] for name in rows}, selected)
+        else:
+            nbytes = self._copy(dense) + self._copy_rows(rows, selected)
         return time.perf_counter() - start, nbytes
 
     def _reallocate(self, specs) -> None:
@@ -67,6 +78,16 @@ class Snapshotter:
                     targets[name].copy_(src, non_blocking=True)
             self._stream.synchronize()
         return sum(t.numel() * t.element_size() for t in sources.values())
+
+    def _copy_rows(self, rows: dict[str, torch.Tensor], selected) -> int:
+        """CPU: the `selected` local rows (all when None) into their places in staging."""
+        if selected is None:
+            return self._copy(rows)
+        targets = self.area.tensors()
+        idx = torch.as_tensor(selected, dtype=torch.int64)
+        for name, src in rows.items():
+            targets[name].index_copy_(0, idx, src.index_select(0, idx))
+        return sum(len(idx) * t[0].numel() * t.element_size() for t in rows.values() if len(t))
 
     def close(self) -> None:
         if self.area is not None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+from mpickpt import background_priority
 from mpickpt.background import WorkerStartError, start_worker
 from mpickpt.engine.writer_process import writer_main
 
@@ -10,7 +11,11 @@ from mpickpt.engine.writer_process import writer_main
 class WriterPool:
     """`count` writer processes; one job (a list of per-writer jobs) in flight at a time. Local."""
 
-    def __init__(self, count: int):
+    def __init__(self, count: int, background: str = "idle"):
+        """`background`: the writers' CPU and I/O priority (`mpickpt.background_priority`)."""
+        self.background = background
+        self.priority_problem: str | None = None
+        """Why the priority could not be set (the writers then run as they are), once."""
         self._procs: list = [None] * count
         self._conns: list = [None] * count
         for i in range(count):
@@ -21,6 +26,24 @@ class WriterPool:
 
     def _start(self, i: int) -> None:
         self._procs[i], self._conns[i] = start_worker(writer_main, f"mpickpt-writer-{i}")
+        self._prioritize(self._procs[i])
+
+    def _prioritize(self, proc) -> None:
+        problem = background_priority.apply(proc.pid, self.background)
+        if problem and self.priority_problem is None:
+            self.priority_problem = problem
+
+    def prioritize(self, background: str) -> None:
+        """Run the writers at `background` priority from now on (`normal` for a last checkpoint
+        before a stop). Local."""
+        self.background = background
+        for proc in self._procs:
+            if proc is not None and proc.is_alive():
+                self._prioritize(proc)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p is not None]
 
     @property
     def size(self) -> int:

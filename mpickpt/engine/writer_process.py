@@ -32,7 +32,7 @@ def writer_main(conn, parent_pid: int) -> None:
 
 def run_job(job: dict, attached: dict) -> dict:
     """Write every file of `job`; {'ok': True, 'files': ..., 'bytes', 'seconds'} or an error. Local."""
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     written: dict[str, dict] = {}
     current = None
     try:
@@ -44,7 +44,8 @@ def run_job(job: dict, attached: dict) -> dict:
             written[spec.relpath] = {**spec.meta, "size": size, "crc32": crc}
             total += payload
         return {"ok": True, "files": written, "bytes": total,
-                "seconds": time.perf_counter() - start, "step": job["step"]}
+                "seconds": time.perf_counter() - start, "step": job["step"],
+                "cpu_seconds": time.process_time() - cpu}
     except Exception as e:  # reported to the trainer, never raised there
         for spec in job["files"]:
             _remove_quietly(spec.path + ".tmp")

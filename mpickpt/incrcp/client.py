@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+from mpickpt import background_priority
 from mpickpt.background import WorkerStartError, start_worker
 from mpickpt.incrcp.extractor_process import extractor_main
 
@@ -11,8 +12,9 @@ class ExtractorClient:
     """Hands ingestion jobs to one background extractor, in order; restarts it if it dies and hands
     it every unanswered job again (ingestion is idempotent). Never blocks unless asked to drain."""
 
-    def __init__(self, root: str, ratio: float, log=None):
-        self.root, self.ratio = root, ratio
+    def __init__(self, root: str, ratio: float, log=None, background: str = "idle"):
+        """`background`: the extractor's CPU and I/O priority (`mpickpt.background_priority`)."""
+        self.root, self.ratio, self.background = root, ratio, background
         self.log = log or (lambda line: None)
         self.pending: list[dict] = []
         self.results: list[dict] = []
@@ -22,6 +24,14 @@ class ExtractorClient:
     def _start(self) -> None:
         self.proc, self.conn = start_worker(extractor_main, "mpickpt-extractor", self.root,
                                             self.ratio)
+        self.prioritize(self.background)
+
+    def prioritize(self, background: str) -> None:
+        """Run the extractor at `background` priority from now on. Local."""
+        self.background = background
+        problem = background_priority.apply(self.proc.pid, background)
+        if problem:
+            self.log(f"the extractor runs at its start priority: {problem}")
 
     def submit(self, job: dict) -> None:
         """Queue one ingestion (after its column file is durable). Local."""

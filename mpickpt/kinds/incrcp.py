@@ -88,7 +88,8 @@ class Incrcp(Kind):
             self.cost.restores.append((step, seconds))
 
     def companion(self, root, config, say):
-        return Ingestion(root, config.incrcp_ratio, config.inject_extract_crash, say, config.align)
+        return Ingestion(root, config.incrcp_ratio, config.inject_extract_crash, say, config.align,
+                         config.background)
 
     def shard_location(self, save, ckpt_id, rank, step, part):
         return column_relpath(save.chain, rank, step, part), "chunk"
@@ -141,10 +142,15 @@ class Ingestion:
     """The trainer's side of the extractor: one ingestion per durable increment, its answers
     logged and fed back into the cost model. Local."""
 
-    def __init__(self, root: str, ratio: float, crash_at: int | None, say, align: int = 0):
+    def __init__(self, root: str, ratio: float, crash_at: int | None, say, align: int = 0,
+                 background: str = "idle"):
         self.root, self.crash_at, self.say, self.align = root, crash_at, say, align
-        self.client = ExtractorClient(root, ratio, say)
+        self.client = ExtractorClient(root, ratio, say, background)
         self.count = 0
+
+    def prioritize(self, background: str) -> None:
+        """The extractor at `background` priority. Local."""
+        self.client.prioritize(background)
 
     def written(self, rank: int, step: int, chain: str, parts: int, row_names,
                 is_root: bool) -> None:

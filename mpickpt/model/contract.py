@@ -190,8 +190,10 @@ PARTIAL = Feature("partial recovery (--recovery partial)", (ROW_RANGES,))
 FROM_START = Feature("a recovery before the first checkpoint committed", (INITIAL_ROWS,))
 EMULATED_FAILURES = Feature("emulated failures (--inject-failure, --failure-model)",
                             (LOSES_ROWS,))
+COPY_ON_UPDATE = Feature("copy-on-update snapshots (--ckpt-snapshot copy-on-update)",
+                         (UPDATE_HOOKS,))
 FEATURES = (TRAINING, INCREMENTAL, PRIORITY, PARITY, STEP_UNDO, PARTIAL, FROM_START,
-            EMULATED_FAILURES)
+            EMULATED_FAILURES, COPY_ON_UPDATE)
 
 
 class ModelContractError(ValueError):
