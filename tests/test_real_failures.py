@@ -77,7 +77,7 @@ def parity_trial(ckpt, seed: int, reference: str) -> None:
         assert f"rank(s) [{rank}] died" in f.read()
 
 
-@pytest.mark.parametrize("seed", [11, 12])
+@pytest.mark.parametrize("seed", [11])  # more seeds: the slow test below
 def test_parity_relaunch_after_a_random_sigkill(tmp_path, parity_reference, seed):
     parity_trial(tmp_path / "ckpt", seed, parity_reference)
 
