@@ -45,6 +45,8 @@ NUM_TABLES = 8
 TARGET_STALL_VS_MEMCPY = 1.5
 TARGET_DCP_OVER_MPICKPT = 20.0
 TARGET_WRITE_VS_DD = 0.7
+SEEN_TAG = 7301
+"""Control-channel tag of rank 0's "the commit is visible" message."""
 
 
 # ---- worker side ---------------------------------------------------------------------------------
@@ -129,13 +131,13 @@ def wait_for_commit(topo, manager, root: str, step: int, lines: list,
                 break
             time.sleep(0.002)
         seen = time.perf_counter()
-        req = topo.control.Ibarrier()
-        req.Wait()
+        for r in range(1, topo.world_size):
+            topo.control.isend(True, dest=r, tag=SEEN_TAG)
     else:
-        req = topo.control.Ibarrier()  # completes once rank 0 saw the commit
-        while not req.Test():
+        while not topo.control.iprobe(tag=SEEN_TAG):  # until rank 0 saw the commit
             poll()  # delivers this rank's durability report when its writer is done
             time.sleep(0.002)
+        topo.control.recv(tag=SEEN_TAG)
         seen = time.perf_counter()
     failure = topo.control.bcast(failure, root=0)
     if failure:
@@ -143,13 +145,15 @@ def wait_for_commit(topo, manager, root: str, step: int, lines: list,
     return seen, longest
 
 
-def measure_mpickpt(topo, model, root: str, repeats: int, writers: int) -> dict:
+def measure_mpickpt(topo, model, root: str, repeats: int, writers: int,
+                    snapshot: str = "stop-the-world") -> dict:
     """Stall, total time and writer throughput of CheckpointManager.save(). Collective."""
     from mpickpt.engine.config import CheckpointConfig
     from mpickpt.engine.manager import CheckpointManager
     from mpickpt.store.manifest import load_manifest, manifest_path
 
-    config = CheckpointConfig(directory=root, interval=1, keep=1, resume="none", writers=writers)
+    config = CheckpointConfig(directory=root, interval=1, keep=1, resume="none", writers=writers,
+                              snapshot=snapshot)
     if topo.is_root:
         config.check_directory()
     topo.control.Barrier()
@@ -343,7 +347,7 @@ def worker(args) -> None:
         bw = memcpy_bandwidth(topo, staged)
         tag = f"{size_mb:g}mb"
         mp = measure_mpickpt(topo, model, os.path.join(args.dir, f"mpickpt-{tag}"), args.repeats,
-                             args.writers)
+                             args.writers, args.snapshot)
         dc = measure_dcp(topo, model, os.path.join(args.dir, f"dcp-{tag}"), args.repeats)
         disk = measure_disk(topo, os.path.join(args.dir, f"dd-{tag}"), size_mb, args.repeats)
         per_rank = topo.control.gather({"staged_bytes": staged, "memcpy_Bps": bw,
@@ -520,6 +524,10 @@ def main() -> None:
     p.add_argument("--writers", type=int, default=1, help="mpickpt writer processes per rank")
     p.add_argument("--dir", default="/tmp/mpickpt-bench",
                    help="scratch directory on the disk under test (not tmpfs)")
+    p.add_argument("--snapshot", default="stop-the-world",
+                   choices=("stop-the-world", "copy-on-update"),
+                   help="mpickpt's --ckpt-snapshot (copy-on-update: the rows are copied after "
+                        "save() returns)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(HERE / "results" / "checkpoint_stall.json"))
     args = p.parse_args()
@@ -537,7 +545,7 @@ def main() -> None:
     tmp = HERE / "results" / ".checkpoint_stall.tmp"
     cmd = [mpiexec(), "-n", str(args.ranks), sys.executable, __file__, "--worker", "--out", str(tmp),
            "--sizes-mb", args.sizes_mb, "--repeats", str(args.repeats), "--writers",
-           str(args.writers), "--dir", os.path.abspath(args.dir)]
+           str(args.writers), "--dir", os.path.abspath(args.dir), "--snapshot", args.snapshot]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.ranks)))
     start = time.perf_counter()
     try:
@@ -549,6 +557,7 @@ def main() -> None:
     tmp.unlink()
     meta = {"machine": platform.node(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
             "command": " ".join(sys.argv), "torch": _torch_version(), "dir": os.path.abspath(args.dir),
+            "snapshot": args.snapshot,
             "filesystem": fs, "omp_num_threads": env["OMP_NUM_THREADS"],
             "elapsed_s": time.perf_counter() - start,
             "targets": {"stall_vs_memcpy": f"<= {TARGET_STALL_VS_MEMCPY}",

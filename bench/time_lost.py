@@ -1,0 +1,180 @@
+"""Training time lost per checkpoint: real `mpickpt-train` runs with and without checkpoints,
+alternating, at 1 rank on 2 cores (a core free) and 2 ranks (none free), for each checkpoint kind
+and background priority (issue 23).
+
+    python bench/time_lost.py --ranks 1,2 --rounds 2 --steps 600 --interval 50
+
+Each round runs, one after the other and in a rotating order, a run without checkpoints and one
+run per (kind, --ckpt-background, --ckpt-snapshot) case, all on the same synthetic stream (26 Criteo Kaggle tables
+/ --scale-down, D = 16, global batch --batch). From each run's `--run-report`: the training loop's
+wall time (steps, reading and checkpoint calls), the checkpoints taken, the stall of each save
+(`save_seconds`) and the writers' CPU seconds (rank 0's). *lost per checkpoint* = (loop time −
+the same round's loop time without checkpoints) / checkpoints; the spread is over rounds.
+
+Targets (issue 23): with a free core, lost per checkpoint ≤ 2 × the stall + 10 % of the
+background's CPU seconds per checkpoint. (The no-free-core target, background CPU seconds per GB
+against a measured memcpy + CRC + write floor, is not measured here.) Prints a table, writes
+bench/results/time_lost.json and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from mpickpt.mpiexec import mpiexec
+
+HERE = Path(__file__).resolve().parent
+KINDS = {"full": ("--ckpt-kind", "full"), "incrcp": ("--ckpt-kind", "incrcp"),
+         "incrcp-4bit": ("--ckpt-kind", "incrcp", "--ckpt-bits", "4")}
+
+
+def run(ranks: int, args, workdir: Path, name: str, extra: tuple) -> dict:
+    """One training run; its run report. Local (launches mpiexec)."""
+    report = workdir / f"{name}.json"
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpickpt.train",
+           "--arch-embedding-size", "criteo-kaggle", "--embedding-scale-down",
+           str(args.scale_down), "--mini-batch-size", str(args.batch), "--num-batches",
+           str(args.steps), "--test-num-batches", "0", "--print-freq", "0",
+           "--run-report", str(report), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(report.read_text())
+
+
+SNAPSHOTS = {"stop-the-world": "stw", "copy-on-update": "cou"}
+
+
+def cases(args) -> list[tuple[str, str, str]]:
+    return [(k, b, s) for k in args.kinds.split(",") for b in args.backgrounds.split(",")
+            for s in args.snapshots.split(",")]
+
+
+def case_name(case) -> str:
+    return f"{case[0]}-{case[1]}-{SNAPSHOTS[case[2]]}"
+
+
+def measure(args) -> list[dict]:
+    rows = []
+    for ranks in (int(r) for r in args.ranks.split(",")):
+        for rnd in range(args.rounds):
+            order = [None] + cases(args)
+            shift = rnd % len(order)
+            order = order[shift:] + order[:shift]  # rotate: no case always runs first
+            with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+                work = Path(tmp)
+                results = {}
+                for case in order:
+                    name = "none" if case is None else case_name(case)
+                    extra = () if case is None else (
+                        "--ckpt-dir", str(work / name), "--ckpt-interval", str(args.interval),
+                        "--ckpt-background", case[1], "--ckpt-snapshot", case[2],
+                        *KINDS[case[0]])
+                    results[name] = run(ranks, args, work, name, extra)
+                    print(f"ranks {ranks} round {rnd}: {name} loop "
+                          f"{results[name].get('loop_seconds', float('nan')):.2f} s", flush=True)
+            base = results["none"]["loop_seconds"]
+            for case in cases(args):
+                r = results[case_name(case)]
+                n = max(1, r.get("checkpoints", 0))
+                rows.append({"ranks": ranks, "round": rnd, "kind": case[0],
+                             "background": case[1], "snapshot": case[2], "checkpoints": n,
+                             "lost_s": (r["loop_seconds"] - base) / n,
+                             "stall_s": statistics.median(r["save_seconds"]),
+                             "cpu_s": statistics.mean(r["write_cpu_seconds"])
+                             if r.get("write_cpu_seconds") else float("nan"),
+                             "loop_s": r["loop_seconds"], "base_loop_s": base})
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    keys = sorted({(r["ranks"], r["kind"], r["background"], r["snapshot"]) for r in rows})
+    out = []
+    for ranks, kind, background, snapshot in keys:
+        mine = [r for r in rows if (r["ranks"], r["kind"], r["background"], r["snapshot"]) ==
+                (ranks, kind, background, snapshot)]
+        lost = [r["lost_s"] for r in mine]
+        stall = statistics.median(r["stall_s"] for r in mine)
+        cpu = statistics.median(r["cpu_s"] for r in mine)
+        bound = 2 * stall + 0.1 * cpu
+        out.append({"ranks": ranks, "kind": kind, "background": background,
+                    "snapshot": snapshot,
+                    "lost_ms": statistics.median(lost) * 1e3,
+                    "lost_min_ms": min(lost) * 1e3, "lost_max_ms": max(lost) * 1e3,
+                    "stall_ms": stall * 1e3, "cpu_ms": cpu * 1e3, "bound_ms": bound * 1e3,
+                    "met": ranks == 1 and statistics.median(lost) <= bound})
+    return out
+
+
+def print_table(summary: list[dict]) -> None:
+    print("\n| ranks | kind | background | snapshot | lost ms / ckpt (min–max) | stall ms | "
+          "writer CPU ms / ckpt | bound 2·stall + 0.1·CPU ms | met (1 rank) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for s in summary:
+        met = ("yes" if s["met"] else "no") if s["ranks"] == 1 else "—"
+        print(f"| {s['ranks']} | {s['kind']} | {s['background']} | {s['snapshot']} | "
+              f"{s['lost_ms']:.0f} "
+              f"({s['lost_min_ms']:.0f}–{s['lost_max_ms']:.0f}) | {s['stall_ms']:.1f} | "
+              f"{s['cpu_ms']:.0f} | {s['bound_ms']:.0f} | {met} |")
+
+
+def plot(summary: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = sorted({s["ranks"] for s in summary})
+    fig, axes = plt.subplots(1, len(ranks), figsize=(8 * len(ranks), 4.2), squeeze=False)
+    for ax, n in zip(axes[0], ranks):
+        mine = [s for s in summary if s["ranks"] == n]
+        names = [f"{s['kind']}\n{s['background']}\n{SNAPSHOTS[s['snapshot']]}" for s in mine]
+        ax.bar(names, [s["lost_ms"] for s in mine], label="lost / ckpt",
+               yerr=[[s["lost_ms"] - s["lost_min_ms"] for s in mine],
+                     [s["lost_max_ms"] - s["lost_ms"] for s in mine]], capsize=3)
+        ax.plot(names, [s["bound_ms"] for s in mine], "k_", markersize=20,
+                label="2·stall + 0.1·writer CPU")
+        ax.set_title(f"{n} rank(s) on 2 cores")
+        ax.set_ylabel("ms per checkpoint")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", default="1,2")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--interval", type=int, default=50)
+    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument("--scale-down", type=int, default=45, help="26 Kaggle tables / this")
+    p.add_argument("--kinds", default="full,incrcp-4bit")
+    p.add_argument("--backgrounds", default="idle,normal")
+    p.add_argument("--snapshots", default="stop-the-world,copy-on-update")
+    p.add_argument("--dir", default=tempfile.gettempdir())
+    p.add_argument("--out", default=str(HERE / "results" / "time_lost.json"))
+    args = p.parse_args()
+    for kind in args.kinds.split(","):
+        if kind not in KINDS:
+            p.error(f"--kinds: {kind!r} is not one of {', '.join(KINDS)}")
+    rows = measure(args)
+    summary = summarize(rows)
+    print_table(summary)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": " ".join(sys.argv), "args": vars(args), "runs": rows,
+                               "summary": summary}, indent=1))
+    plot(summary, out.with_suffix(".png"))
+    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
