@@ -221,7 +221,10 @@ class CheckpointManager:
     # ---- saving ----------------------------------------------------------------------------
     def urgent(self) -> None:
         """Training is over or stopping: the background (writers, extractor) runs at normal
-        priority from now on, to finish what is left as fast as it can. Local."""
+        priority from now on, to finish what is left as fast as it can. Local; a no-op once
+        closed (a stop closes the manager before the run's end)."""
+        if self.writers is None:
+            return
         self.writers.prioritize("normal")
         self.incremental.prioritize("normal")
 
