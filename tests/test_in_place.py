@@ -336,7 +336,8 @@ def _end_trial(tmp_path, pattern: str, rank: int, delay: float) -> tuple[Job, in
 
 
 @pytest.mark.parametrize("pattern,rank", [(r"^checkpoints: \d+ saved", 0),
-                                          (r"^digest [0-9a-f]", 2)])
+                                          pytest.param(r"^digest [0-9a-f]", 2,
+                                                       marks=pytest.mark.slow)])
 def test_a_death_at_the_runs_end_neither_hangs_nor_changes_the_digest(tmp_path, clean_digest,
                                                                        pattern, rank):
     """After the last checkpoint closed (the survivors and the replacement then agree on what

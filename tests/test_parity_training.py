@@ -3,6 +3,8 @@ continues and the final digest equals a failure-free run's; more failures than r
 back to the latest checkpoint and the run still ends with the same digest."""
 import functools
 
+import pytest
+
 from tests.launch import SMALL_MODEL, digest_of, resumed_step, run_ranks
 
 STEPS = ("--num-batches", "16", "--digest")
@@ -22,6 +24,7 @@ def test_one_lost_rank_is_rebuilt_from_xor_parity_exactly():
     assert "falling back" not in proc.stdout
 
 
+@pytest.mark.slow  # CI time: r = 2 rebuilds are exact in process (tests/mpi/test_parity.py)
 def test_two_lost_ranks_are_rebuilt_from_reed_solomon_parity_exactly():
     proc = run_ranks(4, "mpickpt.train", *SMALL_MODEL, *STEPS, "--parity-k", "2", "--parity-r",
                      "2", "--optimizer", "momentum", "--inject-failure", "5:0,3",

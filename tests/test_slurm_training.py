@@ -117,6 +117,7 @@ def test_srun_without_an_mpi_plugin_stops_with_the_fix_and_no_requeue(slurm, tmp
     assert slurm.job_info(job)["Restarts"] == "0"
 
 
+@pytest.mark.slow  # CI time: scancel's requeue test covers the requeue path
 def test_scontrol_requeue_mid_run_resumes_to_the_uninterrupted_digest(slurm, tmp_path,
                                                                       reference):
     job, out = submit(slurm, tmp_path, 2, 150, CKPT_INTERVAL="20")

@@ -33,6 +33,8 @@ def _model(topo):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind,bits", [("full", "32"), ("incrcp", "32"), ("full", "4")])
 def test_a_copy_on_update_checkpoint_equals_a_stop_the_world_one(topology, kind, bits):
+    if topology.world_size != 2:
+        pytest.skip("CI time: 2 ranks show it (the copy is local to each rank)")
     root = topology.control.bcast(tempfile.mkdtemp(prefix="mpickpt-cou-")
                                   if topology.is_root else None)
     stream = SyntheticStream(SyntheticConfig(table_sizes=SIZES, pooling=2, seed=4))
