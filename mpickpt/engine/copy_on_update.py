@@ -43,8 +43,6 @@ class CopyOnUpdate:
         self.error: BaseException | None = None
         self.by_hook = 0
         """Rows of the current snapshot copied by the update hook (the rest by the copier)."""
-        self.seconds = 0.0
-        """The copier's wall time for the current snapshot."""
         model.embeddings.add_update_hook(self)
 
     # ---- the snapshot -----------------------------------------------------------------------
@@ -95,7 +93,6 @@ class CopyOnUpdate:
         self.error = None
 
     def _copy_all(self) -> None:
-        start = time.perf_counter()
         try:
             rows = len(self._pending)
             for a in range(0, rows, self.chunk_rows):
@@ -108,8 +105,6 @@ class CopyOnUpdate:
                 self._pending = None
         except BaseException as e:  # reported by finish(); the checkpoint is not written
             self.error = e
-        finally:
-            self.seconds = time.perf_counter() - start
 
     def _copy_range(self, a: int, b: int) -> None:
         mask = self._pending[a:b]

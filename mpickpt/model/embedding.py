@@ -52,6 +52,18 @@ def init_rows(seed: int, gids: np.ndarray, table_sizes_of_rows: np.ndarray, dim:
     return ((2.0 * u - 1.0) * bound).astype(np.float32)
 
 
+def initial_rows_of(seed: int, plan: ShardPlan, gids: np.ndarray, dim: int) -> torch.Tensor:
+    """DLRM's initial weights of the rows with global ids `gids` (`init_rows`, in chunks), on
+    the CPU. Local."""
+    tables, _ = plan.split_global(gids)
+    sizes = np.asarray(plan.table_sizes, dtype=np.int64)[tables]
+    out = torch.empty(len(gids), dim, dtype=torch.float32)
+    for a in range(0, len(gids), INIT_CHUNK_ROWS):
+        b = a + INIT_CHUNK_ROWS
+        out[a:b] = torch.from_numpy(init_rows(seed, gids[a:b], sizes[a:b], dim))
+    return out
+
+
 class ShardedEmbeddingBags:
     """This rank's shards of all embedding tables plus their sparse optimizer state."""
 
@@ -87,14 +99,7 @@ class ShardedEmbeddingBags:
     def initial_rows(self, start: int, stop: int) -> torch.Tensor:
         """The initial weights of local rows [start, stop) (a pure function of the seed and the
         global ids), on the CPU. Local."""
-        gids = self.local_gids[start:stop]
-        tables, _ = self.plan.split_global(gids)
-        sizes = np.asarray(self.plan.table_sizes, dtype=np.int64)[tables]
-        out = torch.empty(len(gids), self.dim, dtype=torch.float32)
-        for a in range(0, len(gids), INIT_CHUNK_ROWS):
-            b = a + INIT_CHUNK_ROWS
-            out[a:b] = torch.from_numpy(init_rows(self.seed, gids[a:b], sizes[a:b], self.dim))
-        return out
+        return initial_rows_of(self.seed, self.plan, self.local_gids[start:stop], self.dim)
 
     def add_index_hook(self, hook: IndexHook) -> Callable[[], None]:
         """Call `hook(local_rows)` on the owner each step with the rows it received. Local.

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from mpickpt.model.dense_state import dense_state_of, load_dense_state_into
+from mpickpt.model.embedding import initial_rows_of
 from mpickpt.model.shard_plan import Shard, ShardPlan
 from mpickpt.model.torchrec_rows import FusedRows, TorchRecContractError
 
@@ -284,7 +285,8 @@ class TorchRecModel:
                                  f"rows are TorchRec's own and cannot be recomputed")
 
     def _initial_row_range(self, start: int, stop: int) -> dict:
-        rows = self.embeddings.initial_rows(self.init_seed, self.table_sizes, start, stop)
+        rows = initial_rows_of(self.init_seed, self.plan, self.embeddings.local_gids[start:stop],
+                               self.embeddings.dim)
         return {name: rows if name == "weight" else
                 torch.zeros((stop - start,) + tuple(t.shape[1:]), dtype=t.dtype)
                 for name, t in self.row_state().items()}

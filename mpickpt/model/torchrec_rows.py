@@ -22,12 +22,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from mpickpt.model.embedding import init_rows
 
 OPTIMIZERS = {"EXACT_ROWWISE_ADAGRAD": "rowwise_adagrad", "EXACT_ADAGRAD": "adagrad",
               "EXACT_SGD": "sgd"}
 """fbgemm's EmbOptimType names -> mpickpt's optimizer kinds, for the fused optimizers read."""
-INIT_CHUNK_ROWS = 1 << 18
 
 
 class TorchRecContractError(ValueError):
@@ -166,7 +164,7 @@ class FusedRows:
         for hook in self.update_hooks:
             hook.step_done()
 
-    # ---- lost and initial rows ------------------------------------------------------------------
+    # ---- lost rows ------------------------------------------------------------------
     @torch.no_grad()
     def wipe_rows(self, ranks) -> None:
         """Emulated loss: this rank's rows and optimizer state become NaN if it is in `ranks`."""
@@ -180,19 +178,6 @@ class FusedRows:
             self.weight[start:stop] = float("nan")
             for t in self.optimizer.state.values():
                 t[start:stop] = float("nan")
-
-    def initial_rows(self, seed: int, table_sizes, start: int, stop: int) -> torch.Tensor:
-        """mpickpt's initial weights of local rows [start, stop) (a pure function of the seed
-        and the global ids, as `HybridDLRM`'s), on the CPU. Local."""
-        gids = self.local_gids[start:stop]
-        offsets = np.cumsum([0] + list(table_sizes))
-        tables = np.searchsorted(offsets, gids, side="right") - 1
-        sizes = np.asarray(table_sizes, dtype=np.int64)[tables]
-        out = torch.empty(len(gids), self.dim, dtype=torch.float32)
-        for a in range(0, len(gids), INIT_CHUNK_ROWS):
-            b = a + INIT_CHUNK_ROWS
-            out[a:b] = torch.from_numpy(init_rows(seed, gids[a:b], sizes[a:b], self.dim))
-        return out
 
 
 def _feature_bases(tables) -> dict[str, int]:
