@@ -4,7 +4,7 @@
 //
 // Per row: Check-N-Run's greedy walk over [x_min, x_max] with step (max - min) / bins for `steps`
 // steps, evaluating both candidates (lo + step, hi) and (lo, hi - step) at each step; with
-// `refine`, a least-squares polish of the candidate the walk takes and `rounds` LS rounds from the
+// `refine`, a least-squares polish of both candidates and `rounds` LS rounds from the
 // best. Every candidate is rounded to float16 before it is evaluated; a row keeps the lowest loss.
 //
 // Bit-for-bit parity with the CPU kernel:
@@ -183,9 +183,11 @@ __device__ void search_row(const float* x, int d, int bits, int refine, int step
         Eval down_e = evaluate<G>(r, s1, o1, t, mask);
         offer(&b, down_e.loss, s1, o1);
         bool up = up_e.loss < down_e.loss;
-        if (refine) {  // polish the candidate the walk takes
+        if (refine) {  // polish both moves, up first
             float ps, po;
-            double pl = polish(r, up ? up_e : down_e, &ps, &po);
+            double pl = polish(r, up_e, &ps, &po);
+            offer(&b, pl, ps, po);
+            pl = polish(r, down_e, &ps, &po);
             offer(&b, pl, ps, po);
         }
         if (up) lo = __fadd_rn(lo, step);

@@ -2,7 +2,7 @@
  *
  * The same algorithm as mpickpt/quant/search.py (its docstring is the specification) and as the
  * CUDA kernel in kernels/quant_rows.cu: per row, Check-N-Run's greedy walk over [x_min, x_max]
- * (mode 0), optionally with a least-squares polish of the candidate each step takes and `rounds` LS
+ * (mode 0), optionally with a least-squares polish of both candidates of each step and `rounds` LS
  * rounds from the best (mode 1). Every candidate's parameters are rounded to float16 before evaluation; a row
  * keeps the lowest loss seen. One pass over the row per candidate accumulates the loss and the sums
  * the polish needs (in double); the walk's two moves share one pass (evaluate2), with the same
@@ -17,7 +17,7 @@
 #include <string.h>
 
 /* float -> nearest float16 (ties to even) -> float, including subnormals and overflow to inf. */
-static float round_fp16(float v) {
+static inline float round_fp16(float v) {
     uint32_t u;
     memcpy(&u, &v, 4);
     uint32_t sign = u & 0x80000000u, a = u & 0x7fffffffu;
@@ -118,6 +118,8 @@ static inline __attribute__((always_inline)) void cand_lanes(Cand *c, v8f xv, v8
 
 /* The lanes summed in order in double, then the elements past the last full group of eight. */
 static inline Eval cand_finish(const Cand *c, const Row *r, int j) {
+    /* the four sums side by side in one double vector: lane by lane, the same additions in the
+     * same order as four scalar sums */
     Eval e = {0.0, 0.0, 0.0, 0.0};
     for (int k = 0; k < 8; k++) {
         e.loss += c->al[k];
@@ -149,7 +151,7 @@ static inline __attribute__((always_inline)) void pass(const Row *r, Cand *c, in
     for (int i = 0; i < n; i++) e[i] = cand_finish(&c[i], r, j);
 }
 
-CLONES static Eval evaluate(const Row *r, float s, float o) {
+static inline __attribute__((always_inline)) Eval evaluate(const Row *r, float s, float o) {
     Cand c;
     Eval e;
     cand_init(&c, s, o);
@@ -159,7 +161,8 @@ CLONES static Eval evaluate(const Row *r, float s, float o) {
 
 /* Two candidates in one pass over the row (the walk's two moves): the same arithmetic per
  * candidate as evaluate(), so the same results, with twice the independent work per load. */
-CLONES static void evaluate2(const Row *r, float s0, float o0, float s1, float o1, Eval *e) {
+static inline __attribute__((always_inline)) void evaluate2(const Row *r, float s0, float o0,
+                                                           float s1, float o1, Eval *e) {
     Cand c[2];
     cand_init(&c[0], s0, o0);
     cand_init(&c[1], s1, o1);
@@ -167,7 +170,7 @@ CLONES static void evaluate2(const Row *r, float s0, float o0, float s1, float o
 }
 
 /* Least-squares (s, o) for the codes behind `e`, rounded to float16, and their loss (closed form). */
-static double polish(const Row *r, const Eval *e, float *ps, float *po) {
+static inline double polish(const Row *r, const Eval *e, float *ps, float *po) {
     double d = r->d;
     double var = e->scc - e->sc * e->sc / d, cov = e->sxc - e->sc * r->sx / d;
     /* in coordinates centred on the row mean: x' = x - mean, o' = o - mean */
@@ -186,20 +189,23 @@ typedef struct {
     float s, o;
 } Best;
 
-static void offer(Best *b, double loss, float s, float o) {
-    if (loss < b->loss) {
-        b->loss = loss;
-        b->s = s;
-        b->o = o;
-    }
+/* Branch-free (whether a candidate wins is data, not pattern): selects, not jumps. */
+static inline void offer(Best *b, double loss, float s, float o) {
+    int win = loss < b->loss;
+    b->loss = win ? loss : b->loss;
+    b->s = win ? s : b->s;
+    b->o = win ? o : b->o;
 }
 
 #define FP16_MAX 65504.0f
 
-/* Search one row; returns 1 (and leaves scale/offset alone) when the row holds a value float16
- * parameters cannot cover (NaN, inf or |x| > 65504), else 0. */
-static int search_row(const float *x, int d, int bits, int refine, int steps, int bins,
-                      int rounds, float *scale, float *offset) {
+/* Search one row; returns 1 (and sets scale/offset to 0) when the row holds a value float16
+ * parameters cannot cover (NaN, inf or |x| > 65504), else 0. Inlined into search_block, so the
+ * whole search is compiled once per target of CLONES. */
+static inline __attribute__((always_inline)) int search_row(const float *x, int d, int bits,
+                                                            int refine, int steps, int bins,
+                                                            int rounds, float *scale,
+                                                            float *offset) {
     Row r = {x, d, (float)((1 << bits) - 1), 0.0f, 0.0, 0.0};
     float lo = x[0], hi = x[0];
     double sum = 0.0;
@@ -210,7 +216,10 @@ static int search_row(const float *x, int d, int bits, int refine, int steps, in
         hi = x[j] > hi ? x[j] : hi;
         sum += x[j];
     }
-    if (bad) return 1;
+    if (bad) {
+        *scale = *offset = 0.0f;
+        return 1;
+    }
     r.mean = (float)(sum / d);
     for (int j = 0; j < d; j++) {
         double xc = (double)x[j] - r.mean;
@@ -231,16 +240,21 @@ static int search_row(const float *x, int d, int bits, int refine, int steps, in
         offer(&b, walk[0].loss, s0, o0);
         offer(&b, walk[1].loss, s1, o1);
         int up = walk[0].loss < walk[1].loss;
-        if (refine) { /* polish the candidate the walk takes */
+        if (refine) { /* polish both moves, up first (closed forms, no extra pass) */
             float ps, po;
-            double pl = polish(&r, &walk[up ? 0 : 1], &ps, &po);
+            double pl = polish(&r, &walk[0], &ps, &po);
+            offer(&b, pl, ps, po);
+            pl = polish(&r, &walk[1], &ps, &po);
             offer(&b, pl, ps, po);
         }
-        if (up) lo += step;
-        else hi -= step;
+        lo = up ? lo + step : lo; /* selects: the direction is data, not a pattern */
+        hi = up ? hi : hi - step;
     }
     Best measured = start; /* the last candidate whose loss was measured by a pass */
     for (int k = 0; refine && k < rounds; k++) {
+        /* a round whose polish did not win left the best as it was: every later round would
+         * repeat it exactly */
+        if (k > 0 && b.s == measured.s && b.o == measured.o) break;
         Eval e = evaluate(&r, b.s, b.o);
         measured = (Best){e.loss, b.s, b.o};
         float ps, po;
@@ -291,15 +305,14 @@ CLONES static void encode_row(const float *x, int d, int bits, float s, float o,
 /* Search rows [0, n) and, where `codes` is given, pack each row's codes right after its search
  * (the row is still in cache). Returns the first row float16 parameters cannot cover, or -1; its
  * scale and offset are set to 0 and the other rows are still done. */
-static Py_ssize_t search_block(const float *x, Py_ssize_t n, int d, int bits, int refine,
-                               int steps, int bins, int rounds, float *scale, float *offset,
-                               uint8_t *codes) {
+CLONES static Py_ssize_t search_block(const float *x, Py_ssize_t n, int d, int bits, int refine,
+                                     int steps, int bins, int rounds, float *scale, float *offset,
+                                     uint8_t *codes) {
     Py_ssize_t first_bad = -1, row_bytes = ((Py_ssize_t)d * bits + 7) / 8;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (search_row(x + i * d, d, bits, refine, steps, bins, rounds, scale + i, offset + i)) {
-            scale[i] = offset[i] = 0.0f;
-            if (first_bad < 0) first_bad = i;
-        }
+        if (search_row(x + i * d, d, bits, refine, steps, bins, rounds, scale + i, offset + i)
+            && first_bad < 0)
+            first_bad = i;
         if (codes) encode_row(x + i * d, d, bits, scale[i], offset[i], codes + i * row_bytes);
     }
     return first_bad;

@@ -54,13 +54,13 @@ class Codec:
 
     @property
     def bins(self) -> int:
-        return self.num_bins or rs.default_bins(self.bits)
+        return self.num_bins or rs.default_bins(self.bits, self.search)
 
     @property
     def range_ratio(self) -> float:
         if self.ratio >= 0:
             return self.ratio
-        return 0.0 if self.name != "adaptive" else rs.default_ratio(self.bits)
+        return 0.0 if self.name != "adaptive" else rs.default_ratio(self.bits, self.search)
 
     def label(self) -> str:
         """Short human name, e.g. 'adaptive-4 (refined)'. Local."""
@@ -162,8 +162,8 @@ def check_codec(name, bits, search="refined", num_bins=0, ratio=-1.0) -> None:
     if name in QUANT_CHOICES and bits not in WIDTHS:
         raise ValueError(f"codec {name} takes bits in {WIDTHS}, got {bits!r}")
     if name == "adaptive":
-        rs.check_search(search, num_bins or rs.default_bins(bits),
-                        rs.default_ratio(bits) if ratio < 0 else ratio)
+        rs.check_search(search, num_bins or rs.default_bins(bits, search),
+                        rs.default_ratio(bits, search) if ratio < 0 else ratio)
 
 
 def codec_for(bits: int, quant: str = "adaptive", **kw) -> Codec:

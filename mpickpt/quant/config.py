@@ -28,10 +28,11 @@ class QuantConfig:
     """adaptive range search: refined (greedy walk + least-squares polish, never worse) or greedy
     (the paper's walk)"""
     bins: int = option(0, flag="--quant-bins", parse=int_at_least(1))
-    """greedy walk bins (0: the paper's 25 at 2 and 3 bits, 45 at 4 bits)"""
+    """walk bins (0: greedy: the paper's 25 at 2 and 3 bits, 45 at 4 bits; refined: 12 at 2 bits,
+    else the paper's)"""
     ratio: float = option(-1.0, flag="--quant-ratio", parse=ratio)
-    """greedy walk: fraction of the range it may clip (negative: the paper's 0.5 at 2 bits, 0.2
-    at 3 and 4 bits)"""
+    """walk: fraction of the range it may clip (negative: greedy: the paper's 0.5 at 2 bits, 0.2
+    at 3 and 4 bits; refined: 0.5 at 2 bits, 0.2 at 3, 0.09 at 4)"""
     state_bits: int | None = option(None, flag="--ckpt-state-bits", parse=int,
                                     choices=STATE_BIT_CHOICES)
     """optimizer state bits (default: 32 with lossless weights, else 16)"""

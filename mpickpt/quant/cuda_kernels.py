@@ -43,9 +43,7 @@ def search_rows_cuda(x, bits: int, search: str = "refined", num_bins: int | None
     backend="c" gives them. `x`: a numpy array (copied to the current CuPy device), a CuPy array,
     or a torch tensor (CUDA tensors zero-copy through DLPack, searched on torch's current stream of
     their device); converted to contiguous float32 where needed. Local."""
-    num_bins = rs.default_bins(bits) if num_bins is None else num_bins
-    ratio = rs.default_ratio(bits) if ratio is None else ratio
-    rs.check_search(search, num_bins, ratio)
+    num_bins, ratio = rs.walk_of(bits, search, num_bins, ratio)
     shape = tuple(x.shape)
     if len(shape) != 2:
         raise ValueError(f"rows must be 2-D (n, D), got shape {shape}")

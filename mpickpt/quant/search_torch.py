@@ -95,10 +95,9 @@ def _search_block(xt: torch.Tensor, bits: int, search: str, num_bins: int, ratio
             walk.append(rows.loss(s, o, *sums[-1]))
             best.offer(walk[-1], s, o)
         up = walk[0] < walk[1]
-        if refine:  # polish the candidate the walk takes
-            taken = tuple(torch.where(up, a, b) for a, b in zip(*sums))
-            ps, po = rows.polish(*taken)
-            best.offer(rows.loss(ps, po, *taken), ps, po)
+        for candidate in sums if refine else ():  # polish both moves, up first
+            ps, po = rows.polish(*candidate)
+            best.offer(rows.loss(ps, po, *candidate), ps, po)
         lo, hi = torch.where(up, lo + step, lo), torch.where(up, hi, hi - step)
     for _ in range(polish_rounds if refine else 0):
         sums = rows.sums(best.s, best.o)
