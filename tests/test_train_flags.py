@@ -52,6 +52,10 @@ BAD_INPUTS = [
     (2, ["--data-generation", "criteo-tsv", "--raw-data-file", "x"], r"26 categorical features"),
     (1, ["--ckpt-dir", "{tmp}", "--ckpt-kind", "weekly"], r"--ckpt-kind"),
     (1, ["--ckpt-dir", "{tmp}", "--incrcp-ratio", "1.5"], r"--incrcp-ratio"),
+    (1, ["--ckpt-dir", "{tmp}", "--inject-slow-copy", "0.1"], r"--inject-slow-copy slows the "
+                                                                r"copy-on-update copier"),
+    (1, ["--ckpt-dir", "{tmp}", "--ckpt-snapshot", "copy-on-update", "--inject-slow-copy", "0"],
+     r"--inject-slow-copy"),
     (1, ["--ckpt-dir", "{tmp}", "--ckpt-bits", "5"], r"--ckpt-bits"),
     (1, ["--ckpt-dir", "{tmp}", "--ckpt-bits", "auto"], r"needs --node-failure-rate"),
     (2, ["--parity-k", "2"], r"multiple of 3, got 2 ranks"),

@@ -9,7 +9,7 @@ from mpickpt.kinds.incrcp import RESETS as INCRCP_RESETS
 from mpickpt.kinds.priority import DEFAULT_FRACTION
 from mpickpt.kinds.priority import RULES as PRIORITY_RULES
 from mpickpt.kinds.registry import KINDS
-from mpickpt.options import int_at_least, option, ratio
+from mpickpt.options import int_at_least, option, positive_float, ratio
 from mpickpt.quant.config import QuantConfig
 
 OVERLAP_POLICIES = ("wait", "skip")
@@ -102,6 +102,11 @@ class CheckpointConfig:
                                               group="faults")
     """rank 0's extractor SIGKILLs itself in its N-th ingestion, after writing the bundles and
     before committing the chunk index"""
+    inject_slow_copy: float | None = option(None, parse=positive_float, metavar="SECONDS",
+                                            group="faults")
+    """--ckpt-snapshot copy-on-update: the background copier copies 16 rows at a time and sleeps
+    SECONDS after each chunk, so that a checkpoint's rows stay pending across later steps (tests
+    of a kill, a survivor dump or a stop signal during the copy)"""
     quant: QuantConfig = field(default_factory=QuantConfig)
     """How checkpoints are quantized."""
 
@@ -134,6 +139,9 @@ class CheckpointConfig:
             raise ValueError(f"--incrcp-reset must be 'cost' or 'never', got {self.incrcp_reset!r}")
         if not 0.0 <= self.incrcp_ratio <= 1.0:
             raise ValueError(f"--incrcp-ratio must lie in [0, 1], got {self.incrcp_ratio!r}")
+        if self.inject_slow_copy is not None and self.snapshot != "copy-on-update":
+            raise ValueError("--inject-slow-copy slows the copy-on-update copier; it needs "
+                             "--ckpt-snapshot copy-on-update")
         if self.resume not in ("latest", "none") and not str(self.resume).isdigit():
             raise ValueError(f"--resume must be 'latest', 'none' or a step number, got {self.resume!r}")
 

@@ -25,6 +25,8 @@ import torch
 
 CHUNK_ROWS = 1 << 15
 """Rows copied per chunk (one hold of the state lock: a few ms at D = 64)."""
+SLOW_COPY_ROWS = 16
+"""Rows per chunk under `--inject-slow-copy` (fault tests: small models' copies span steps)."""
 
 
 class CopyOnUpdate:

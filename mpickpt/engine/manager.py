@@ -30,7 +30,7 @@ import numpy as np
 from mpickpt.control import MAX
 from mpickpt.engine.commit import CommitCoordinator, PendingCheckpoint
 from mpickpt.engine.config import DEFAULT_INTERVAL, CheckpointConfig
-from mpickpt.engine.copy_on_update import CopyOnUpdate
+from mpickpt.engine.copy_on_update import SLOW_COPY_ROWS, CopyOnUpdate
 from mpickpt.engine.incremental import IncrementalSaves
 from mpickpt.engine.schedule import CheckpointSchedule
 from mpickpt.engine.snapshot import Snapshotter, dense_file_spec, rng_blobs, save_file_specs
@@ -88,6 +88,8 @@ class CheckpointManager:
         from mpickpt.model.contract import COPY_ON_UPDATE, require
 
         require(model, COPY_ON_UPDATE)
+        if config.inject_slow_copy is not None:  # fault tests: a copy that spans steps
+            return CopyOnUpdate(model, chunk_rows=SLOW_COPY_ROWS, pause_s=config.inject_slow_copy)
         return CopyOnUpdate(model)
 
     @property
