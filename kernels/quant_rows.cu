@@ -116,15 +116,15 @@ __device__ Eval evaluate(const Row& r, float s, float o, int t, unsigned mask) {
 // Least-squares (s, o) for the codes behind `e`, rounded to float16, and their loss (closed form),
 // in the CPU kernel's order of operations.
 __device__ double polish(const Row& r, const Eval& e, float* ps, float* po) {
-    double d = (double)r.d, mean = (double)r.mean;
-    double var = __dsub_rn(e.scc, __ddiv_rn(__dmul_rn(e.sc, e.sc), d));
-    double cov = __dsub_rn(e.sxc, __ddiv_rn(__dmul_rn(e.sc, r.sx), d));
+    double d = (double)r.d, mean = (double)r.mean, inv = __ddiv_rn(1.0, d);
+    double var = __dsub_rn(e.scc, __dmul_rn(__dmul_rn(e.sc, e.sc), inv));
+    double cov = __dsub_rn(e.sxc, __dmul_rn(__dmul_rn(e.sc, r.sx), inv));
     // in coordinates centred on the row mean: x' = x - mean, o' = o - mean
     double s = var > 0.0 ? __ddiv_rn(cov, var) : 0.0;
     if (s < 0.0) s = 0.0;
     *ps = round_fp16(__double2float_rn(s));
     *po = round_fp16(
-        __double2float_rn(__dadd_rn(mean, __ddiv_rn(__dsub_rn(r.sx, __dmul_rn(s, e.sc)), d))));
+        __double2float_rn(__dadd_rn(mean, __dmul_rn(__dsub_rn(r.sx, __dmul_rn(s, e.sc)), inv))));
     double S = (double)*ps, O = __dsub_rn((double)*po, mean);
     double loss = r.sxx;
     loss = __dsub_rn(loss, __dmul_rn(__dmul_rn(2.0, O), r.sx));

@@ -171,13 +171,13 @@ static inline __attribute__((always_inline)) void evaluate2(const Row *r, float 
 
 /* Least-squares (s, o) for the codes behind `e`, rounded to float16, and their loss (closed form). */
 static inline double polish(const Row *r, const Eval *e, float *ps, float *po) {
-    double d = r->d;
-    double var = e->scc - e->sc * e->sc / d, cov = e->sxc - e->sc * r->sx / d;
+    double d = r->d, inv = 1.0 / d; /* products, not three divisions (exact where d is 2^n) */
+    double var = e->scc - e->sc * e->sc * inv, cov = e->sxc - e->sc * r->sx * inv;
     /* in coordinates centred on the row mean: x' = x - mean, o' = o - mean */
     double s = var > 0.0 ? cov / var : 0.0;
     if (s < 0.0) s = 0.0;
     *ps = round_fp16((float)s);
-    *po = round_fp16((float)(r->mean + (r->sx - s * e->sc) / d));
+    *po = round_fp16((float)(r->mean + (r->sx - s * e->sc) * inv));
     double S = *ps, O = (double)*po - r->mean;
     double loss = r->sxx - 2 * O * r->sx - 2 * S * e->sxc + d * O * O + 2 * S * O * e->sc
                   + S * S * e->scc;
@@ -279,13 +279,25 @@ CLONES static void encode_row(const float *x, int d, int bits, float s, float o,
     float inv = s > 0.0f ? 1.0f / s : 0.0f;
     float noi = -o * inv, top = (float)((1 << bits) - 1);
     v8f zero = {0}, vinv = zero + inv, vnoi = zero + noi, vtop = zero + top;
+#if defined(__has_builtin) && __has_builtin(__builtin_shufflevector)
+    v8i shifts = {0, bits, 2 * bits, 3 * bits, 4 * bits, 5 * bits, 6 * bits, 7 * bits};
+#endif
     int j = 0;
     for (; j + 8 <= d; j += 8, out += bits) { /* eight codes fill exactly `bits` bytes */
         v8f xv;
         memcpy(&xv, x + j, sizeof xv);
         v8i c = __builtin_convertvector(codes8(xv, vinv, vnoi, vtop), v8i);
         uint64_t w = 0;
-        for (int k = 0; k < 8; k++) w |= (uint64_t)c[k] << (k * bits);
+#if defined(__has_builtin) && __has_builtin(__builtin_shufflevector)
+        if (bits <= 4) { /* 8 codes fit 32 bits: shift each lane into place, OR across lanes */
+            v8i t = c << shifts;
+            t |= __builtin_shufflevector(t, t, 4, 5, 6, 7, 0, 1, 2, 3);
+            t |= __builtin_shufflevector(t, t, 2, 3, 0, 1, 6, 7, 4, 5);
+            t |= __builtin_shufflevector(t, t, 1, 0, 3, 2, 5, 4, 7, 6);
+            w = (uint32_t)t[0];
+        } else
+#endif
+            for (int k = 0; k < 8; k++) w |= (uint64_t)c[k] << (k * bits);
         for (int b = 0; b < bits; b++) out[b] = (uint8_t)(w >> (8 * b));
     }
     uint64_t acc = 0;
