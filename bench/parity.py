@@ -200,7 +200,10 @@ def summarize(a, budgets, runs) -> dict:
         "fail_times": {"rebuild": main_rb["t_fail"], "restore": t_fail_ck},
         "targets": {"overhead <= 5%": overhead <= 0.05,
                     "rebuild >= 10x faster than restore + replay": main_rb["speedup"] >= 10,
-                    "throughput while rebuilding >= 85%": main_rb["throughput_ratio"] >= 0.85},
+                    "throughput while rebuilding >= 85%": main_rb["throughput_ratio"] >= 0.85,
+                    # issue 23: both at once, at the default budget
+                    "rebuild >= 15x and throughput >= 90% at once":
+                        main_rb["speedup"] >= 15 and main_rb["throughput_ratio"] >= 0.90},
     }
 
 

@@ -4,9 +4,12 @@ The lost rank's units (its data rows and its parity rows) are decoded stripe by 
 training step runs one round, inside the lookup (after the indices reach their owners, before
 rows are pooled or updated): a lost rank asks its surviving group members for the units of (a) the
 stripes of rows this step reads that are not rebuilt yet, decoded on demand (degraded reads), and
-(b) the next chunk of its lost stripes, sized so that its per-stripe work takes at most
---rebuild-budget of a step's time (see `_resize`). Survivors answer with their current data rows
-and parity rows; the lost rank decodes and writes its units back. With r = 1 on gloo the answers
+(b) the next chunk of its lost stripes, whole periods of g stripes sized so that its per-stripe
+work takes at most --rebuild-budget of a step's time (see `_resize`). Survivors answer with their
+current data rows and parity rows; the lost rank decodes and writes its units back. A chunk of
+periods [p0, p1) is sent as its two ends, and every member's units of it are consecutive rows of
+its shard and of its parity store, taken and written back by slices; only the degraded reads travel
+as stripe numbers. With r = 1 on gloo the answers
 are XOR-reduced onto the lost rank (`ReduceOp.BXOR` over the parity group), which is the decode
 itself; otherwise (r >= 2, or NCCL, which has no BXOR) they all travel to the lost rank. Every
 member's data and parity are consistent at that point (all folds of the previous step are in,
@@ -50,6 +53,7 @@ class Rebuild:
         self.rounds = self.degraded_rows = self.received_bytes = 0
         self.seconds = 0.0
         self.fixed: float | None = None
+        self.sizes: list[tuple[int, float]] = []  # (stripes, seconds) of this rank's rounds
         self.started = time.perf_counter()
         self.finished_at = None
 
@@ -61,30 +65,33 @@ class Rebuild:
         """One exchange: degraded reads of `needed_rows` (local rows this step reads) and the next
         chunk. Collective over the training process group."""
         start = time.perf_counter()
-        request = self._request(needed_rows, everything)
-        left = int(self.mine and self.remaining() - len(request) > 0)
         st = self.store
+        degraded, (p0, p1) = self._request(needed_rows, everything)
+        g = st.layout.g
+        request = np.concatenate([degraded, np.arange(p0 * g, p1 * g, dtype=np.int64)])
+        left = int(self.mine and p1 < st.layout.periods)  # the sweep has periods to go
         world = st.topo.world_size
         survivors = [st.layout.base + p for p in range(st.layout.g) if p not in self.group_failed]
-        counts = [[len(request) if (self.mine and d in survivors) else 0, left]
-                  for d in range(world)]
+        counts = [[len(degraded), p0, p1, left] if (self.mine and d in survivors)
+                  else [0, 0, 0, left] for d in range(world)]
         got = exchange_counts(st.topo, st.words.device, counts)
-        req = torch.as_tensor(request, dtype=torch.int64, device=st.words.device).view(-1, 1)
+        req = torch.as_tensor(degraded, dtype=torch.int64, device=st.words.device).view(-1, 1)
         asked = exchange_rows(st.topo, st.words.device,
                               [req if c[0] else req[:0] for c in counts],
                               [c[0] for c in got], 1, torch.int64)
-        answers = [self._units(a.view(-1).cpu().numpy()) for a in asked]
+        answers = [self._answer(a.view(-1).cpu().numpy(), c[1], c[2]) for a, c in zip(asked, got)]
         if st.group_pg is not None:
-            self._xor_onto_lost(request, answers, got)
+            self._xor_onto_lost(request, answers, got, len(degraded))
         else:
             replies = exchange_rows(st.topo, st.words.device, answers,
                                     [len(request) if s in survivors and self.mine else 0
                                      for s in range(world)], st.words.width, torch.int32)
             if self.mine and len(request):
-                self._decode(request, {s - st.layout.base: replies[s] for s in survivors})
+                self._decode(request, {s - st.layout.base: replies[s] for s in survivors},
+                             len(degraded))
                 self.received_bytes += len(request) * len(survivors) * st.words.width * 4
         self.rounds += 1
-        self.active = any(c[1] for c in got)
+        self.active = any(c[3] for c in got)
         took = time.perf_counter() - start
         self.seconds += took
         self._resize(len(request), took, step_seconds)
@@ -96,26 +103,26 @@ class Rebuild:
         while self.active:
             self.round(None, None, everything=True)
 
-    def _request(self, needed_rows, everything: bool) -> np.ndarray:
-        """Sorted stripes this round decodes: lost ones among `needed_rows` (degraded reads)
-        and the next chunk. Local."""
-        if not self.mine:
-            return np.empty(0, dtype=np.int64)
+    def _request(self, needed_rows, everything: bool) -> tuple[np.ndarray, tuple[int, int]]:
+        """What this round decodes: the sorted lost stripes among `needed_rows` (degraded reads)
+        outside the chunk, and the chunk, the periods [p0, p1) from the cursor on. Local."""
         L = self.store.layout
-        want = np.zeros(L.stripes, dtype=bool)
+        if not self.mine:
+            return np.empty(0, dtype=np.int64), (0, 0)
+        p0 = self.cursor
+        step = max(1, self.chunk // L.g) if self.chunk > 0 else 0  # chunk 0: degraded reads only
+        p1 = L.periods if everything else min(L.periods, p0 + step)
+        self.cursor = p1
+        degraded = np.empty(0, dtype=np.int64)
         if needed_rows is not None and len(needed_rows):
-            s = L.stripe_of_row(self.store.pos, needed_rows.cpu().numpy())
-            s = s[self.lost[s]]
+            s = np.unique(L.stripe_of_row(self.store.pos, needed_rows.cpu().numpy()))
+            s = s[self.lost[s] & ((s < p0 * L.g) | (s >= p1 * L.g))]
             self.degraded_rows += len(s)
-            want[s] = True
-        todo = np.flatnonzero(self.lost[self.cursor:]) + self.cursor
-        take = todo if everything else todo[:self.chunk]
-        if len(take):
-            self.cursor = int(take[-1]) + 1
-            want[take] = True
-        return np.flatnonzero(want)
+            degraded = s
+        return degraded, (p0, p1)
 
-    def _xor_onto_lost(self, request: np.ndarray, answers: list[torch.Tensor], got) -> None:
+    def _xor_onto_lost(self, request: np.ndarray, answers: list[torch.Tensor], got,
+                       degraded: int) -> None:
         """r = 1: the lost unit of a stripe is the XOR of the survivors' units, so the group
         reduces them with BXOR onto the lost rank instead of sending them all there (the XORs run
         on the way, and the lost rank receives one unit per stripe). Collective over the parity
@@ -124,7 +131,7 @@ class Rebuild:
             return
         st = self.store
         lost = st.layout.base + next(iter(self.group_failed))
-        n = len(request) if self.mine else got[lost][0]
+        n = len(request) if self.mine else got[lost][0] + (got[lost][2] - got[lost][1]) * st.layout.g
         if n == 0:
             return
         units = (torch.zeros(n, st.words.width, dtype=torch.int32, device=st.words.device)
@@ -132,8 +139,7 @@ class Rebuild:
         st.topo.wait(dist.reduce(units, dst=lost, op=dist.ReduceOp.BXOR, group=st.group_pg,
                                 async_op=True))
         if self.mine:
-            self.lost[request] = False
-            self._store_units(request, units)
+            self._store_units(request, units, degraded)
             self.received_bytes += n * st.words.width * 4
 
     def _units(self, stripes: np.ndarray) -> torch.Tensor:
@@ -153,13 +159,56 @@ class Rebuild:
                         st.parity.index_select(0, torch.as_tensor(prow[par], device=dev)))
         return out
 
-    def _decode(self, stripes: np.ndarray, units: dict[int, torch.Tensor]) -> None:
-        """Decode this rank's units of `stripes` from the survivors' `units` (by position)."""
+    def _answer(self, stripes: np.ndarray, p0: int, p1: int) -> torch.Tensor:
+        """This member's units of `stripes` (degraded reads, by index), then of the stripes of
+        periods [p0, p1) in stripe order, copied from its data rows [p0 k, p1 k) and parity rows
+        [p0 r, p1 r) by strided slices straight into place (zeros for padding). Local."""
+        st = self.store
+        n, w = len(stripes), st.words.width
+        out = torch.empty(n + (p1 - p0) * st.layout.g, w, dtype=torch.int32,
+                          device=st.words.device)
+        out[:n] = self._units(stripes)
+        self._move_range(p0, out[n:].view(p1 - p0, st.layout.g, w), to_units=True)
+        return out
+
+    def _write_range(self, p0: int, p1: int, units: torch.Tensor) -> None:
+        """Write this rank's decoded units of periods [p0, p1) (stripe order) back: the inverse of
+        `_range_units`, padding dropped. Local."""
+        st = self.store
+        self._move_range(p0, units.view(p1 - p0, st.layout.g, st.words.width), to_units=False)
+
+    def _move_range(self, p0: int, units: torch.Tensor, to_units: bool) -> None:
+        """Copy between this member's rows and parity of the periods [p0, p0 + n) and `units`
+        ((n, g, W), stripe order within a period), in the direction `to_units`. Data slot j of a
+        period is local row period * k + j; parity q is parity row period * r + q. Local."""
         st, L = self.store, self.store.layout
-        self.lost[stripes] = False
+        n, rows = len(units), L.rows[st.pos]
+        for j, o in enumerate(L.data_offsets(st.pos)):
+            first = p0 * L.k + j
+            real = min(n, max(0, -(-(rows - first) // L.k)))  # rows of slot j short of padding
+            if to_units:
+                st.words.read_every(first, L.k, units[:real, o])
+                units[real:, o] = 0
+            else:
+                st.words.write_every(first, L.k, units[:real, o])
+        for q in range(L.r):
+            o = (st.pos - q) % L.g
+            held = st.parity[p0 * L.r + q:(p0 + n) * L.r:L.r]
+            if to_units:
+                units[:, o] = held
+            else:
+                held.copy_(units[:, o])
+
+    def _decode(self, stripes: np.ndarray, units: dict[int, torch.Tensor],
+                degraded: int) -> None:
+        """Decode this rank's units of `stripes` (the first `degraded` of them the degraded reads,
+        then whole periods) from the survivors' `units` (by position)."""
+        st, L = self.store, self.store.layout
         if L.r == 1:
-            self._store_units(stripes, st.code.recover_one(list(units.values())))
+            self._store_units(stripes, st.code.recover_one(list(units.values())), degraded)
             return
+        decoded = torch.empty(len(stripes), st.words.width, dtype=torch.int32,
+                              device=st.words.device)
         offsets = stripes % L.g
         for o in np.unique(offsets):
             sel = torch.as_tensor(np.flatnonzero(offsets == o), device=st.words.device)
@@ -171,21 +220,30 @@ class Rebuild:
                       if int(p) not in self.group_failed}
             erased = [j for j, p in enumerate(dpos) if int(p) in self.group_failed]
             data.update(st.code.decode(data, parity, erased))
-            s = stripes[sel.cpu().numpy()]
             if st.pos in dpos:
-                self._store_units(s, data[int(np.flatnonzero(dpos == st.pos)[0])])
+                mine = data[int(np.flatnonzero(dpos == st.pos)[0])]
             else:
                 q = int(np.flatnonzero(ppos == st.pos)[0])
-                self._store_units(s, st.code.encode(q, [data[j] for j in range(L.k)]))
+                mine = st.code.encode(q, [data[j] for j in range(L.k)])
+            decoded.index_copy_(0, sel, mine)
+        self._store_units(stripes, decoded, degraded)
 
-    def _store_units(self, stripes: np.ndarray, units: torch.Tensor) -> None:
-        """Write this rank's decoded `units` of `stripes`: data rows into the shard (padding
-        dropped), parity rows into the parity store."""
+    def _store_units(self, stripes: np.ndarray, units: torch.Tensor, degraded: int) -> None:
+        """Write this rank's decoded `units` of `stripes` (the first `degraded` of them by index,
+        the rest whole periods, by slices): data rows into the shard (padding dropped), parity rows
+        into the parity store; they are lost no more."""
+        g = self.store.layout.g
         with self.store.lock:
-            self._write_units(stripes, units)
+            self._write_units(stripes[:degraded], units[:degraded])
+            if len(stripes) > degraded:
+                self._write_range(int(stripes[degraded]) // g, int(stripes[-1]) // g + 1,
+                                  units[degraded:])
+        self.lost[stripes] = False
 
     def _write_units(self, stripes: np.ndarray, units: torch.Tensor) -> None:
         st, L = self.store, self.store.layout
+        if len(stripes) == 0:
+            return
         dev = st.words.device
         rows = L.row_of_stripe(st.pos, stripes)
         keep = np.flatnonzero(rows >= 0)
@@ -199,15 +257,30 @@ class Rebuild:
                                   units.index_select(0, torch.as_tensor(par, device=dev)))
 
     def _resize(self, requested: int, took: float, step_seconds: float | None) -> None:
-        """Chunk for the next round. A round costs a fixed part (its three exchanges, paid even
-        for an empty chunk) plus a part per stripe; the fixed part is estimated as the cheapest
-        round seen. While the per-stripe part stays within `budget` of a step's time the chunk
-        grows 4x; otherwise it is scaled to what the budget allows at the rate just measured."""
+        """Chunk for the next round. A round costs a fixed part (its exchanges, paid even for an
+        empty chunk) plus a part per stripe; the fixed part alone is estimated as the cheapest
+        round seen. The cost per stripe is the slope of a least-squares line through the rounds'
+        (stripes, seconds); until two rounds of different sizes give one, the chunk grows 4x.
+        The next chunk is what `budget` of a step's time buys at that slope, at most 8x the last
+        and at least 64 stripes."""
         self.fixed = took if self.fixed is None else min(self.fixed, took)
         if not self.mine or step_seconds is None or requested == 0:
             return
-        variable, allowed = took - self.fixed, self.budget * step_seconds
-        if variable <= allowed:
+        self.sizes.append((requested, took))
+        slope = _slope(self.sizes)
+        if slope is None or slope <= 0:
             self.chunk = min(4 * max(self.chunk, 64), MAX_CHUNK_STRIPES)
-        else:
-            self.chunk = int(min(max(64, self.chunk * allowed / variable), MAX_CHUNK_STRIPES))
+            return
+        target = self.budget * step_seconds / slope
+        self.chunk = int(min(max(64, target), 8 * max(self.chunk, 64), MAX_CHUNK_STRIPES))
+
+
+def _slope(points: list[tuple[int, float]]) -> float | None:
+    """Seconds per stripe: the least-squares slope of seconds on stripes, or None while the
+    stripes do not vary."""
+    n = np.array([p[0] for p in points], dtype=np.float64)
+    t = np.array([p[1] for p in points], dtype=np.float64)
+    if len(points) < 2 or np.ptp(n) == 0:
+        return None
+    n0 = n - n.mean()
+    return float((n0 * (t - t.mean())).sum() / (n0 * n0).sum())

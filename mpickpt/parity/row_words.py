@@ -24,6 +24,23 @@ class RowWords:
                  for t, w in zip(self.tensors, self.widths)]
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].clone()
 
+    def read_every(self, first: int, step: int, out: torch.Tensor) -> None:
+        """Copy rows first, first + step, ... (len(out) of them) into `out` ((n, W) int32, any
+        strides): slices, no index, no temporary."""
+        n, c = len(out), 0
+        for t, w in zip(self.tensors, self.widths) if n else ():
+            out[:, c:c + w] = t[first:first + (n - 1) * step + 1:step].reshape(n, w).view(torch.int32)
+            c += w
+
+    @torch.no_grad()
+    def write_every(self, first: int, step: int, words: torch.Tensor) -> None:
+        """Write (n, W) int32 `words` (any strides) into rows first, first + step, ..."""
+        n, c = len(words), 0
+        for t, w in zip(self.tensors, self.widths) if n else ():
+            part = t[first:first + (n - 1) * step + 1:step]
+            part.copy_(words[:, c:c + w].view(torch.float32).reshape(part.shape))
+            c += w
+
     @torch.no_grad()
     def scatter(self, rows: torch.Tensor, words: torch.Tensor) -> None:
         """Write (n, W) int32 `words` into `rows`."""
