@@ -66,24 +66,28 @@ def write_file(spec, arrays: dict, align: int = 0) -> tuple[int, int, int]:
     of the whole file, which the manifest keeps so that `mpickpt verify` can check the file at
     the speed of a sequential read). Datasets of at least `align` bytes start at a multiple of
     `align` (0: packed). Local."""
-    from mpickpt.store.durable import file_crc32, fsync_path
+    from mpickpt.store.crc_combine import BlockLog, file_crc32_from_regions
+    from mpickpt.store.durable import fsync_path
 
     os.makedirs(os.path.dirname(spec.path), exist_ok=True)
     tmp = spec.path + ".tmp"
     payload, padding = _payload_bytes(spec, arrays, align)
     reservation = Reservation(spec.path, payload + padding)
+    log = BlockLog()
     try:
-        payload = _write_hdf5(tmp, spec, arrays, reservation, align)
+        payload = _write_hdf5(tmp, spec, arrays, reservation, align, log)
     finally:
         reservation.close()
     fsync_path(tmp)
-    crc = file_crc32(tmp)  # just written: read back from the page cache
+    # the blocks' CRCs are known: read back only the bytes between them (HDF5's metadata)
+    crc = file_crc32_from_regions(tmp, log.regions)
     os.replace(tmp, spec.path)
     fsync_path(os.path.dirname(spec.path))
     return os.path.getsize(spec.path), payload, crc
 
 
-def _write_hdf5(tmp: str, spec, arrays: dict, reservation: Reservation, align: int) -> int:
+def _write_hdf5(tmp: str, spec, arrays: dict, reservation: Reservation, align: int,
+                log=None) -> int:
     from mpickpt.store.shard_file import FORMAT_VERSION, alignment, open_hdf5, seal_attributes
 
     payload = 0
@@ -93,15 +97,16 @@ def _write_hdf5(tmp: str, spec, arrays: dict, reservation: Reservation, align: i
             f.attrs[key] = value
         for group, attrs in spec.group_attrs.items():
             f.require_group(group).attrs.update(attrs)
-        codecs = spec.codecs
+        codecs, groups = spec.codecs, GroupCache(f)
         for name, source, ranges in spec.datasets:
             data = _gather(arrays[source], ranges)
             if source in codecs:  # quantized here, block by block, in the background
-                payload += _write_encoded(f, name, data, codecs[source], reservation.release)
+                payload += _write_encoded(groups, name, data, codecs[source],
+                                          reservation.release, log)
             else:
-                payload += _write(f, name, data, reservation.release)
+                payload += _write(groups, name, data, reservation.release, log)
         for name, raw in spec.blobs.items():
-            _write(f, name, np.frombuffer(raw, dtype=np.uint8), reservation.release)
+            _write(groups, name, np.frombuffer(raw, dtype=np.uint8), reservation.release, log)
         seal_attributes(f)
         reservation.close()  # the rest covers HDF5's metadata, written at close
     return payload
@@ -109,6 +114,7 @@ def _write_hdf5(tmp: str, spec, arrays: dict, reservation: Reservation, align: i
 
 RESERVE_SLACK = 1.05  # HDF5 metadata and checksum datasets
 RESERVE_EXTRA = 64 << 10
+RELEASE_QUANTUM = 16 << 20  # reserved space goes back ahead of the writes at most this far
 
 
 def _payload_bytes(spec, arrays: dict, align: int = 0) -> tuple[int, int]:
@@ -138,6 +144,7 @@ class Reservation:
     def __init__(self, path: str, payload: int):
         self.path = path + ".reserve"
         self.left = int(payload * RESERVE_SLACK) + RESERVE_EXTRA
+        self.ahead = 0  # released, not yet written
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.posix_fallocate(self.fd, 0, self.left)
@@ -147,8 +154,16 @@ class Reservation:
                                    f"{os.strerror(e.errno)}") from None
 
     def release(self, nbytes: int) -> None:
-        """Give `nbytes` back to the filesystem just before HDF5 writes them. Local."""
-        self.left = max(0, self.left - nbytes)
+        """Make sure `nbytes` are back with the filesystem before HDF5 writes them. Local.
+
+        Space goes back ahead of need, RELEASE_QUANTUM at a time, so that a file of many small
+        blocks does not pay one ftruncate (and the filesystem's extent work) per block."""
+        if self.ahead >= nbytes:
+            self.ahead -= nbytes
+            return
+        amount = min(self.left, max(nbytes - self.ahead, RELEASE_QUANTUM))
+        self.left -= amount
+        self.ahead = max(0, self.ahead + amount - nbytes)
         os.ftruncate(self.fd, self.left)
 
     def close(self) -> None:
@@ -159,20 +174,37 @@ class Reservation:
             _remove_quietly(self.path)
 
 
-def _write(f, name: str, data: np.ndarray, before_block) -> int:
+class GroupCache:
+    """The groups of one file being written, opened or created once each (h5py's
+    require_group is two lookups per call, and a shard file has a few datasets per group). Local."""
+
+    def __init__(self, f):
+        self.f, self.open = f, {}
+
+    def parent(self, name: str):
+        """(group holding dataset `name`, the dataset's leaf name)."""
+        folder, leaf = os.path.split(name)
+        if not folder:
+            return self.f, leaf
+        if folder not in self.open:
+            self.open[folder] = self.f.require_group(folder)
+        return self.open[folder], leaf
+
+
+def _write(groups: GroupCache, name: str, data: np.ndarray, before_block, log=None) -> int:
     from mpickpt.store.shard_file import write_dataset
 
-    folder, leaf = os.path.split(name)
-    return write_dataset(f.require_group(folder) if folder else f, leaf, data, before_block)
+    parent, leaf = groups.parent(name)
+    return write_dataset(parent, leaf, data, before_block, log)
 
 
-def _write_encoded(f, name: str, data: np.ndarray, codec: dict, before_block) -> int:
+def _write_encoded(groups: GroupCache, name: str, data: np.ndarray, codec: dict, before_block,
+                   log=None) -> int:
     from mpickpt.quant.codecs import Codec
     from mpickpt.store.row_arrays import write_encoded
 
-    folder, leaf = os.path.split(name)
-    return write_encoded(f.require_group(folder) if folder else f, leaf, data, Codec(**codec),
-                         before_block)
+    parent, leaf = groups.parent(name)
+    return write_encoded(parent, leaf, data, Codec(**codec), before_block, log)
 
 
 def _gather(array: np.ndarray, ranges) -> np.ndarray:

@@ -109,14 +109,16 @@ class EncodedRows:
 class BlockWriter:
     """A contiguous dataset written block after block, each block's CRC32 kept. Local."""
 
-    def __init__(self, group: h5py.Group, name: str, shape: tuple, dtype, before_block=None):
-        self.group, self.name, self.before_block = group, name, before_block
+    def __init__(self, group: h5py.Group, name: str, shape: tuple, dtype, before_block=None,
+                 log=None):
+        self.group, self.name, self.before_block, self.log = group, name, before_block, log
         self.ds = group.create_dataset(name, shape=shape, dtype=dtype)
-        self.at, self.crcs = 0, []
+        self.at, self.crcs, self.sizes = 0, [], []
 
     def write(self, block: np.ndarray) -> int:
         block = np.ascontiguousarray(block, dtype=self.ds.dtype)
-        self.crcs.append(zlib.crc32(memoryview(block).cast("B")))
+        self.crcs.append(zlib.crc32(memoryview(block.reshape(-1)).cast("B")))
+        self.sizes.append(block.nbytes)
         if self.before_block is not None:
             self.before_block(block.nbytes)
         if block.shape[0]:
@@ -125,19 +127,24 @@ class BlockWriter:
         return block.nbytes
 
     def close(self) -> None:
+        from mpickpt.store.shard_file import log_blocks
+
+        if self.log is not None:
+            log_blocks(self.log, self.ds, list(zip(self.crcs, self.sizes)))
         if not self.crcs:  # an empty dataset has the CRC of one empty block
             self.crcs.append(zlib.crc32(b""))
         self.group.create_dataset(self.name + CRC_SUFFIX, data=np.array(self.crcs, np.uint32))
 
 
 def write_encoded(parent: h5py.Group, name: str, data: np.ndarray, codec: Codec,
-                  before_block=None) -> int:
-    """Encode `data` block by block into the group `name`; returns the bytes stored. Local."""
+                  before_block=None, log=None) -> int:
+    """Encode `data` block by block into the group `name`; returns the bytes stored. `log`: as
+    `shard_file.write_dataset`'s. Local."""
     n = data.shape[0]
     rows2d = data.reshape(n, -1)
     group = _encoded_group(parent, name, codec, data.shape, data.dtype)
     probe = codec.encode(rows2d[:0])
-    writers = {k: BlockWriter(group, k, (n, *a.shape[1:]), a.dtype, before_block)
+    writers = {k: BlockWriter(group, k, (n, *a.shape[1:]), a.dtype, before_block, log)
                for k, a in probe.items()}
     total = 0
     for a in range(0, n, BLOCK_ROWS):

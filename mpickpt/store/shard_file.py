@@ -39,35 +39,68 @@ def block_crcs(array: np.ndarray, block_rows: int = BLOCK_ROWS) -> np.ndarray:
     n = array.shape[0]
     out = np.empty(max(1, -(-n // block_rows)), dtype=np.uint32)
     for i, a in enumerate(range(0, max(n, 1), block_rows)):
-        out[i] = zlib.crc32(memoryview(np.ascontiguousarray(array[a:a + block_rows])).cast("B"))
+        block = np.ascontiguousarray(array[a:a + block_rows]).reshape(-1)
+        out[i] = zlib.crc32(memoryview(block).cast("B"))
     return out
 
 
-def write_dataset(group: h5py.Group, name: str, array: np.ndarray, before_block=None) -> int:
+def write_dataset(group: h5py.Group, name: str, array: np.ndarray, before_block=None,
+                  log=None) -> int:
     """Write `array` block by block with per-block CRCs; returns bytes written. Local.
 
     The dataset is contiguous (no chunk padding, no chunk index); the CRC of each block runs on a
     helper thread (zlib releases the GIL) while HDF5 writes the block. `before_block(nbytes)` is
-    called before each block is written (the writer hands reserved disk space over there)."""
+    called before each block is written (the writer hands reserved disk space over there). `log`
+    (a `crc_combine.BlockLog`) is told where the blocks landed in the file and their CRCs."""
     scalar = array.ndim == 0
     array = array.reshape(1) if scalar else array
     n = array.shape[0]
     ds = group.create_dataset(name, shape=array.shape, dtype=array.dtype)
     starts = list(range(0, max(n, 1), BLOCK_ROWS))
-    with ThreadPoolExecutor(1) as pool:
+    # below CRC_THREAD_BYTES, starting the helper thread costs more than the overlap saves
+    with ThreadPoolExecutor(1) if array.nbytes >= CRC_THREAD_BYTES else _Inline() as pool:
         crcs = []
         for a in starts:
             block = np.ascontiguousarray(array[a:a + BLOCK_ROWS])
-            crcs.append(pool.submit(zlib.crc32, memoryview(block).cast("B")))
+            crcs.append(pool.submit(zlib.crc32, memoryview(block.reshape(-1)).cast("B")))
             if before_block is not None:
                 before_block(block.nbytes)
             if block.shape[0]:
                 ds.write_direct(block, dest_sel=np.s_[a:a + block.shape[0]])
-        group.create_dataset(name + CRC_SUFFIX, data=np.array([c.result() for c in crcs],
-                                                              dtype=np.uint32))
+        crcs = [c.result() for c in crcs]
+        group.create_dataset(name + CRC_SUFFIX, data=np.array(crcs, dtype=np.uint32))
+    if log is not None:
+        sizes = [min(BLOCK_ROWS, n - a) * (array.nbytes // max(n, 1)) for a in starts]
+        log_blocks(log, ds, list(zip(crcs, sizes)))
     if scalar:
         ds.attrs["scalar"] = True
     return array.nbytes
+
+
+CRC_THREAD_BYTES = 1 << 20
+
+
+class _Inline:
+    """A stand-in for a one-thread pool that runs each call at once (for small datasets)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        done = Future()
+        done.set_result(fn(*args))
+        return done
+
+
+def log_blocks(log, ds: h5py.Dataset, blocks: list[tuple[int, int]]) -> None:
+    """Tell `log` where the contiguous dataset `ds` lies in its file and its blocks' (crc, length);
+    empty blocks are left out. Local."""
+    log.add(ds.id.get_offset(), [(c, n) for c, n in blocks if n])
 
 
 def read_rows(ds: h5py.Dataset, start: int, stop: int, path: str,
