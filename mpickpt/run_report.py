@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import time
+
+
+def children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's children that have ended (the checkpoint
+    writers and the IncrCP extractor, once the checkpoint manager has closed). Local."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 class RunReport:
@@ -65,6 +73,8 @@ class RunReport:
             d["save_seconds"] = trainer.ckpt.save_seconds
             d["write_seconds"] = trainer.ckpt.write_seconds
             d["write_cpu_seconds"] = trainer.ckpt.write_cpu_seconds
+            d["write_bytes"] = trainer.ckpt.write_bytes
+            d["background_cpu_seconds"] = children_cpu_seconds()
             d["restore_seconds"] = trainer.restorer.seconds
             d["checkpoints"] = trainer.ckpt.counters["saved"]
         tmp = f"{self.path}.tmp-{os.getpid()}"

@@ -72,9 +72,11 @@ class CheckpointManager:
         self.save_seconds: list[float] = []
         """Wall time of every save() on this rank: its stall and any wait (O_save)."""
         self.write_seconds: list[float] = []
+        """Background write time of every finished checkpoint on this rank."""
         self.write_cpu_seconds: list[float] = []
         """CPU seconds the writers spent on each checkpoint (CRC, quantizer, HDF5), all of them."""
-        """Background write time of every finished checkpoint on this rank."""
+        self.write_bytes: list[int] = []
+        """Payload bytes this rank's writers wrote for each checkpoint."""
         self._last_submitted: int | None = None
         self._restored_step: int | None = None
         self.bits = config.quant.policy(max(1, topo.world_size // max(1, topo.local_size)))
@@ -338,6 +340,7 @@ class CheckpointManager:
         if not errors:
             self.write_seconds.append(report["seconds"])
             self.write_cpu_seconds.append(sum(r.get("cpu_seconds", 0.0) for r in results))
+            self.write_bytes.append(report["bytes"])
             self.incremental.written(save, meta["step"], report["seconds"], self.writers.size,
                                      list(self.model.row_state()))
         if errors:
