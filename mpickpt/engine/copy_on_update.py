@@ -42,6 +42,7 @@ class CopyOnUpdate:
         self._targets: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._go = threading.Event()
         self.error: BaseException | None = None
         self.by_hook = 0
         """Rows of the current snapshot copied by the update hook (the rest by the copier)."""
@@ -65,9 +66,16 @@ class CopyOnUpdate:
             pending[torch.as_tensor(selected, dtype=torch.int64)] = True
         with self._mask_lock:
             self._pending = pending
+        self._go.clear()
         self._thread = threading.Thread(target=self._copy_all, name="mpickpt-copy-on-update",
                                         daemon=True)
         self._thread.start()
+
+    def go(self) -> None:
+        """Let the copier begin (the checkpoint's save() calls this last, so that the copier's
+        first chunk does not compete with the rest of the stall for the GIL and the locks).
+        `finish` and `cancel` let it go too. Local."""
+        self._go.set()
 
     @property
     def active(self) -> bool:
@@ -78,6 +86,7 @@ class CopyOnUpdate:
         """Copy whatever is still pending now (in this thread's wait on the copier); the staging
         area then holds the whole snapshot. Re-raises a copier failure. Local."""
         thread, self._thread = self._thread, None
+        self._go.set()
         if thread is not None:
             thread.join()
         if self.error is not None:
@@ -87,6 +96,7 @@ class CopyOnUpdate:
     def cancel(self) -> None:
         """Stop copying and forget the snapshot (it will not be written). Local."""
         self._stop.set()
+        self._go.set()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
@@ -95,6 +105,7 @@ class CopyOnUpdate:
         self.error = None
 
     def _copy_all(self) -> None:
+        self._go.wait()
         try:
             rows = len(self._pending)
             for a in range(0, rows, self.chunk_rows):

@@ -256,6 +256,8 @@ class CheckpointManager:
         if self.topo.is_root:
             self.commits.expect(self._pending(step, ckpt_id, reader_state, save))
         self.counters["saved"] += 1
+        if self.copier is not None:
+            self.copier.go()  # the stall ends here: the background copy may begin
         self.save_seconds.append(time.perf_counter() - start)
         what = "all rows" if save.rows is None else f"{len(save.rows)} changed rows on rank 0"
         self.say(f"checkpoint step {step} ({save.kind}; {what}; {save.reason or 'every row'}): "

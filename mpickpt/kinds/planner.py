@@ -45,8 +45,10 @@ class KindPlanner:
         """Decide checkpoint `step` given the rows changed since the last one. Collective."""
         if changed is not None:
             self.state.since_base[changed] = True
-        counts = self._sum(np.array([len(changed) if changed is not None else 0,
-                                     int(self.state.since_base.sum())], dtype=np.int64))
+            counts = self._sum(np.array([len(changed), int(self.state.since_base.sum())],
+                                        dtype=np.int64))
+        else:  # no row tracking on any rank (the kind is the job's): nothing to sum
+            counts = np.zeros(2, dtype=np.int64)
         reason = ("first checkpoint of the chain" if self.state.base_step is None and
                   self.kind.tracks_rows else self.kind.baseline_reason(self.state, counts,
                                                                        self._max))
