@@ -151,7 +151,9 @@ def test_two_deaths_in_different_parity_groups_are_rebuilt_together_by_two_spare
     code = job.wait(240)
     out = job.output
     assert code == 0 and "relaunching" not in out, out
-    found = re.findall(r"in-place recovery: generation 1 at step 30: rank\(s\) \[1, 3\] "
+    # the kills follow step 30; a survivor that had not finished step 30 when it saw a death
+    # takes the generation one step back (as in the one-death tests)
+    found = re.findall(r"in-place recovery: generation 1 at step (29|30): rank\(s\) \[1, 3\] "
                        r"replaced", out)
     assert len(found) == 1 and len(_IN_PLACE.findall(out)) == 0, out  # one generation, both
     assert "spare: took rank 1 of generation 1" in out, out

@@ -131,7 +131,8 @@ class Rebuild:
             return
         st = self.store
         lost = st.layout.base + next(iter(self.group_failed))
-        n = len(request) if self.mine else got[lost][0] + (got[lost][2] - got[lost][1]) * st.layout.g
+        asked = got[lost]  # [degraded, p0, p1, left] from the lost rank
+        n = len(request) if self.mine else asked[0] + (asked[2] - asked[1]) * st.layout.g
         if n == 0:
             return
         units = (torch.zeros(n, st.words.width, dtype=torch.int32, device=st.words.device)
@@ -173,7 +174,7 @@ class Rebuild:
 
     def _write_range(self, p0: int, p1: int, units: torch.Tensor) -> None:
         """Write this rank's decoded units of periods [p0, p1) (stripe order) back: the inverse of
-        `_range_units`, padding dropped. Local."""
+        `_answer`'s range part, padding dropped. Local."""
         st = self.store
         self._move_range(p0, units.view(p1 - p0, st.layout.g, st.words.width), to_units=False)
 

@@ -29,7 +29,8 @@ class RowWords:
         strides): slices, no index, no temporary."""
         n, c = len(out), 0
         for t, w in zip(self.tensors, self.widths) if n else ():
-            out[:, c:c + w] = t[first:first + (n - 1) * step + 1:step].reshape(n, w).view(torch.int32)
+            rows = t[first:first + (n - 1) * step + 1:step]
+            out[:, c:c + w] = rows.reshape(n, w).view(torch.int32)
             c += w
 
     @torch.no_grad()
