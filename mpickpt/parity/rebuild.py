@@ -52,7 +52,6 @@ class Rebuild:
         self.active = True
         self.rounds = self.degraded_rows = self.received_bytes = 0
         self.seconds = 0.0
-        self.fixed: float | None = None
         self.sizes: list[tuple[int, float]] = []  # (stripes, seconds) of this rank's rounds
         self.started = time.perf_counter()
         self.finished_at = None
@@ -259,12 +258,10 @@ class Rebuild:
 
     def _resize(self, requested: int, took: float, step_seconds: float | None) -> None:
         """Chunk for the next round. A round costs a fixed part (its exchanges, paid even for an
-        empty chunk) plus a part per stripe; the fixed part alone is estimated as the cheapest
-        round seen. The cost per stripe is the slope of a least-squares line through the rounds'
+        empty chunk) plus a part per stripe: the slope of a least-squares line through the rounds'
         (stripes, seconds); until two rounds of different sizes give one, the chunk grows 4x.
         The next chunk is what `budget` of a step's time buys at that slope, at most 8x the last
         and at least 64 stripes."""
-        self.fixed = took if self.fixed is None else min(self.fixed, took)
         if not self.mine or step_seconds is None or requested == 0:
             return
         self.sizes.append((requested, took))

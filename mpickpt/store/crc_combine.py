@@ -9,8 +9,10 @@ a file whose blocks share a few sizes pays a 32-step product per block.
 """
 from __future__ import annotations
 
-import zlib
+import os
 from functools import lru_cache
+
+from mpickpt.store.durable import crc32_read
 
 POLY = 0xEDB88320  # CRC-32 (IEEE 802.3), reflected
 
@@ -81,7 +83,7 @@ def file_crc32_from_regions(path: str, regions: list[tuple[int, list[tuple[int, 
     """CRC32 of the file at `path` whose byte ranges starting at each region's offset are blocks
     of known (crc, length), in order: only the bytes outside the regions are read. Regions must
     not overlap; a region past the end of the file is an error. Local."""
-    size = _file_size(path)
+    size = os.path.getsize(path)
     crc, pos = 0, 0
     with open(path, "rb") as f:
         for offset, blocks in sorted(regions):
@@ -89,27 +91,10 @@ def file_crc32_from_regions(path: str, regions: list[tuple[int, list[tuple[int, 
             if offset < pos or end > size:
                 raise ValueError(f"{path}: a region [{offset}, {end}) overlaps another or runs "
                                  f"past the end of the file ({size} bytes)")
-            crc = _read_crc(f, pos, offset, crc)
+            f.seek(pos)
+            crc = crc32_read(f, crc, offset - pos)
             for block_crc, n in blocks:
                 crc = crc32_combine(crc, block_crc, n)
             pos = end
-        return _read_crc(f, pos, size, crc)
-
-
-def _read_crc(f, start: int, stop: int, crc: int, block: int = 1 << 22) -> int:
-    """`crc` continued over the file's bytes [start, stop)."""
-    f.seek(start)
-    left = stop - start
-    while left > 0:
-        chunk = f.read(min(block, left))
-        if not chunk:
-            raise ValueError(f"{f.name}: ended {left} bytes early")
-        crc = zlib.crc32(chunk, crc)
-        left -= len(chunk)
-    return crc
-
-
-def _file_size(path: str) -> int:
-    import os
-
-    return os.path.getsize(path)
+        f.seek(pos)
+        return crc32_read(f, crc, size - pos)

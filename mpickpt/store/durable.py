@@ -8,10 +8,23 @@ import zlib
 
 def file_crc32(path: str, block: int = 1 << 22) -> int:
     """CRC32 of a whole file, read sequentially (the rate the disk and zlib allow). Local."""
-    crc = 0
     with open(path, "rb") as f:
-        while chunk := f.read(block):
-            crc = zlib.crc32(chunk, crc)
+        return crc32_read(f, 0, None, block)
+
+
+def crc32_read(f, crc: int, size: int | None, block: int = 1 << 22) -> int:
+    """`crc` continued over the next `size` bytes of the open file `f` (None: to its end);
+    ValueError naming the file when it ends first. Local."""
+    left = size
+    while left is None or left > 0:
+        chunk = f.read(block if left is None else min(block, left))
+        if not chunk:
+            if left is None:
+                break
+            raise ValueError(f"{f.name}: ended {left} bytes early")
+        crc = zlib.crc32(chunk, crc)
+        if left is not None:
+            left -= len(chunk)
     return crc
 
 

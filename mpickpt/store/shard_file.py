@@ -59,10 +59,11 @@ def write_dataset(group: h5py.Group, name: str, array: np.ndarray, before_block=
     starts = list(range(0, max(n, 1), BLOCK_ROWS))
     # below CRC_THREAD_BYTES, starting the helper thread costs more than the overlap saves
     with ThreadPoolExecutor(1) if array.nbytes >= CRC_THREAD_BYTES else _Inline() as pool:
-        crcs = []
+        crcs, sizes = [], []
         for a in starts:
             block = np.ascontiguousarray(array[a:a + BLOCK_ROWS])
             crcs.append(pool.submit(zlib.crc32, memoryview(block.reshape(-1)).cast("B")))
+            sizes.append(block.nbytes)
             if before_block is not None:
                 before_block(block.nbytes)
             if block.shape[0]:
@@ -70,7 +71,6 @@ def write_dataset(group: h5py.Group, name: str, array: np.ndarray, before_block=
         crcs = [c.result() for c in crcs]
         group.create_dataset(name + CRC_SUFFIX, data=np.array(crcs, dtype=np.uint32))
     if log is not None:
-        sizes = [min(BLOCK_ROWS, n - a) * (array.nbytes // max(n, 1)) for a in starts]
         log_blocks(log, ds, list(zip(crcs, sizes)))
     if scalar:
         ds.attrs["scalar"] = True
