@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import ctypes
 import multiprocessing as mp
+import multiprocessing.util  # noqa: F401  (its exit hook must be registered before `_reap`)
 import os
 import signal
 import sys
@@ -132,8 +133,9 @@ _started: "weakref.WeakSet" = weakref.WeakSet()
 @atexit.register
 def _reap() -> None:
     """At interpreter exit, kill the workers still running: an exit on an error can leave them
-    unclosed, and multiprocessing's own exit hook (registered earlier, so run after this one)
-    would end them with SIGTERM, which they ignore, and then wait for them forever. A part left
+    unclosed, and multiprocessing's own exit hook (registered earlier, by the import of
+    multiprocessing.util above, so run after this one) would end them with SIGTERM, which they
+    ignore, and then wait for them forever. A part left
     half written is a temporary file, never a committed checkpoint. Local."""
     for proc in list(_started):
         if proc.is_alive():
