@@ -143,9 +143,31 @@ def _train(topo, trainer) -> int:
         # failure, an agreed restore), so this exit is collective
         status = _fail(topo.control, str(e))
         topo.control.Barrier()
+    except Exception:
+        if not trainer.survival.in_place and topo.generation == 0:
+            raise  # the interpreter's exit reports it and finalizes MPI
+        _end_on_error(topo, trainer)
     finally:
         trainer.close()
     return _leave(topo, status, finalize=not trainer.survival.in_place)
+
+
+def _end_on_error(topo, trainer) -> None:
+    """An unexpected error in a job whose ranks run under agents: say it and end with status 1,
+    without the interpreter's exit, whose MPI_Finalize waits forever once any rank of the
+    launch died (seen: two survivors hung there after a second death during a recovery).
+    Local; never returns."""
+    import traceback
+
+    traceback.print_exc()
+    print(f"mpickpt-train: rank {topo.rank} failed (generation {topo.generation}); ending "
+          f"without MPI_Finalize", file=sys.stderr, flush=True)
+    _ignore_death_notices()
+    try:
+        trainer.close()
+    finally:
+        _run_exit_hooks()
+        _exit_now(1)
 
 
 def standby_main(argv=None) -> int:

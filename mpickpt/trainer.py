@@ -81,6 +81,8 @@ class Trainer:
         self.generations: list[dict] = []
         """One record per in-place recovery this process took part in."""
         self._left_at = None
+        self._recovered_by: str | None = None
+        """The policy of the last recovery (a generation's log names it)."""
         self.dumps_pending = False
         self.finish_done: list[str] = []
         """The phases of the run's end (`_finish`) completed, in order."""
@@ -97,9 +99,9 @@ class Trainer:
         self.stopped: str | None = None
         self.stop_committed = False
         """The emergency checkpoint of the step a stop signal ended at was committed."""
+        self.survival.start_watch(self._boundary)  # first: a death during recovery is seen
         if lost:
             self._recover(Loss.of_ranks(lost, self.step, self.model.plan))
-        self.survival.start_watch(self._boundary)
 
     def _resume(self, first):
         """Where training starts: survivor dumps of a relaunch, else the newest checkpoint, else
@@ -153,7 +155,8 @@ class Trainer:
         joined = self.in_place.replacement()
         self._take_over(joined)
         self._joined = joined
-        return joined.step, position_from_dict(joined.reader), joined.pls, joined.replaced
+        return joined.step, position_from_dict(joined.reader), joined.pls, \
+            sorted(set(joined.replaced) | set(joined.unrebuilt))
 
     def _take_over(self, joined: Rejoined) -> None:
         """Checkpointing continues from the agreed step: a new baseline next, the job's attempt
@@ -179,11 +182,17 @@ class Trainer:
     def run(self) -> None:
         """Train up to `num_batches` steps (or to the end of the data, or a stop signal).
         Collective. A peer's death either moves the job to its next generation in place (this
-        process goes on) or ends this rank through `Survival` (exit EXIT_PEER_LOST)."""
-        if self.topo.replacement:
-            self._joined_log(self._joined, 0.0)
+        process goes on) or ends this rank through `Survival` (exit EXIT_PEER_LOST); so does a
+        death while a generation settles in (its recovery's log), which comes back here."""
+        dead, joined = None, self.topo.replacement
         while True:
             try:
+                if joined:  # a replacement's first generation, which a death may end too
+                    joined = False
+                    self._joined_log(self._joined, 0.0)
+                if dead is not None:
+                    self._rejoin(dead)
+                    dead = None
                 started = time.perf_counter()
                 try:
                     self._loop()
@@ -193,7 +202,6 @@ class Trainer:
                 return
             except Exception as e:
                 dead = self.survival.failed(e)  # re-raises unless a peer died
-                self._rejoin(dead)
 
     def _first_life(self) -> bool:
         """The job's first launch and generation: an injected kill fires there only, not again
@@ -236,11 +244,31 @@ class Trainer:
         self._take_over(joined)
         self.reader = self._make_reader(position_from_dict(joined.reader))
         self.log.restart_at(self.step)
-        if joined.replaced:
-            self._recover(Loss.of_ranks(joined.replaced, self.step, self.model.plan))
-        self.survival.start_watch(self._boundary)
+        self._settle_in(joined, dead)
         self.signals.mute_death_notices(3.0)
         self._joined_log(joined, left, dead)
+
+    def _settle_in(self, joined: Rejoined, dead: set[int]) -> None:
+        """A survivor in the generation it just formed: watch the peers, then recover the
+        replaced shards (and those whose parity rebuild the death interrupted). Collective.
+        The watch comes first, so that a death during the recovery is seen; a death before the
+        watch stood, or during the recovery, falls back to a relaunch, with no survivor dump in
+        the second case (the recovery may have changed this rank's rows half-way)."""
+        try:
+            self.survival.start_watch(self._boundary)
+        except COMM_ERRORS as e:
+            self.survival.give_up_in_place(dead, f"a member of generation {joined.generation} "
+                                                 f"died while its peer watch formed ({e})")
+        lost = sorted(set(joined.replaced) | set(joined.unrebuilt))
+        if not lost:
+            return
+        try:
+            self._recover(Loss.of_ranks(lost, self.step, self.model.plan))
+        except Exception as e:
+            more = self.survival.failed(e)  # re-raises unless a peer died
+            self.survival.give_up_in_place(
+                more, f"rank(s) {sorted(more)} died while generation {joined.generation} "
+                      f"recovered ranks {lost}", dump=False)
 
     def _joined_log(self, joined: Rejoined, seconds: float, dead=None) -> None:
         """Log one in-place recovery (rank 0) and append it to the restart log. Collective
@@ -251,11 +279,12 @@ class Trainer:
             for k, v in mine.items():
                 phases[k] = max(phases.get(k, 0.0), v)
         record = {"generation": joined.generation, "step": joined.step,
-                  "replaced": joined.replaced, "undone": joined.undone,
+                  "replaced": joined.replaced, "unrebuilt": joined.unrebuilt,
+                  "undone": joined.undone,
                   "pids": joined.pids, "seconds": round(total, 3),
                   "phases": {k: round(v, 3) for k, v in sorted(phases.items(),
                                                                key=lambda kv: kv[0] != "join")},
-                  "recovery": self.faults.mode}
+                  "recovery": self._recovered_by or self.faults.mode}
         self.generations.append(record)
         if not self.topo.is_root:
             return
@@ -265,6 +294,8 @@ class Trainer:
                 f"{', '.join(str(joined.pids[r]) for r in joined.replaced)}); the others kept "
                 f"their processes" + (f", rank(s) {joined.undone} went back one step"
                                       if joined.undone else "")
+                + (f", rank(s) {joined.unrebuilt} lost their unfinished parity rebuild"
+                   if joined.unrebuilt else "")
                 + f"; {record['recovery']} recovery of the replaced shard(s); {total:.2f} s "
                   f"on the survivors ({phases})")
         self.log.say(line)
@@ -430,6 +461,7 @@ class Trainer:
             self.ckpt.finish_snapshot()  # the recovery rewrites rows a snapshot may still need
         with self.model.state_lock:  # no survivor dump of a half-recovered state
             outcome = self.faults.recover(lost)
+            self._recovered_by = outcome.policy
             self.report.recovered(lost, outcome, time.perf_counter() - started, self.executed)
             if outcome.reader_state is not None:
                 self.reader.close()

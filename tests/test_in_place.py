@@ -320,6 +320,79 @@ def test_second_deaths_while_the_generation_forms_randomized(tmp_path, clean_dig
     assert t["code"] == 0 and digest_in(out) == clean_digest, out
 
 
+SLOW_REBUILD = [*FLAGS, "--arch-embedding-size", "40000-30000-20000-10000-5000-1000-500-100",
+                "--rebuild-budget", "0.001"]
+"""Tables 10x the default and a small budget: a rank's rebuild takes about a dozen steps."""
+
+
+@pytest.fixture(scope="module")
+def slow_rebuild_digest(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("clean-slow-rebuild")
+    proc = run_ranks(4, "mpickpt.train", *SLOW_REBUILD, "--ckpt-dir", str(root / "ckpt"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return digest_in(proc.stdout)
+
+
+def _rebuild_death_trial(tmp_path, seed: int, target: str, pause: float) -> tuple[Job, dict]:
+    """Kill a random trainer at a random step; once the next generation began the parity
+    rebuild of its shard (`SLOW_REBUILD`), kill `target` ("replacement": the rank being
+    rebuilt; "survivor": another trainer of its parity group) `pause` s later (a negative
+    pause: after the next step instead)."""
+    rng = random.Random(seed)
+    job = Job(mpickpt_run("-n", "4", "--max-restarts", "1", "--", *SLOW_REBUILD,
+                          "--ckpt-dir", str(tmp_path / "ckpt")))
+    try:
+        assert job.wait_for_step(rng.randint(22, 30)), job.output
+        before = job.ranks()
+        pid, rank = job.kill_rank(pick=rng.choice)
+        assert job.wait_for_line(rf"ranks \[{rank}\] lost their shards", 60), job.output
+        if pause < 0:
+            assert job.wait_for_step(job.step + 1), job.output
+        else:
+            time.sleep(pause)
+        now = job.ranks()
+        victim = rng.choice(sorted(set(now) - set(before)) if target == "replacement" else
+                            [p for p in before if p != pid])
+        during = "parity: rebuilt ranks" not in job.output  # the rebuild was still running
+        os.kill(victim, 9)
+        code = job.wait(240)
+    finally:
+        job.stop()
+    return job, {"rank": rank, "victim": victim, "during": during, "code": code}
+
+
+def test_a_second_death_during_the_parity_rebuild_rolls_back_in_place(tmp_path,
+                                                                      slow_rebuild_digest):
+    """A survivor killed while the replaced shard is still being rebuilt from parity: the rank
+    being rebuilt is not whole, so the next generation recovers both (more than parity covers:
+    a rollback to the checkpoint, in place, on every member alike, the fresh replacement
+    included), and the job ends with the failure-free digest, without a relaunch."""
+    job, t = _rebuild_death_trial(tmp_path, 6, "survivor", -1)
+    out = job.output
+    assert t["during"], f"the rebuild had ended before the second kill:\n{out}"
+    assert f"its trainer (pid {t['victim']}) was killed by SIGKILL" in out, out
+    assert f"rank(s) [{t['rank']}] lost their unfinished parity rebuild" in out, out
+    assert "falling back to the latest checkpoint" in out, out
+    assert len(_IN_PLACE.findall(out)) == 2 and "relaunching" not in out, out
+    assert t["code"] == 0 and digest_in(out) == slow_rebuild_digest, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(110, 130))
+def test_second_deaths_during_the_parity_rebuild_randomized(tmp_path, slow_rebuild_digest,
+                                                           seed):
+    """The second death anywhere from the rebuild's start (the new generation settling in, its
+    watch forming) to its training steps, of the rank being rebuilt or another: the job
+    recovers, in place or by a relaunch, to the failure-free digest and never hangs."""
+    rng = random.Random(seed)
+    job, t = _rebuild_death_trial(tmp_path, seed, rng.choice(["replacement", "survivor"]),
+                                  rng.uniform(0.0, 0.2))
+    out = job.output
+    assert t["during"], f"the rebuild had ended before the second kill:\n{out}"
+    assert f"its trainer (pid {t['victim']}) was killed by SIGKILL" in out, out
+    assert t["code"] == 0 and digest_in(out) == slow_rebuild_digest, out
+
+
 def _end_trial(tmp_path, pattern: str, rank: int, delay: float) -> tuple[Job, int, int, float]:
     """Kill launcher rank `rank`'s trainer `delay` s after a line matching `pattern`, at the
     run's end; (job, exit status, killed pid, seconds from the kill to the job's end)."""

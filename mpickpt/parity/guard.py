@@ -64,6 +64,9 @@ class ParityGuard:
         model.embeddings.add_update_hook(self.store)
         model.embeddings.add_index_hook(self._on_lookup)
         self.rebuild: Rebuild | None = None
+        self.interrupted: list[int] = []
+        """Ranks whose rebuild a further death interrupted (`interrupt_rebuild`): their rows are
+        not whole, and parity does not cover a loss again until rows are replaced (`resync`)."""
         self.step_seconds: float | None = None
         self.history: list[dict] = []
 
@@ -94,7 +97,7 @@ class ParityGuard:
             if len(lost) > self.config.r:
                 return (f"parity group {group} (ranks {group * g}-{group * g + g - 1}) lost ranks "
                         f"{lost}, more than --parity-r {self.config.r} can rebuild")
-        if self.rebuild is not None and self.rebuild.active:
+        if self.rebuild is not None and self.rebuild.active or self.interrupted:
             return "ranks failed while a rebuild was still running"
         return None
 
@@ -111,6 +114,19 @@ class ParityGuard:
         same `ranks`."""
         if self.topo.rank in ranks:
             self.store.parity.fill_(NAN_BITS)
+
+    def rebuilding(self) -> list[int]:
+        """The ranks a running rebuild has not made whole yet ([] when none runs). Local."""
+        return sorted(self.rebuild.failed) if self.rebuild is not None and \
+            self.rebuild.active else []
+
+    def interrupt_rebuild(self, ranks) -> None:
+        """A death ended the generation while `ranks` were being rebuilt (some member's
+        `rebuilding()`): drop the rebuild and refuse to cover the next loss, on every member
+        alike, a fresh replacement included, so that all of them pick the same recovery. Local;
+        every member of the new generation calls it with the same `ranks`."""
+        self.rebuild = None
+        self.interrupted = sorted(ranks)
 
     def rebuilding_here(self) -> bool:
         """This rank's rows are being rebuilt from parity (not whole yet). Local."""
@@ -139,11 +155,13 @@ class ParityGuard:
         """Rows were replaced by older values (a rollback): drop any rebuild in progress and
         encode parity afresh. Collective."""
         self.rebuild = None
+        self.interrupted = []
         self.encode()
 
     def start_rebuild(self, ranks, step: int) -> None:
         """Begin rebuilding `ranks` (their failure is covered). Local; rounds run in lookups."""
         self.rebuild = Rebuild(self.store, set(ranks), self.config.budget)
+        self.interrupted = []
         self.rebuild_step = step
         self.say(f"parity: ranks {sorted(ranks)} lost their shards after step {step}; rebuilding "
                  f"from their groups while training continues")

@@ -33,6 +33,8 @@ class Rejoined:
     pls: dict | None
     replaced: list[int]
     """Ranks held by replacement processes: their shards must be recovered."""
+    unrebuilt: list[int]
+    """Members whose parity rebuild the death interrupted: their shards are not whole either."""
     undone: list[int]
     """Survivors that went back one step to reach `step`."""
     attempt: str | None
@@ -81,7 +83,8 @@ class InPlace:
         me, control = self.topo.rank, self.topo.control
         last = self.undo.last if self.undo is not None else None
         mine = {"step": step, "pid": os.getpid(), "finish_done": finish_done,
-                "back": step is not None and last is not None and last.step == step}
+                "back": step is not None and last is not None and last.step == step,
+                "rebuilding": self.parity.rebuilding() if self.parity is not None else []}
         everyone = control.allgather(mine)
         survivors = [r for r, e in enumerate(everyone) if e["step"] is not None]
         if not survivors:
@@ -105,12 +108,16 @@ class InPlace:
                                 "reader": reader, "pls": pls, "attempt": attempt,
                                 "interval": interval} if me == first else None, root=first)
         replaced = [r for r, e in enumerate(everyone) if e["step"] is None]
+        rebuilding = sorted({r for e in everyone for r in e["rebuilding"]})
+        if self.parity is not None and rebuilding:
+            self.parity.interrupt_rebuild(rebuilding)
+        unrebuilt = [r for r in rebuilding if r not in replaced]
         if me in replaced:
             self.model.load_dense_state(shared["dense"])
             self.model.embeddings.wipe_rows([me])
             if self.parity is not None:
                 self.parity.lose_parity([me])
         return Rejoined(self.topo.generation, agreed, shared["reader"], shared["pls"], replaced,
-                        undone, shared["attempt"], shared["interval"],
+                        unrebuilt, undone, shared["attempt"], shared["interval"],
                         list(everyone[first]["finish_done"]),
                         {r: e["pid"] for r, e in enumerate(everyone)})

@@ -193,22 +193,23 @@ class Survival:
             self._old_watch.close(goodbye=True)
             self._old_watch = None
 
-    def give_up_in_place(self, dead: set[int], why: str) -> None:
-        """The next generation could not be formed: leave as a survivor does without in-place
-        recovery (dump with --survivor-dumps, exit EXIT_PEER_LOST for a relaunch). Never
-        returns. Local."""
+    def give_up_in_place(self, dead: set[int], why: str, dump: bool = True) -> None:
+        """The next generation could not be formed, or not settled in: leave as a survivor does
+        without in-place recovery (dump with --survivor-dumps unless `dump` is False, exit
+        EXIT_PEER_LOST for a relaunch). Never returns. Local."""
         self.say(f"in-place recovery failed ({why}); falling back to a relaunch")
         if self.topo.rendezvous is not None:
             try:  # the spares and waiting respawns leave instead of waiting for a slot
                 self.topo.rendezvous.give_up(f"rank {self.topo.rank}: {why}")
             except (RuntimeError, OSError):
                 pass
-        self.survive(dead, f"in-place recovery failed: {why}")
+        self.survive(dead, f"in-place recovery failed: {why}", dump)
 
-    def survive(self, dead: set[int], cause: str) -> None:
-        """Dump this rank's state at its last completed step, say so, and exit with
-        EXIT_PEER_LOST. Never returns. Local; the model's state lock is taken first, so the
-        main thread can change nothing meanwhile."""
+    def survive(self, dead: set[int], cause: str, dump: bool = True) -> None:
+        """Dump this rank's state at its last completed step (not when `dump` is False: a
+        recovery stopped half-way), say so, and exit with EXIT_PEER_LOST. Never returns. Local;
+        the model's state lock is taken first, so the main thread can change nothing
+        meanwhile."""
         noticed = time.time()
         with self._lock:
             already = self.surviving
@@ -219,7 +220,7 @@ class Survival:
         locked = self.model.state_lock.acquire(timeout=LOCK_WAIT)
         step, reader, pls = self.state_at_boundary()
         where = "no survivor dump (--survivor-dumps off)"
-        if self.dumps is not None and not locked:
+        if self.dumps is not None and (not locked or not dump):
             where = "no survivor dump: a recovery was changing this rank's state"
         elif self.dumps is not None:
             try:
