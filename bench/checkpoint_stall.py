@@ -165,12 +165,14 @@ def measure_mpickpt(topo, model, root: str, repeats: int, writers: int,
         for step in range(1, repeats + 2):  # step 1 is the warm-up (allocates the staging area)
             if topo.is_root:
                 os.sync()  # no dirty pages from earlier phases in the writers' way
+            manager.look_ahead(step - 1)  # as after_step(step - 1) of a training loop does
             topo.control.Barrier()
             start = time.perf_counter()
             saved = manager.save(step, reader_state)
             wall = time.perf_counter() - start
             if not saved:
                 raise RuntimeError(f"save({step}) was skipped")
+            manager.schedule.passed(step)  # as after_step does: the next step is due
             copy = manager.stalls[-1]
             seen, longest_poll = wait_for_commit(topo, manager, root, step, lines)
             per_rank = topo.control.gather({"wall": wall, "copy": copy, "poll": longest_poll}, root=0)

@@ -64,6 +64,21 @@ class _Sent:
         return None
 
 
+class _Reduction:
+    """The request of an `Iallreduce`."""
+
+    def __init__(self, control, work, tensor: torch.Tensor, recvbuf: np.ndarray):
+        self.control, self.work, self.tensor, self.recvbuf = control, work, tensor, recvbuf
+
+    def Wait(self) -> np.ndarray:  # noqa: N802 (mpi4py's name)
+        """Wait (an abort of the channel ends the wait) and fill the receive buffer."""
+        if self.work is not None:
+            self.control._wait(self.work)
+            self.recvbuf[...] = self.tensor.numpy()
+            self.work = None
+        return self.recvbuf
+
+
 class StoreControl:
     """The control channel of one generation. Construction is collective (the gloo group's
     rendezvous over `store`)."""
@@ -126,14 +141,18 @@ class StoreControl:
 
     def Allreduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op=SUM) -> None:  # noqa: N802
         """Elementwise reduction of a numeric array into `recvbuf` (MAX, MIN, SUM)."""
+        self.Iallreduce(sendbuf, recvbuf, op).Wait()
+
+    def Iallreduce(self, sendbuf: np.ndarray, recvbuf: np.ndarray, op=SUM) -> "_Reduction":  # noqa: N802
+        """Start `Allreduce`; the request's Wait() fills `recvbuf`. It runs on gloo's threads
+        meanwhile, in the order the ranks issued their collectives on this channel."""
         name = reduce_op(op)
         if name not in _TENSOR_OPS:
             raise ValueError(f"Allreduce {name}: arrays take max, min or sum")
         t = torch.from_numpy(np.ascontiguousarray(sendbuf).copy())
         opts = dist.AllreduceOptions()
         opts.reduceOp = _TENSOR_OPS[name]
-        self._wait(self._group().allreduce([t], opts))
-        recvbuf[...] = t.numpy()
+        return _Reduction(self, self._group().allreduce([t], opts), t, recvbuf)
 
     # ---- messages through the store (local) ----------------------------------------------------
     def isend(self, obj, dest: int, tag: int = 0) -> _Sent:

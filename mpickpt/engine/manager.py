@@ -79,6 +79,8 @@ class CheckpointManager:
         """Payload bytes this rank's writers wrote for each checkpoint."""
         self._last_submitted: int | None = None
         self._restored_step: int | None = None
+        self._vote: tuple | None = None
+        """(step, request) of the busy vote started a step before that step's save."""
         self.bits = config.quant.policy(max(1, topo.world_size // max(1, topo.local_size)))
         self.say(self.bits.explain())
 
@@ -123,6 +125,15 @@ class CheckpointManager:
             if self.on_saved is not None:
                 self.on_saved(step)  # may re-plan the interval (collective)
             reader.allow(self.allowance(step, total))
+        self.look_ahead(step)
+
+    def look_ahead(self, step: int) -> None:
+        """After `step`: when the next step's checkpoint is due, start the ranks' vote on
+        whether a previous one is still being written, so that the save does not wait for a
+        round trip (`_any_busy`). `after_step` calls it. Collective when the next step is due
+        (every rank issues it after the same step), else local."""
+        if self.due(step + 1):
+            self._start_vote(step + 1)
 
     def poll(self) -> None:
         """Collect finished writes and move commit messages along; never blocks. Local."""
@@ -138,6 +149,7 @@ class CheckpointManager:
         dumps): the next save is a new baseline and the interval counts from `step`. Local."""
         self.incremental.reset()
         self.schedule.restart(step)
+        self._vote = None  # its step may come again (a rollback), with other writes in flight
 
     def restored(self, restored) -> None:
         """The model was just loaded from a checkpoint (`Restorer`): count the restore for the
@@ -167,7 +179,7 @@ class CheckpointManager:
             return []
         if self.copier is not None:
             self.copier.cancel()
-        self._deferred = None
+        self._deferred = self._vote = None  # the vote ran on the broken generation's channel
         self.writers.wait()
         self._in_flight = None
         self._last_submitted = None
@@ -184,6 +196,7 @@ class CheckpointManager:
         """A copy-on-update snapshot in progress is completed now and handed to the writers:
         call before anything rewrites rows outside a training step (a recovery, a restore).
         Local."""
+        self._vote = None  # what follows (a recovery) may submit or roll back
         self._submit_deferred(block=True)
 
     def _submit_deferred(self, block: bool) -> None:
@@ -243,7 +256,7 @@ class CheckpointManager:
         """Snapshot now and write in the background; False if skipped (the overlap policy
         `skip`, unless `wait`). Collective."""
         start = time.perf_counter()
-        busy = self.topo.control.allreduce(int(self.busy), op=MAX)
+        busy = self._any_busy(step)
         if busy and not self._make_room(step, wait):
             return False  # tracked rows stay marked for the next checkpoint
         if self.incremental.tracks_rows:
@@ -252,9 +265,10 @@ class CheckpointManager:
         seconds, nbytes = self.snapshots.stage(self.copier, save.rows)
         self.stalls.append(seconds)
         ckpt_id = checkpoint_id(step, self.attempt)
-        self._submit(step, ckpt_id, seconds, nbytes, save)
+        codecs = self.bits.row_codecs(self.model.row_state())
+        self._submit(step, ckpt_id, seconds, nbytes, save, codecs)
         if self.topo.is_root:
-            self.commits.expect(self._pending(step, ckpt_id, reader_state, save))
+            self.commits.expect(self._pending(step, ckpt_id, reader_state, save, codecs))
         self.counters["saved"] += 1
         if self.copier is not None:
             self.copier.go()  # the stall ends here: the background copy may begin
@@ -264,6 +278,26 @@ class CheckpointManager:
                  f"staged {nbytes / 1e6:.1f} MB in {seconds * 1e3:.1f} ms "
                  f"({nbytes / 1e9 / max(seconds, 1e-9):.2f} GB/s); writing in background")
         return True
+
+    def _start_vote(self, step: int) -> None:
+        """Start, a step ahead, the ranks' vote on whether a previous checkpoint is still being
+        written when `step` is saved; it runs while the step trains. Collective (issued by
+        every rank after the same step)."""
+        out = np.zeros(1, dtype=np.int64)
+        self._vote = (step, self.topo.control.Iallreduce(
+            np.array([int(self.busy)], dtype=np.int64), out, op=MAX))
+
+    def _any_busy(self, step: int) -> bool:
+        """Whether any rank's previous checkpoint is still being written. The vote started a
+        step ahead answers without a round trip in the stall when nobody was busy then:
+        nothing was submitted since, and a write only ends meanwhile. Otherwise (busy then, or
+        no vote: a save outside the schedule) the ranks vote now. Collective."""
+        vote, self._vote = self._vote, None
+        if vote is not None and vote[0] == step and not vote[1].Wait()[0]:
+            return False
+        out = np.zeros(1, dtype=np.int64)
+        self.topo.control.Allreduce(np.array([int(self.busy)], dtype=np.int64), out, op=MAX)
+        return bool(out[0])
 
     def _settle(self) -> None:
         """Make sure the previous checkpoint is committed or abandoned, and start a new baseline
@@ -294,9 +328,10 @@ class CheckpointManager:
                  f"checkpoint to finish writing (waits so far: {self.counters['waits']})")
         return True
 
-    def _submit(self, step: int, ckpt_id: str, stall: float, staged: int, save) -> None:
+    def _submit(self, step: int, ckpt_id: str, stall: float, staged: int, save,
+                codecs: dict) -> None:
         groups = save_file_specs(self.model, self.root, ckpt_id, step, self.writers.size, save,
-                                 self.bits.row_codecs(self.model.row_state()), rng_blobs())
+                                 codecs, rng_blobs())
         jobs = [{"step": step, "dir": os.path.join(self.root, ckpt_id), "files": files,
                  "staging": self.snapshots.area.describe(), "align": self.config.align}
                 for files in groups]
@@ -311,9 +346,9 @@ class CheckpointManager:
         else:
             self.writers.submit(jobs)
 
-    def _pending(self, step: int, ckpt_id: str, reader_state: dict, save) -> PendingCheckpoint:
+    def _pending(self, step: int, ckpt_id: str, reader_state: dict, save,
+                 codecs: dict) -> PendingCheckpoint:
         m = self.model
-        codecs = self.bits.row_codecs(m.row_state())
         fields = {"kind": save.kind, "world_size": self.topo.world_size, "dim": m.embeddings.dim,
                   "plan": m.plan.describe(), "optimizer": m.embeddings.optimizer.config.kind,
                   "codec": self.bits.weight_codec().label(), "parents": list(save.parents),
@@ -375,7 +410,7 @@ class CheckpointManager:
         if self.writers is None:
             return
         if self.copier is not None:
-            self.copier.cancel()
+            self.copier.close()
         self._deferred = None
         for line in self.writers.close():
             print(f"mpickpt: rank {self.topo.rank}: {line}", flush=True)

@@ -19,9 +19,16 @@ def state_specs(model, with_dense: bool) -> dict[str, tuple[tuple[int, ...], str
     return specs
 
 
+_NUMPY_NAMES: dict[torch.dtype, str] = {}
+
+
 def numpy_dtype(t: torch.Tensor) -> str:
-    """numpy dtype name of a torch tensor. Local."""
-    return str(torch.empty(0, dtype=t.dtype).numpy().dtype)
+    """numpy dtype name of a torch tensor (cached per dtype: it is part of every stall).
+    Local."""
+    name = _NUMPY_NAMES.get(t.dtype)
+    if name is None:
+        name = _NUMPY_NAMES[t.dtype] = str(torch.empty(0, dtype=t.dtype).numpy().dtype)
+    return name
 
 
 class Snapshotter:

@@ -50,6 +50,7 @@ class StagingArea:
         with open(self.path, "wb") as f:
             f.truncate(self.nbytes)
         self._mm, self.arrays = map_arrays(self.path, self.layout, writable=True)
+        self._tensors = None
         self._mm[:] = 0  # pre-fault every page now, not during the first snapshot
         self._pinned = self._pin() if pin_for_cuda else None
 
@@ -68,7 +69,9 @@ class StagingArea:
         """torch views of the arrays (sharing the memory). Local."""
         import torch
 
-        return {name: torch.from_numpy(a) for name, a in self.arrays.items()}
+        if self._tensors is None:  # made once: the views live as long as the mapping
+            self._tensors = {name: torch.from_numpy(a) for name, a in self.arrays.items()}
+        return self._tensors
 
     def describe(self) -> dict:
         """What a writer needs to attach: path and layout. Local."""
@@ -82,7 +85,7 @@ class StagingArea:
             import torch
 
             torch.cuda.cudart().cudaHostUnregister(self._pinned)
-        self.arrays, self._mm = {}, None
+        self.arrays, self._mm, self._tensors = {}, None, None
         try:
             os.unlink(self.path)
         except FileNotFoundError:
