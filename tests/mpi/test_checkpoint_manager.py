@@ -60,6 +60,32 @@ def test_overlapping_checkpoints_wait_or_skip(topology, ckpt_dir, policy):
 
 
 @pytest.mark.mpi(min_size=1)
+def test_the_overlap_vote_a_step_ahead_never_lets_a_save_overtake_a_write(topology, ckpt_dir):
+    """`look_ahead` votes while the step before a checkpoint trains: a vote taken when nobody
+    was writing lets the save go, one taken while a write was in flight makes the save vote
+    again and wait, and a vote whose step may come again (a rollback: `resumed_at`) is
+    dropped."""
+    model = make_model(topology)
+    mgr, _ = manager(topology, model, ckpt_dir, overlap="wait", keep=5)
+    state = {"kind": "synthetic", "sample_index": 0}
+    assert mgr.due(1)
+    mgr.look_ahead(0)
+    assert mgr._vote is not None and mgr._vote[0] == 1
+    assert mgr.save(1, state) and mgr.counters["waits"] == 0 and mgr._vote is None
+    mgr.schedule.passed(1)
+    mgr.look_ahead(1)  # step 1 is still being written
+    assert mgr.save(2, state) and mgr.counters["waits"] == 1
+    mgr.schedule.passed(2)
+    mgr.look_ahead(2)
+    mgr.resumed_at(0)
+    assert mgr._vote is None
+    mgr.look_ahead(5)  # not due: no vote
+    assert mgr._vote is None
+    mgr.close()
+    assert [m.step for m in list_manifests(ckpt_dir)] == [1, 2]
+
+
+@pytest.mark.mpi(min_size=1)
 def test_gap_control_and_round_trip(topology, ckpt_dir):
     model = make_model(topology)
     world, rank = topology.world_size, topology.rank
