@@ -64,9 +64,15 @@ def threads_of(pid: int) -> list[int]:
 def apply(pid: int, mode: str) -> str | None:
     """Give every thread of process `pid` the priority of `mode`; None when done, else why
     not (the process keeps running as it was). Local."""
+    return apply_to_threads(threads_of(pid), mode)
+
+
+def apply_to_threads(tids: list[int], mode: str) -> str | None:
+    """Give the threads `tids` (of this process or another) the priority of `mode`, as
+    `apply` does. Local."""
     want = setting(mode)
     problems = []
-    for tid in threads_of(pid):
+    for tid in tids:
         try:
             os.sched_setscheduler(tid, want.policy, os.sched_param(0))
         except (OSError, AttributeError) as e:

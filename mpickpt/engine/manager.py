@@ -59,7 +59,8 @@ class CheckpointManager:
         if self.writers.priority_problem:
             self.say(f"the checkpoint writers run at their start priority: "
                      f"{self.writers.priority_problem}")
-        self.commits = CommitCoordinator(topo, self.root, config.keep, self.say)
+        self.commits = CommitCoordinator(topo, self.root, config.keep, self.say,
+                                         config.background)
         self.counters = {"saved": 0, "waits": 0, "skips": 0, "wait_seconds": 0.0}
         self.stalls: list[float] = []
         self._in_flight: dict | None = None
@@ -244,6 +245,7 @@ class CheckpointManager:
             return
         self.writers.prioritize("normal")
         self.incremental.prioritize("normal")
+        self.commits.prioritize("normal")
 
     def save_now(self, step: int, reader) -> bool:
         """A checkpoint of `step` outside the interval (an emergency stop), waiting for the one
