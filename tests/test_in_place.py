@@ -267,17 +267,32 @@ def _check_startup_trial(job: Job, t: dict, clean_digest: str) -> None:
     assert not t["segments_left"], f"MPI segments left in /dev/shm: {t['segments_left']}"
 
 
+def _two_deaths(tmp_path, flags, rng, first_by: int, second) -> tuple[Job, dict]:
+    """Start a job of `flags`; once step `first_by` is reached kill a random trainer, then
+    `second(job, pid, rank, before)` waits as the trial wants and returns (the second victim,
+    whether its kill falls where the trial wants it, judged before the kill); kill it too and
+    wait for the job's end."""
+    job = Job(mpickpt_run("-n", "4", "--max-restarts", "1", "--", *flags,
+                          "--ckpt-dir", str(tmp_path / "ckpt")))
+    try:
+        assert job.wait_for_step(first_by), job.output
+        before = job.ranks()
+        pid, rank = job.kill_rank(pick=rng.choice)
+        victim, during = second(job, pid, rank, before)
+        os.kill(victim, 9)
+        code = job.wait(240)
+    finally:
+        job.stop()
+    return job, {"rank": rank, "victim": victim, "during": during, "code": code}
+
+
 def _second_death_trial(tmp_path, seed: int, target: str, pause: float) -> tuple[Job, dict]:
     """Kill a random trainer at a random step, then, while the next generation forms, kill
     `target` ("replacement": the process its agent started; "survivor": another trainer)
     `pause` s after the first death is seen (or after the replacement appeared)."""
     rng = random.Random(seed)
-    job = Job(mpickpt_run("-n", "4", "--max-restarts", "1", "--", *FLAGS,
-                          "--ckpt-dir", str(tmp_path / "ckpt")))
-    try:
-        assert job.wait_for_step(rng.randint(22, 45)), job.output
-        before = job.ranks()
-        pid, rank = job.kill_rank(pick=rng.choice)
+
+    def second(job, pid, rank, before):
         assert job.wait_for_line(rf"its trainer \(pid {pid}\) was killed", 30), job.output
         if target == "replacement":
             deadline = time.monotonic() + 30
@@ -288,12 +303,9 @@ def _second_death_trial(tmp_path, seed: int, target: str, pause: float) -> tuple
         else:
             victim = rng.choice([p for p in before if p != pid])
         time.sleep(pause)
-        during = not _IN_PLACE.search(job.output)  # the generation had not formed yet
-        os.kill(victim, 9)
-        code = job.wait(240)
-    finally:
-        job.stop()
-    return job, {"rank": rank, "victim": victim, "during": during, "code": code}
+        return victim, not _IN_PLACE.search(job.output)  # the generation had not formed yet
+
+    return _two_deaths(tmp_path, FLAGS, rng, rng.randint(22, 45), second)
 
 
 @pytest.mark.parametrize("target", ["replacement"])
@@ -339,12 +351,8 @@ def _rebuild_death_trial(tmp_path, seed: int, target: str, pause: float) -> tupl
     rebuilt; "survivor": another trainer of its parity group) `pause` s later (a negative
     pause: after the next step instead)."""
     rng = random.Random(seed)
-    job = Job(mpickpt_run("-n", "4", "--max-restarts", "1", "--", *SLOW_REBUILD,
-                          "--ckpt-dir", str(tmp_path / "ckpt")))
-    try:
-        assert job.wait_for_step(rng.randint(22, 30)), job.output
-        before = job.ranks()
-        pid, rank = job.kill_rank(pick=rng.choice)
+
+    def second(job, pid, rank, before):
         assert job.wait_for_line(rf"ranks \[{rank}\] lost their shards", 60), job.output
         if pause < 0:
             assert job.wait_for_step(job.step + 1), job.output
@@ -353,12 +361,9 @@ def _rebuild_death_trial(tmp_path, seed: int, target: str, pause: float) -> tupl
         now = job.ranks()
         victim = rng.choice(sorted(set(now) - set(before)) if target == "replacement" else
                             [p for p in before if p != pid])
-        during = "parity: rebuilt ranks" not in job.output  # the rebuild was still running
-        os.kill(victim, 9)
-        code = job.wait(240)
-    finally:
-        job.stop()
-    return job, {"rank": rank, "victim": victim, "during": during, "code": code}
+        return victim, "parity: rebuilt ranks" not in job.output  # the rebuild still ran
+
+    return _two_deaths(tmp_path, SLOW_REBUILD, rng, rng.randint(22, 30), second)
 
 
 def test_a_second_death_during_the_parity_rebuild_rolls_back_in_place(tmp_path,

@@ -285,9 +285,7 @@ class CheckpointManager:
         """Start, a step ahead, the ranks' vote on whether a previous checkpoint is still being
         written when `step` is saved; it runs while the step trains. Collective (issued by
         every rank after the same step)."""
-        out = np.zeros(1, dtype=np.int64)
-        self._vote = (step, self.topo.control.Iallreduce(
-            np.array([int(self.busy)], dtype=np.int64), out, op=MAX))
+        self._vote = (step, self._vote_request())
 
     def _any_busy(self, step: int) -> bool:
         """Whether any rank's previous checkpoint is still being written. The vote started a
@@ -297,9 +295,13 @@ class CheckpointManager:
         vote, self._vote = self._vote, None
         if vote is not None and vote[0] == step and not vote[1].Wait()[0]:
             return False
-        out = np.zeros(1, dtype=np.int64)
-        self.topo.control.Allreduce(np.array([int(self.busy)], dtype=np.int64), out, op=MAX)
-        return bool(out[0])
+        return bool(self._vote_request().Wait()[0])
+
+    def _vote_request(self):
+        """Start the max over the ranks of this rank's `busy`: one array allreduce, not the
+        pickled object one (two round trips). Collective."""
+        return self.topo.control.Iallreduce(np.array([int(self.busy)], dtype=np.int64),
+                                            np.zeros(1, dtype=np.int64), op=MAX)
 
     def _settle(self) -> None:
         """Make sure the previous checkpoint is committed or abandoned, and start a new baseline
