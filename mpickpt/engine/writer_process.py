@@ -88,16 +88,15 @@ def write_file(spec, arrays: dict, align: int = 0) -> tuple[int, int, int]:
 
 def _write_hdf5(tmp: str, spec, arrays: dict, reservation: Reservation, align: int,
                 log=None) -> int:
+    from mpickpt.store.h5_lowlevel import set_attrs
     from mpickpt.store.shard_file import FORMAT_VERSION, alignment, open_hdf5, seal_attributes
 
     payload = 0
     with open_hdf5(tmp, "w", **alignment(align)) as f:
-        f.attrs["format_version"] = FORMAT_VERSION
-        for key, value in spec.attrs.items():
-            f.attrs[key] = value
-        for group, attrs in spec.group_attrs.items():
-            f.require_group(group).attrs.update(attrs)
+        set_attrs(f, {"format_version": FORMAT_VERSION, **spec.attrs})
         codecs, groups = spec.codecs, GroupCache(f)
+        for group, attrs in spec.group_attrs.items():
+            set_attrs(groups.group(group), attrs)
         for name, source, ranges in spec.datasets:
             data = _gather(arrays[source], ranges)
             if source in codecs:  # quantized here, block by block, in the background
@@ -181,14 +180,21 @@ class GroupCache:
     def __init__(self, f):
         self.f, self.open = f, {}
 
+    def group(self, folder: str):
+        """The group `folder` (a path under the file's root), created if it does not exist."""
+        if folder not in self.open:
+            from mpickpt.store.h5_lowlevel import create_group
+
+            try:
+                self.open[folder] = create_group(self.f, folder)
+            except ValueError:  # exists already (made as an intermediate group)
+                self.open[folder] = self.f[folder]
+        return self.open[folder]
+
     def parent(self, name: str):
         """(group holding dataset `name`, the dataset's leaf name)."""
         folder, leaf = os.path.split(name)
-        if not folder:
-            return self.f, leaf
-        if folder not in self.open:
-            self.open[folder] = self.f.require_group(folder)
-        return self.open[folder], leaf
+        return (self.group(folder) if folder else self.f), leaf
 
 
 def _write(groups: GroupCache, name: str, data: np.ndarray, before_block, log=None) -> int:

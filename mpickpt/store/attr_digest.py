@@ -16,6 +16,7 @@ import h5py
 import numpy as np
 
 from mpickpt.store.errors import CheckpointCorruptError
+from mpickpt.store.h5_lowlevel import read_attrs
 
 DIGEST = "_attrs"
 """Name of the digest dataset at the root of the file."""
@@ -37,9 +38,9 @@ def attrs_digest(f) -> bytes:
         h.update(f"{name}\0".encode())
         if not count:
             continue
-        attrs = (f if name == "/" else f[name]).attrs
-        for key in sorted(attrs.keys()):
-            value = _canonical(attrs[key])
+        obj = f.id if name == "/" else h5py.h5o.open(f.id, name.encode())
+        for key, value in sorted(read_attrs(obj), key=lambda kv: kv[0]):
+            value = _canonical(value)
             h.update(f"{key}\0{value.dtype.str}\0{value.shape}\0".encode())
             h.update(value.tobytes())
     return h.digest()

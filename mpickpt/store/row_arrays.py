@@ -21,6 +21,7 @@ import h5py
 import numpy as np
 
 from mpickpt.quant.codecs import Codec, from_attrs
+from mpickpt.store import h5_lowlevel
 from mpickpt.store.errors import CheckpointCorruptError
 from mpickpt.store.shard_file import BLOCK_ROWS, CRC_SUFFIX, read_rows
 
@@ -112,17 +113,18 @@ class BlockWriter:
     def __init__(self, group: h5py.Group, name: str, shape: tuple, dtype, before_block=None,
                  log=None):
         self.group, self.name, self.before_block, self.log = group, name, before_block, log
-        self.ds = group.create_dataset(name, shape=shape, dtype=dtype)
+        self.ds = h5_lowlevel.create_dataset(group, name, shape, dtype)
+        self.dtype, self.rows = np.dtype(dtype), shape[0]
         self.at, self.crcs, self.sizes = 0, [], []
 
     def write(self, block: np.ndarray) -> int:
-        block = np.ascontiguousarray(block, dtype=self.ds.dtype)
+        block = np.ascontiguousarray(block, dtype=self.dtype)
         self.crcs.append(zlib.crc32(memoryview(block.reshape(-1)).cast("B")))
         self.sizes.append(block.nbytes)
         if self.before_block is not None:
             self.before_block(block.nbytes)
         if block.shape[0]:
-            self.ds.write_direct(block, dest_sel=np.s_[self.at:self.at + block.shape[0]])
+            h5_lowlevel.write_block(self.ds, block, self.at, self.rows)
         self.at += block.shape[0]
         return block.nbytes
 
@@ -133,7 +135,7 @@ class BlockWriter:
             log_blocks(self.log, self.ds, list(zip(self.crcs, self.sizes)))
         if not self.crcs:  # an empty dataset has the CRC of one empty block
             self.crcs.append(zlib.crc32(b""))
-        self.group.create_dataset(self.name + CRC_SUFFIX, data=np.array(self.crcs, np.uint32))
+        h5_lowlevel.write_array(self.group, self.name + CRC_SUFFIX, np.array(self.crcs, np.uint32))
 
 
 def write_encoded(parent: h5py.Group, name: str, data: np.ndarray, codec: Codec,
@@ -168,7 +170,6 @@ def write_raw(parent: h5py.Group, name: str, rows: EncodedRows) -> int:
 
 def _encoded_group(parent, name, codec: Codec, shape, dtype) -> h5py.Group:
     group = parent.require_group(name)
-    group.attrs.update(codec.attrs())
-    group.attrs["shape"] = np.asarray(shape, dtype=np.int64)
-    group.attrs["dtype"] = str(np.dtype(dtype))
+    h5_lowlevel.set_attrs(group, {**codec.attrs(), "shape": np.asarray(shape, dtype=np.int64),
+                                  "dtype": str(np.dtype(dtype))})
     return group

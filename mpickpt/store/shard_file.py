@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import h5py
 import numpy as np
 
-from mpickpt.store import attr_digest
+from mpickpt.store import attr_digest, h5_lowlevel
 from mpickpt.store.errors import CheckpointCorruptError, CheckpointError
 
 FORMAT_VERSION = 2
@@ -48,14 +48,16 @@ def write_dataset(group: h5py.Group, name: str, array: np.ndarray, before_block=
                   log=None) -> int:
     """Write `array` block by block with per-block CRCs; returns bytes written. Local.
 
-    The dataset is contiguous (no chunk padding, no chunk index); the CRC of each block runs on a
-    helper thread (zlib releases the GIL) while HDF5 writes the block. `before_block(nbytes)` is
-    called before each block is written (the writer hands reserved disk space over there). `log`
-    (a `crc_combine.BlockLog`) is told where the blocks landed in the file and their CRCs."""
+    The dataset is contiguous (no chunk padding, no chunk index), made through h5py's low-level
+    API (`h5_lowlevel`: the high-level objects cost more CPU than the bytes of a small dataset);
+    the CRC of each block runs on a helper thread (zlib releases the GIL) while HDF5 writes the
+    block. `before_block(nbytes)` is called before each block is written (the writer hands
+    reserved disk space over there). `log` (a `crc_combine.BlockLog`) is told where the blocks
+    landed in the file and their CRCs."""
     scalar = array.ndim == 0
     array = array.reshape(1) if scalar else array
     n = array.shape[0]
-    ds = group.create_dataset(name, shape=array.shape, dtype=array.dtype)
+    ds = h5_lowlevel.create_dataset(group, name, array.shape, array.dtype)
     starts = list(range(0, max(n, 1), BLOCK_ROWS))
     # below CRC_THREAD_BYTES, starting the helper thread costs more than the overlap saves
     with ThreadPoolExecutor(1) if array.nbytes >= CRC_THREAD_BYTES else _Inline() as pool:
@@ -67,13 +69,13 @@ def write_dataset(group: h5py.Group, name: str, array: np.ndarray, before_block=
             if before_block is not None:
                 before_block(block.nbytes)
             if block.shape[0]:
-                ds.write_direct(block, dest_sel=np.s_[a:a + block.shape[0]])
+                h5_lowlevel.write_block(ds, block, a, n)
         crcs = [c.result() for c in crcs]
-        group.create_dataset(name + CRC_SUFFIX, data=np.array(crcs, dtype=np.uint32))
+        h5_lowlevel.write_array(group, name + CRC_SUFFIX, np.array(crcs, dtype=np.uint32))
     if log is not None:
         log_blocks(log, ds, list(zip(crcs, sizes)))
     if scalar:
-        ds.attrs["scalar"] = True
+        h5py.Dataset(ds).attrs["scalar"] = True
     return array.nbytes
 
 
@@ -97,10 +99,10 @@ class _Inline:
         return done
 
 
-def log_blocks(log, ds: h5py.Dataset, blocks: list[tuple[int, int]]) -> None:
-    """Tell `log` where the contiguous dataset `ds` lies in its file and its blocks' (crc, length);
-    empty blocks are left out. Local."""
-    log.add(ds.id.get_offset(), [(c, n) for c, n in blocks if n])
+def log_blocks(log, ds, blocks: list[tuple[int, int]]) -> None:
+    """Tell `log` where the contiguous dataset `ds` (an h5py dataset or its low-level id) lies in
+    its file and its blocks' (crc, length); empty blocks are left out. Local."""
+    log.add((ds.id if isinstance(ds, h5py.Dataset) else ds).get_offset(), [(c, n) for c, n in blocks if n])
 
 
 def read_rows(ds: h5py.Dataset, start: int, stop: int, path: str,
@@ -110,11 +112,11 @@ def read_rows(ds: h5py.Dataset, start: int, stop: int, path: str,
     first, last = start // BLOCK_ROWS, max(start, stop - 1) // BLOCK_ROWS
     a, b = first * BLOCK_ROWS, min(ds.shape[0], (last + 1) * BLOCK_ROWS)
     try:
-        data = ds[a:b]
-        if crc_ds is None:
-            crc_ds = ds.parent[_leaf(ds) + CRC_SUFFIX]
-        crcs = crc_ds[first:last + 1]
-    except (OSError, KeyError) as e:
+        data = h5_lowlevel.read_slab(ds.id, a, b)
+        crc_id = crc_ds.id if crc_ds is not None else \
+            h5_lowlevel.open_sibling(ds.id, (ds.name + CRC_SUFFIX).encode())
+        crcs = h5_lowlevel.read_slab(crc_id, first, last + 1)
+    except (OSError, KeyError, ValueError) as e:
         raise CheckpointCorruptError(f"{path}: dataset {ds.name} cannot be read: {e}") from None
     got = block_crcs(data)
     if len(got) != len(crcs) or not np.array_equal(got, crcs):
@@ -129,10 +131,6 @@ def read_all(ds: h5py.Dataset, path: str) -> np.ndarray:
     """The whole dataset, checksum-verified (0-d arrays come back 0-d). Local."""
     data = read_rows(ds, 0, ds.shape[0], path)
     return data.reshape(()) if ds.attrs.get("scalar", False) else data
-
-
-def _leaf(ds: h5py.Dataset) -> str:
-    return ds.name.rsplit("/", 1)[-1]
 
 
 def open_hdf5(path: str, mode: str = "r", **kwargs) -> h5py.File:
