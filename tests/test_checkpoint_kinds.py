@@ -226,6 +226,41 @@ def test_bloom_filter_has_no_false_negatives_and_few_false_positives():
     assert f.contains(others).mean() < 0.02  # ~0.8% expected at 10 bits per key
 
 
+def test_the_extractor_keeps_the_bloom_filters_of_the_chunks_it_makes(tmp_path, monkeypatch):
+    """A chunk's Bloom filter is built from the keys at hand when the chunk is made (a new
+    column's chunks, the rows a split leaves in row 0), never by reading its keys back at a later
+    ingestion; and it equals the filter of the keys on disk."""
+    from mpickpt.incrcp import extraction
+    from mpickpt.incrcp.bloom import BloomFilter
+
+    chain = LocalChain(str(tmp_path), PLAN, dim=3, policy="incrcp", seed=3, ratio=0.0,
+                       incrcp_reset="never")
+    reads = []
+    real = extraction.ChunkReader.gids
+    monkeypatch.setattr(extraction.ChunkReader, "gids",
+                        lambda self, ref: reads.append(ref.file) or real(self, ref))
+    rng = np.random.default_rng(3)
+    for step in range(1, 7):
+        for r in range(PLAN.world_size):
+            chain.touch(r, np.concatenate([np.arange(10), rng.integers(0, 60, 30)]), rng)
+        del reads[:]
+        chain.save(step)
+        # the only keys read: the new column's own (its file), never an older chunk's (step 1
+        # is the chain's baseline, which is not ingested)
+        assert step == 1 or reads and all(f"col-{step:012d}" in f for f in reads), (step, reads)
+    extractor = chain.extractors[0]
+    index = load_index(chain.root, list_manifests(chain.root)[-1].chain, 0)
+    live = [r for t in index.cells for c in index.cells[t] for r in index.row0(t, c)]
+    assert any("bundle-" in r.file for r in live)  # splits happened: row-0 chunks in bundles
+    reader = extraction.ChunkReader(chain.root)
+    try:
+        for ref in live:
+            kept = extractor.blooms[(ref.file, ref.table, ref.start)]
+            assert np.array_equal(kept.bits, BloomFilter.of(real(reader, ref)).bits), ref
+    finally:
+        reader.close()
+
+
 def test_intermittent_predictor_and_incrcp_cost_model():
     from mpickpt.kinds.planner import KindPlanner
     from mpickpt.kinds.registry import kind_named

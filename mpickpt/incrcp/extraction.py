@@ -140,20 +140,20 @@ class Extractor:
         rel = os.path.relpath(index_dir(self.root, index.chain, index.rank), self.root)
         row0 = BundleBuilder(f"{rel}/bundle-{step:012d}-row0.h5")
         row1 = BundleBuilder(f"{rel}/bundle-{step:012d}-row1.h5")
-        reader = ChunkReader(self.root)
+        reader, learned = ChunkReader(self.root), {}
         try:
             for table in sorted({r.table for r in new_refs} | set(index.cells)):
-                keys = self._keys(reader, [r for r in new_refs if r.table == table])
+                keys = self._keys(reader, [r for r in new_refs if r.table == table], learned)
                 for column in sorted(index.cells.get(table, {})):
                     kept, moved = self._extract_cell(reader, index.row0(table, column), keys,
-                                                     step, row_names, row0, row1, stats)
+                                                     step, row_names, row0, row1, stats, learned)
                     index.push_row1(table, column, kept, moved)
             index.add_column(step, new_refs)
             stats.bundle_bytes = row0.write(self.root, step, align) + row1.write(self.root, step,
                                                                                 align)
             if stats.bundle_bytes:
                 fsync_path(os.path.join(self.root, rel))
-            self._remember_blooms(reader, index, step)
+            self._remember_blooms(index, learned)
         finally:
             reader.close()
         if retained is not None:
@@ -166,12 +166,18 @@ class Extractor:
         stats.seconds = time.perf_counter() - start
         return stats
 
-    def _keys(self, reader: ChunkReader, refs: list[ChunkRef]) -> np.ndarray:
+    def _keys(self, reader: ChunkReader, refs: list[ChunkRef], learned: dict) -> np.ndarray:
+        """The new chunks' keys, ascending; their Bloom filters go to `learned` (built from the
+        keys at hand, so that a later ingestion need not read them back)."""
         if not refs:
             return np.zeros(0, dtype=np.int64)
-        return np.concatenate([reader.gids(r) for r in sorted(refs, key=lambda r: r.gid_min)])
+        pieces = []
+        for ref in sorted(refs, key=lambda r: r.gid_min):
+            pieces.append(reader.gids(ref))
+            learned[_bloom_key(ref)] = BloomFilter.of(pieces[-1], self.bits_per_key)
+        return np.concatenate(pieces)
 
-    def _extract_cell(self, reader, refs, keys, step, names, row0, row1, stats):
+    def _extract_cell(self, reader, refs, keys, step, names, row0, row1, stats, learned):
         kept, moved = [], []
         for ref in refs:
             stats.compared += 1
@@ -197,19 +203,22 @@ class Extractor:
             stay = row0.add(ref.table, ref.column, {k: v[~dup] for k, v in rows.items()}, None)
             if stay is not None:
                 kept.append(stay)
+                learned[_bloom_key(stay)] = BloomFilter.of(rows["gids"][~dup], self.bits_per_key)
             moved.append(row1.add(ref.table, ref.column, {k: v[dup] for k, v in rows.items()}, step))
         return kept, moved
 
     def _bloom(self, reader: ChunkReader, ref: ChunkRef) -> BloomFilter:
-        key = (ref.file, ref.table, ref.start)
+        key = _bloom_key(ref)
         if key not in self.blooms:  # e.g. after a restart: rebuild from the chunk's keys
             self.blooms[key] = BloomFilter.of(reader.gids(ref), self.bits_per_key)
         return self.blooms[key]
 
-    def _remember_blooms(self, reader: ChunkReader, index: ChunkIndex, step: int) -> None:
-        live = {(r.file, r.table, r.start) for t in index.cells for c in index.cells[t]
+    def _remember_blooms(self, index: ChunkIndex, learned: dict) -> None:
+        """Keep the filters of the row-0 chunks the new index generation names, those learned
+        by this ingestion included."""
+        live = {_bloom_key(r) for t in index.cells for c in index.cells[t]
                 for r in index.row0(t, c)}
-        self.blooms = {k: v for k, v in self.blooms.items() if k in live}
+        self.blooms = {k: v for k, v in {**self.blooms, **learned}.items() if k in live}
 
     def _delete_unreferenced(self, files: set[str]) -> int:
         deleted = 0
@@ -221,6 +230,10 @@ class Extractor:
                 except FileNotFoundError:
                     pass
         return deleted
+
+
+def _bloom_key(ref: ChunkRef) -> tuple:
+    return ref.file, ref.table, ref.start
 
 
 def keeps(ref: ChunkRef, retained: list[int]) -> bool:
