@@ -21,7 +21,9 @@ def extractor_main(conn, parent_pid: int, root: str, ratio: float) -> None:
     ignore_job_signals()
     from mpickpt.incrcp.extraction import Extractor
 
-    state = {"extractor": Extractor(root, ratio), "indexes": {}}
+    from mpickpt.incrcp.restore_probe import RestoreProbe
+
+    state = {"extractor": Extractor(root, ratio), "indexes": {}, "probe": RestoreProbe()}
     serve(conn, lambda job: run_ingest(job, state))
 
 
@@ -43,13 +45,23 @@ def run_ingest(job: dict, state: dict) -> dict:
         hook = _crash if job.get("crash_before_commit") else None
         stats = state["extractor"].ingest(index, step, refs, job["row_names"], retained, hook,
                                           job.get("align", 0))
-        seconds = time_restore(root, index, step, job["row_names"])
+        seconds, timed = restore_seconds(state, job, index)
         return {"ok": True, "step": step, "chain": chain, "stats": stats.as_dict(),
-                "restore_seconds": seconds}
+                "restore_seconds": seconds, "restore_timed": timed}
     except Exception as e:  # reported to the trainer, never raised there
         state["indexes"].pop((chain, rank), None)  # reload the committed index next time
         detail = traceback.format_exception_only(type(e), e)[-1].strip()
         return {"ok": False, "step": step, "chain": chain, "error": f"ingesting step {step}: {detail}"}
+
+
+def restore_seconds(state: dict, job: dict, index) -> tuple[float | None, bool]:
+    """(R of the job's checkpoint for the cost model, whether it was timed): None when the job
+    asks for none (`--incrcp-reset never`), else by the extractor's `RestoreProbe`. Local."""
+    if not job.get("time_restore", True):
+        return None, False
+    rows = sum(r.rows for r in index.rectangle(job["step"]))
+    return state["probe"].restore_seconds(job["chain"], rows, lambda: time_restore(
+        job["root"], index, job["step"], job["row_names"]))
 
 
 def column_refs(root: str, chain: str, rank: int, step: int, parts: int) -> list:

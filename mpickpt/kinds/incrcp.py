@@ -89,7 +89,7 @@ class Incrcp(Kind):
 
     def companion(self, root, config, say):
         return Ingestion(root, config.incrcp_ratio, config.inject_extract_crash, say, config.align,
-                         config.background)
+                         config.background, time_restore=self.reset == "cost")
 
     def shard_location(self, save, ckpt_id, rank, step, part):
         return column_relpath(save.chain, rank, step, part), "chunk"
@@ -99,6 +99,14 @@ class Incrcp(Kind):
 
     def describe(self, root, manifest):
         return chunk_store(root, manifest)
+
+
+def _restore_text(r: dict) -> str:
+    seconds = r.get("restore_seconds")
+    if seconds is None:
+        return ""
+    how = "timed" if r.get("restore_timed", True) else "scaled from the last timed one"
+    return f"; restore of its increments {seconds * 1e3:.1f} ms ({how})"
 
 
 def chain_columns(manifest) -> list[int]:
@@ -143,8 +151,11 @@ class Ingestion:
     logged and fed back into the cost model. Local."""
 
     def __init__(self, root: str, ratio: float, crash_at: int | None, say, align: int = 0,
-                 background: str = "idle"):
+                 background: str = "idle", time_restore: bool = True):
+        """`time_restore`: whether the extractor reports R for the cost model (only baselines by
+        cost read it; `incrcp.restore_probe` decides when it is timed)."""
         self.root, self.crash_at, self.say, self.align = root, crash_at, say, align
+        self.time_restore = time_restore
         self.client = ExtractorClient(root, ratio, say, background)
         self.count = 0
 
@@ -159,7 +170,8 @@ class Ingestion:
         crash = self.crash_at == self.count and is_root
         self.client.submit({"root": self.root, "chain": chain, "rank": rank, "step": step,
                             "parts": parts, "row_names": sorted(row_names),
-                            "crash_before_commit": crash, "align": self.align})
+                            "crash_before_commit": crash, "align": self.align,
+                            "time_restore": self.time_restore})
 
     def poll(self, kind: Kind, rank: int, drain: bool = False) -> None:
         """Take the extractor's answers (all queued ones with `drain`). Local."""
@@ -169,7 +181,8 @@ class Ingestion:
                 print(f"mpickpt: rank {rank}: incrcp {r['error']} (the checkpoint stays "
                       f"restorable from its chunk file)", flush=True)
                 continue
-            kind.record_restore(r["chain"], r["step"], r["restore_seconds"])
+            if r.get("restore_seconds") is not None:
+                kind.record_restore(r["chain"], r["step"], r["restore_seconds"])
             self._log(r)
 
     def _log(self, r: dict) -> None:
@@ -181,8 +194,7 @@ class Ingestion:
                      f"from {st['extracted_chunks']} chunks into "
                      f"{st['bundle_bytes'] / 1e6:.2f} MB of bundles, dropped "
                      f"{st['dropped_refs']} chunks, deleted {st['deleted_files']} files in "
-                     f"{st['seconds']:.2f} s; restore of its increments "
-                     f"{r['restore_seconds'] * 1e3:.1f} ms")
+                     f"{st['seconds']:.2f} s{_restore_text(r)}")
 
     def close(self) -> None:
         self.client.close()
