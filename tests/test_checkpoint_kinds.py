@@ -261,6 +261,16 @@ def test_the_extractor_keeps_the_bloom_filters_of_the_chunks_it_makes(tmp_path, 
         reader.close()
 
 
+def test_chunk_refs_serialize_as_their_fields():
+    from dataclasses import asdict
+
+    from mpickpt.store.chunk_index import ChunkRef
+
+    for ref in (ChunkRef("a.h5", 3, 0, 9, 10, 18, 4), ChunkRef("b.h5", 0, 5, 7, 1, 2, 6, 9, "rows")):
+        assert ref.to_json() == asdict(ref) and list(ref.to_json()) == list(asdict(ref))
+        assert ChunkRef(**ref.to_json()) == ref
+
+
 def test_intermittent_predictor_and_incrcp_cost_model():
     from mpickpt.kinds.planner import KindPlanner
     from mpickpt.kinds.registry import kind_named

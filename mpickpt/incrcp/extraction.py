@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpickpt.incrcp.bloom import BloomFilter
+from mpickpt.store.block_cache import BlockCache
 from mpickpt.store.chunk_index import ChunkIndex, ChunkRef, commit_index, index_dir
 from mpickpt.store.row_arrays import EncodedRows, open_rows, write_raw
 from mpickpt.store.durable import fsync_path
@@ -95,6 +96,8 @@ class ChunkReader:
 
     root: str
     files: dict = field(default_factory=dict)
+    cache: BlockCache = field(default_factory=BlockCache)
+    """Blocks verified by this ingestion: neighbouring chunks of a bundle share them."""
 
     def _file(self, rel: str):
         if rel not in self.files:
@@ -103,18 +106,20 @@ class ChunkReader:
 
     def gids(self, ref: ChunkRef) -> np.ndarray:
         group = self._file(ref.file)[ref.where]
-        return read_rows(group["gids"], ref.start, ref.stop, ref.file)
+        return read_rows(group["gids"], ref.start, ref.stop, ref.file, cache=self.cache)
 
     def rows(self, ref: ChunkRef, names: list[str]) -> dict[str, np.ndarray]:
         group = self._file(ref.file)[ref.where]
-        rows = {"gids": read_rows(group["gids"], ref.start, ref.stop, ref.file)}
-        rows.update({n: open_rows(group, n, ref.file).raw(ref.start, ref.stop) for n in names})
+        rows = {"gids": read_rows(group["gids"], ref.start, ref.stop, ref.file, cache=self.cache)}
+        rows.update({n: open_rows(group, n, ref.file).raw(ref.start, ref.stop, self.cache)
+                     for n in names})
         return rows
 
     def close(self) -> None:
         for f in self.files.values():
             f.close()
         self.files = {}
+        self.cache.clear()
 
 
 class Extractor:

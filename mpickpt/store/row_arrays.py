@@ -62,17 +62,19 @@ class StoredRows:
         out = self.codec.decode(self.raw(start, stop).arrays, self.dim)
         return out.reshape((stop - start, *self.shape[1:])).astype(self.dtype, copy=False)
 
-    def raw(self, start: int, stop: int) -> "EncodedRows":
-        """The stored arrays of rows [start, stop), checksum-verified. Local."""
+    def raw(self, start: int, stop: int, cache=None) -> "EncodedRows":
+        """The stored arrays of rows [start, stop), checksum-verified (`cache`: as
+        `shard_file.read_rows`'s). Local."""
         if self.codec is None:
             return EncodedRows(None, self.shape[1:], str(self.dtype),
-                               {"values": read_rows(self.obj, start, stop, self.path)})
+                               {"values": read_rows(self.obj, start, stop, self.path,
+                                                    cache=cache)})
         arrays = {}
         for key in self.codec.array_names():
             if key not in self.obj:
                 raise CheckpointCorruptError(f"{self.path}: encoded array {self.obj.name} lacks "
                                              f"its dataset {key}")
-            arrays[key] = read_rows(self.obj[key], start, stop, self.path)
+            arrays[key] = read_rows(self.obj[key], start, stop, self.path, cache=cache)
         return EncodedRows(self.codec, self.shape[1:], str(self.dtype), arrays)
 
 

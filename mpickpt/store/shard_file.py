@@ -106,9 +106,12 @@ def log_blocks(log, ds, blocks: list[tuple[int, int]]) -> None:
 
 
 def read_rows(ds: h5py.Dataset, start: int, stop: int, path: str,
-              crc_ds: h5py.Dataset | None = None) -> np.ndarray:
+              crc_ds: h5py.Dataset | None = None, cache=None) -> np.ndarray:
     """Rows [start, stop) of `ds`, verifying the CRC of every block they touch (`crc_ds`: its
-    checksum dataset, when the caller has it at hand). Local."""
+    checksum dataset, when the caller has it at hand; `cache`: a `block_cache.BlockCache` whose
+    blocks are reused, the result then read-only). Local."""
+    if cache is not None:
+        return cache.rows(ds, start, stop, path, crc_ds)
     first, last = start // BLOCK_ROWS, max(start, stop - 1) // BLOCK_ROWS
     a, b = first * BLOCK_ROWS, min(ds.shape[0], (last + 1) * BLOCK_ROWS)
     try:
