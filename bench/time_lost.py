@@ -107,7 +107,7 @@ def measure(args) -> list[dict]:
     return rows
 
 
-def floor_cpu_per_gb(nbytes: int, directory: str, repeats: int = 3) -> float:
+def floor_cpu_per_gb(nbytes: int, directory: str, repeats: int = 7) -> float:
     """CPU seconds per GB of the physical floor of writing `nbytes`: a memcpy of them, a CRC32
     over them and a write + fsync of them to a file in `directory`; the best of `repeats`. Local."""
     nbytes = max(int(nbytes), 1 << 20)
