@@ -23,29 +23,25 @@ class RestoreProbe:
         if growth <= 1.0:
             raise ValueError(f"restore probe growth must exceed 1, got {growth!r}")
         self.growth = growth
-        self.timed: dict[str, tuple[int, float]] = {}
-        """chain -> (rectangle rows, seconds) of its last timed restore."""
+        self.last: tuple[str, int, float] | None = None
+        """(chain, rectangle rows, seconds) of the last timed restore: one chain at a time, as
+        the extractor keeps one index."""
 
     def due(self, chain: str, rows: int) -> bool:
         """Whether a rectangle of `rows` rows of `chain` must be timed. Local."""
-        last = self.timed.get(chain)
-        return last is None or last[0] <= 0 or rows >= self.growth * last[0]
+        if self.last is None or self.last[0] != chain:
+            return True
+        return self.last[1] <= 0 or rows >= self.growth * self.last[1]
 
-    def record(self, chain: str, rows: int, seconds: float) -> None:
-        """A timed restore of `chain`'s rectangle of `rows` rows (one chain kept at a time, as
-        the extractor keeps one index). Local."""
-        self.timed = {chain: (rows, seconds)}
-
-    def estimate(self, chain: str, rows: int) -> float:
-        """The last timing of `chain` scaled to `rows` rows (call only when not `due`). Local."""
-        last_rows, seconds = self.timed[chain]
+    def estimate(self, rows: int) -> float:
+        """The last timing scaled to `rows` rows (call only when not `due`). Local."""
+        _, last_rows, seconds = self.last
         return seconds * rows / last_rows
 
     def restore_seconds(self, chain: str, rows: int, time_it) -> tuple[float, bool]:
         """(R of a rectangle of `rows` rows, whether it was timed): `time_it()` times it when
         due, else the estimate. Local."""
         if self.due(chain, rows):
-            seconds = time_it()
-            self.record(chain, rows, seconds)
-            return seconds, True
-        return self.estimate(chain, rows), False
+            self.last = (chain, rows, time_it())
+            return self.last[2], True
+        return self.estimate(rows), False

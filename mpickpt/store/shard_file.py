@@ -99,10 +99,10 @@ class _Inline:
         return done
 
 
-def log_blocks(log, ds, blocks: list[tuple[int, int]]) -> None:
-    """Tell `log` where the contiguous dataset `ds` (an h5py dataset or its low-level id) lies in
-    its file and its blocks' (crc, length); empty blocks are left out. Local."""
-    log.add((ds.id if isinstance(ds, h5py.Dataset) else ds).get_offset(), [(c, n) for c, n in blocks if n])
+def log_blocks(log, ds: h5py.h5d.DatasetID, blocks: list[tuple[int, int]]) -> None:
+    """Tell `log` where the contiguous dataset `ds` (a low-level id) lies in its file and its
+    blocks' (crc, length); empty blocks are left out. Local."""
+    log.add(ds.get_offset(), [(c, n) for c, n in blocks if n])
 
 
 def read_rows(ds: h5py.Dataset, start: int, stop: int, path: str,
