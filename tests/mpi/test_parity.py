@@ -115,3 +115,54 @@ def test_degraded_reads_and_rebuild_are_exact(topology, xor_reduce):
         ok = ok and torch.equal(guard.store.parity, ref_guard.store.parity)
         assert _all_ok(topology, ok), (k, r, "rebuilt state")
         assert _all_ok(topology, parity.shape == guard.store.parity.shape)
+
+
+class _Held:
+    """A reduce that reports itself unfinished to its first `checks` polls (a slow transfer)."""
+
+    def __init__(self, work, checks: int):
+        self.work, self.checks = work, checks
+
+    def is_completed(self) -> bool:
+        self.checks -= 1
+        return self.checks < 0 and self.work.is_completed()
+
+    def wait(self, *args, **kwargs):
+        return self.work.wait(*args, **kwargs)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_piece_in_flight_lands_exactly_after_steps_that_read_and_update_its_rows(topology):
+    """r = 1 on gloo: the whole sweep is taken as one piece and held in flight for two training
+    steps, whose degraded reads rebuild and then update rows of it, and whose folds reach the
+    lost rank's zeroed parity rows; landed in the third step, the state equals a model that never
+    failed, rows and parity."""
+    if topology.backend != "gloo":
+        pytest.skip("pieces travel by a BXOR reduce, which gloo has")
+    world, rank = topology.world_size, topology.rank
+    failed = [world - 1]
+    model = _model(topology, "adagrad")
+    guard = ParityGuard(topology, model, ParityConfig(k=world - 1, r=1), say=lambda line: None)
+    guard.encode()
+    state = _train(topology, model, 4)
+    guard.fail(failed)
+    guard.start_rebuild(failed, step=4)
+    rb = guard.rebuild
+    rb.chunk = guard.store.layout.stripes  # one piece: the whole sweep
+    rb.round(None, step_seconds=None)
+    assert rb.flight is not None and rb.flight.piece is not None
+    rb.flight.piece.work = _Held(rb.flight.piece.work, checks=2)
+    state = _train(topology, model, 2, state)
+    mine = rank in failed
+    ok = rb.active and rb.flight.piece is not None and (not mine or rb.degraded_rows > 0)
+    assert _all_ok(topology, ok), "the piece was held while steps read its rows"
+    _train(topology, model, 1, state)
+    ok = not rb.active and rb.remaining() == 0 and (not mine or rb.flight.landed_stripes > 0)
+    assert _all_ok(topology, ok), "the piece landed inside a step"
+    ref = _model(topology, "adagrad")
+    ref_guard = ParityGuard(topology, ref, ParityConfig(k=world - 1, r=1), say=lambda line: None)
+    ref_guard.encode()
+    _train(topology, ref, 7)
+    words, both = guard.store.words, ref_guard.store.words
+    ok = torch.equal(words.gather(torch.arange(words.rows)), both.gather(torch.arange(both.rows)))
+    assert _all_ok(topology, ok and torch.equal(guard.store.parity, ref_guard.store.parity))
