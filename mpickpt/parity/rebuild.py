@@ -2,24 +2,21 @@
 
 The lost rank's units (its data rows and its parity rows) are decoded stripe by stripe. Each
 training step runs one round, inside the lookup (after the indices reach their owners, before
-rows are pooled or updated). A round serves (a) degraded reads: the lost stripes of rows this step
-reads, decoded at once from the survivors' current units, and (b) the next chunk of the sweep over
-the lost stripes, whole periods of g stripes. Every member's units of a chunk of periods [p0, p1)
-are consecutive rows of its shard and parity store, taken and written back by slices
-(`periods.py`), so a chunk travels as its two ends; only degraded reads travel as stripe numbers.
-Every member's data and parity are consistent in a round (all folds of the previous step are in,
-none of this step's), so what is decoded from them is exact. Lost rows are never updated before
-they are rebuilt (a row a step updates is read first), so parity held by survivors stays
-consistent with the lost rows' true values.
-
-- r = 1 on gloo: the answers are XOR-reduced onto the lost rank (`ReduceOp.BXOR` over the parity
-  group), which is the decode itself. The chunk is a piece in flight beside training
-  (`pieces.py`): taken in one round, reduced by gloo's threads while steps go on, landed in a
-  later round; it holds what a survivor copies (and the lost rank lands) in --rebuild-budget of a
-  step's time.
-- otherwise (r >= 2, or NCCL, which has no BXOR) every survivor's units travel to the lost rank
-  and are decoded there within the round: the synchronous form of ECRM's lock and buffer, with
-  the chunk sized by the round's fitted cost per stripe (`_resize`).
+rows are pooled or updated): a lost rank asks its surviving group members for the units of (a) the
+stripes of rows this step reads that are not rebuilt yet, decoded on demand (degraded reads), and
+(b) the next chunk of its lost stripes, whole periods of g stripes sized so that its per-stripe
+work takes at most --rebuild-budget of a step's time (see `_resize`). Survivors answer with their
+current data rows and parity rows; the lost rank decodes and writes its units back. A chunk of
+periods [p0, p1) is sent as its two ends, and every member's units of it are consecutive rows of
+its shard and of its parity store, taken and written back by slices; only the degraded reads travel
+as stripe numbers. With r = 1 on gloo the answers
+are XOR-reduced onto the lost rank (`ReduceOp.BXOR` over the parity group), which is the decode
+itself; otherwise (r >= 2, or NCCL, which has no BXOR) they all travel to the lost rank. Every
+member's data and parity are consistent at that point (all folds of the previous step are in,
+none of this step's), so the decoded units are exact: a chunk is locked for exactly the span of one
+round, and updates of this step land after it, the synchronous form of ECRM's lock and buffer.
+Lost rows are never updated before they are rebuilt (a row a step updates is read first), so
+parity held by survivors stays consistent with the lost rows' true values.
 """
 from __future__ import annotations
 
@@ -30,8 +27,6 @@ import torch
 import torch.distributed as dist
 
 from mpickpt.parity.exchange import exchange_counts, exchange_rows
-from mpickpt.parity.periods import read_periods, write_periods
-from mpickpt.parity.pieces import PieceFlight
 
 FIRST_CHUNK_STRIPES = 4096
 MAX_CHUNK_STRIPES = 1 << 22
@@ -52,13 +47,8 @@ class Rebuild:
             self.lost[L.stripe_of_row(store.pos, np.arange(L.rows[store.pos]))] = True
             self.lost[L.stripe_of_parity(store.pos, np.arange(L.parity_rows))] = True
         self.total = int(self.lost.sum())
-        self.flight = None
-        """The pieces in flight beside training (r = 1 on gloo, in a group that lost a rank)."""
-        if store.group_pg is not None and self.group_failed:
-            self.flight = PieceFlight(store, next(iter(self.group_failed)), self.mine)
         self.cursor = 0
         self.chunk = FIRST_CHUNK_STRIPES
-        self.peers_ns = 0  # the survivors' last piece work, ns per stripe
         self.active = True
         self.rounds = self.degraded_rows = self.received_bytes = 0
         self.seconds = 0.0
@@ -72,39 +62,38 @@ class Rebuild:
     def round(self, needed_rows: torch.Tensor | None, step_seconds: float | None,
               everything: bool = False) -> None:
         """One exchange: degraded reads of `needed_rows` (local rows this step reads) and the next
-        chunk (`everything`: all that is left, landed before returning). Collective over the
-        training process group."""
+        chunk. Collective over the training process group."""
         start = time.perf_counter()
         st = self.store
-        if self.flight is not None:
-            self.flight.land(self.lost, wait=everything)
-            if self.mine and step_seconds is not None and self.chunk > 0:
-                self.chunk = self._piece_stripes(step_seconds)
         degraded, (p0, p1) = self._request(needed_rows, everything)
+        g = st.layout.g
+        request = np.concatenate([degraded, np.arange(p0 * g, p1 * g, dtype=np.int64)])
+        left = int(self.mine and p1 < st.layout.periods)  # the sweep has periods to go
         world = st.topo.world_size
         survivors = [st.layout.base + p for p in range(st.layout.g) if p not in self.group_failed]
-        left = self._left(p0, p1, everything)
-        cost = self.flight.cost_ns if self.flight is not None else 0
-        counts = [[len(degraded), p0, p1, left, cost] if (self.mine and d in survivors)
-                  else [0, 0, 0, left, cost] for d in range(world)]
+        counts = [[len(degraded), p0, p1, left] if (self.mine and d in survivors)
+                  else [0, 0, 0, left] for d in range(world)]
         got = exchange_counts(st.topo, st.words.device, counts)
-        self.peers_ns = max(got[s][4] for s in survivors)
         req = torch.as_tensor(degraded, dtype=torch.int64, device=st.words.device).view(-1, 1)
         asked = exchange_rows(st.topo, st.words.device,
                               [req if c[0] else req[:0] for c in counts],
                               [c[0] for c in got], 1, torch.int64)
-        if self.flight is not None:
-            self._in_flight(degraded, (p0, p1), asked, got, everything)
+        answers = [self._answer(a.view(-1).cpu().numpy(), c[1], c[2]) for a, c in zip(asked, got)]
+        if st.group_pg is not None:
+            self._xor_onto_lost(request, answers, got, len(degraded))
         else:
-            self._in_round(degraded, (p0, p1), asked, got, survivors)
+            replies = exchange_rows(st.topo, st.words.device, answers,
+                                    [len(request) if s in survivors and self.mine else 0
+                                     for s in range(world)], st.words.width, torch.int32)
+            if self.mine and len(request):
+                self._decode(request, {s - st.layout.base: replies[s] for s in survivors},
+                             len(degraded))
+                self.received_bytes += len(request) * len(survivors) * st.words.width * 4
         self.rounds += 1
         self.active = any(c[3] for c in got)
-        if not self.active and self.flight is not None:
-            self.flight.land(self.lost, wait=True)  # a survivor's sends of the last piece
         took = time.perf_counter() - start
         self.seconds += took
-        if self.flight is None:
-            self._resize(len(degraded) + (p1 - p0) * st.layout.g, took, step_seconds)
+        self._resize(len(request), took, step_seconds)
         if not self.active and self.finished_at is None:
             self.finished_at = time.perf_counter()
 
@@ -113,63 +102,20 @@ class Rebuild:
         while self.active:
             self.round(None, None, everything=True)
 
-    def _left(self, p0: int, p1: int, everything: bool) -> int:
-        """1 while this rank has stripes to rebuild after this round. Local."""
-        if not self.mine:
-            return 0
-        posted = self.flight is not None and not everything and \
-            (p1 > p0 or self.flight.piece is not None)
-        return int(p1 < self.store.layout.periods or posted)
-
-    def _in_round(self, degraded, chunk, asked, got, survivors) -> None:
-        """Degraded reads and the chunk, answered and decoded within this round."""
-        st = self.store
-        p0, p1 = chunk
-        request = np.concatenate([degraded, np.arange(p0 * st.layout.g, p1 * st.layout.g,
-                                                      dtype=np.int64)])
-        answers = [self._answer(a.view(-1).cpu().numpy(), c[1], c[2]) for a, c in zip(asked, got)]
-        if st.group_pg is not None:
-            self._xor_onto_lost(request, answers, got, len(degraded))
-            return
-        replies = exchange_rows(st.topo, st.words.device, answers,
-                                [len(request) if s in survivors and self.mine else 0
-                                 for s in range(st.topo.world_size)], st.words.width, torch.int32)
-        if self.mine and len(request):
-            self._decode(request, {s - st.layout.base: replies[s] for s in survivors},
-                         len(degraded))
-            self.received_bytes += len(request) * len(survivors) * st.words.width * 4
-
-    def _in_flight(self, degraded, chunk, asked, got, everything: bool) -> None:
-        """Degraded reads XOR-reduced within this round; the chunk posted as a piece that lands
-        in a later round (`pieces.py`), or at once with `everything`."""
-        answers = [self._units(a.view(-1).cpu().numpy()) for a in asked]
-        self._xor_onto_lost(degraded, answers, got, len(degraded))
-        p0, p1 = chunk if self.mine else got[self.flight.lost_rank][1:3]
-        self.flight.post(p0, p1)
-        if everything:
-            self.flight.land(self.lost, wait=True)
-        if self.mine:
-            self.received_bytes += (p1 - p0) * self.store.layout.g * self.store.words.width * 4
-
     def _request(self, needed_rows, everything: bool) -> tuple[np.ndarray, tuple[int, int]]:
-        """What this round decodes: the sorted lost stripes among `needed_rows` (degraded reads;
-        outside the chunk when it is decoded in this round), and the chunk, the periods [p0, p1)
-        from the cursor on (none while a piece is in flight). Local."""
+        """What this round decodes: the sorted lost stripes among `needed_rows` (degraded reads)
+        outside the chunk, and the chunk, the periods [p0, p1) from the cursor on. Local."""
         L = self.store.layout
         if not self.mine:
             return np.empty(0, dtype=np.int64), (0, 0)
         p0 = self.cursor
         step = max(1, self.chunk // L.g) if self.chunk > 0 else 0  # chunk 0: degraded reads only
-        if self.flight is not None and self.flight.piece is not None and not everything:
-            step = 0
         p1 = L.periods if everything else min(L.periods, p0 + step)
         self.cursor = p1
         degraded = np.empty(0, dtype=np.int64)
         if needed_rows is not None and len(needed_rows):
             s = np.unique(L.stripe_of_row(self.store.pos, needed_rows.cpu().numpy()))
-            s = s[self.lost[s]]
-            if self.flight is None:
-                s = s[(s < p0 * L.g) | (s >= p1 * L.g)]
+            s = s[self.lost[s] & ((s < p0 * L.g) | (s >= p1 * L.g))]
             self.degraded_rows += len(s)
             degraded = s
         return degraded, (p0, p1)
@@ -178,16 +124,14 @@ class Rebuild:
                        degraded: int) -> None:
         """r = 1: the lost unit of a stripe is the XOR of the survivors' units, so the group
         reduces them with BXOR onto the lost rank instead of sending them all there (the XORs run
-        on the way, and the lost rank receives one unit per stripe). `request`: the degraded
-        reads, then (decoded in this round) whole periods. Collective over the parity group of a
-        group that lost a rank; nothing elsewhere."""
+        on the way, and the lost rank receives one unit per stripe). Collective over the parity
+        group of a group that lost a rank; nothing elsewhere."""
         if not self.group_failed:
             return
         st = self.store
         lost = st.layout.base + next(iter(self.group_failed))
-        asked = got[lost]  # [degraded, p0, p1, left, cost] from the lost rank
-        whole = 0 if self.flight is not None else (asked[2] - asked[1]) * st.layout.g
-        n = len(request) if self.mine else asked[0] + whole
+        asked = got[lost]  # [degraded, p0, p1, left] from the lost rank
+        n = len(request) if self.mine else asked[0] + (asked[2] - asked[1]) * st.layout.g
         if n == 0:
             return
         units = (torch.zeros(n, st.words.width, dtype=torch.int32, device=st.words.device)
@@ -224,14 +168,36 @@ class Rebuild:
         out = torch.empty(n + (p1 - p0) * st.layout.g, w, dtype=torch.int32,
                           device=st.words.device)
         out[:n] = self._units(stripes)
-        read_periods(st, p0, out[n:].view(p1 - p0, st.layout.g, w))
+        self._move_range(p0, out[n:].view(p1 - p0, st.layout.g, w), to_units=True)
         return out
 
     def _write_range(self, p0: int, p1: int, units: torch.Tensor) -> None:
         """Write this rank's decoded units of periods [p0, p1) (stripe order) back: the inverse of
         `_answer`'s range part, padding dropped. Local."""
         st = self.store
-        write_periods(st, p0, units.view(p1 - p0, st.layout.g, st.words.width))
+        self._move_range(p0, units.view(p1 - p0, st.layout.g, st.words.width), to_units=False)
+
+    def _move_range(self, p0: int, units: torch.Tensor, to_units: bool) -> None:
+        """Copy between this member's rows and parity of the periods [p0, p0 + n) and `units`
+        ((n, g, W), stripe order within a period), in the direction `to_units`. Data slot j of a
+        period is local row period * k + j; parity q is parity row period * r + q. Local."""
+        st, L = self.store, self.store.layout
+        n, rows = len(units), L.rows[st.pos]
+        for j, o in enumerate(L.data_offsets(st.pos)):
+            first = p0 * L.k + j
+            real = min(n, max(0, -(-(rows - first) // L.k)))  # rows of slot j short of padding
+            if to_units:
+                st.words.read_every(first, L.k, units[:real, o])
+                units[real:, o] = 0
+            else:
+                st.words.write_every(first, L.k, units[:real, o])
+        for q in range(L.r):
+            o = (st.pos - q) % L.g
+            held = st.parity[p0 * L.r + q:(p0 + n) * L.r:L.r]
+            if to_units:
+                units[:, o] = held
+            else:
+                held.copy_(units[:, o])
 
     def _decode(self, stripes: np.ndarray, units: dict[int, torch.Tensor],
                 degraded: int) -> None:
@@ -305,14 +271,6 @@ class Rebuild:
             return
         target = self.budget * step_seconds / slope
         self.chunk = int(min(max(64, target), 8 * max(self.chunk, 64), MAX_CHUNK_STRIPES))
-
-
-    def _piece_stripes(self, step_seconds: float) -> int:
-        """Stripes of the next piece: what `budget` of a step's time buys at this rank's
-        foreground cost per stripe (a survivor copies its units, the lost rank lands them; the
-        reduce between runs in gloo's threads). Local."""
-        per = self.flight.seconds_per_stripe(self.peers_ns)
-        return int(min(max(64, self.budget * step_seconds / per), MAX_CHUNK_STRIPES))
 
 
 def _slope(points: list[tuple[int, float]]) -> float | None:
