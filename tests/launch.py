@@ -41,6 +41,16 @@ def start_ranks(n: int, module: str, *args: str, cwd=None) -> subprocess.Popen:
                             env=env, cwd=cwd, start_new_session=True)
 
 
+def finish(proc: subprocess.Popen, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Wait for a started job (text pipes); killed after `timeout` s. Returns it finished."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def descendants(pid: int) -> list[tuple[int, str]]:
     """(pid, command line) of every live descendant of `pid`, read from /proc."""
     children: dict[int, list[int]] = {}

@@ -24,7 +24,7 @@ import pytest
 from mpickpt import cli
 from mpickpt.store.manifest import list_manifests
 from tests.damage import edit_reader_position
-from tests.launch import REPO, SMALL_MODEL, digest_of, resumed_step
+from tests.launch import REPO, SMALL_MODEL, digest_of, finish, resumed_step
 
 STEPS, TOTAL = 16, 22
 KINDS = {
@@ -52,10 +52,16 @@ SLOW_TRIALS = [(seed, *PAIRS[seed % len(PAIRS)]) for seed in range(8 * len(PAIRS
 
 
 def train(*args: str) -> subprocess.CompletedProcess:
+    return finish(start(*args))
+
+
+def start(*args: str) -> subprocess.Popen:
+    """A 1-rank training job, started."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "mpickpt.train", *SMALL_MODEL, "--digest",
-                           *args], capture_output=True, text=True, timeout=180, env=env)
+    return subprocess.Popen([sys.executable, "-m", "mpickpt.train", *SMALL_MODEL, "--digest",
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +90,14 @@ class References(dict):
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory, straight):
-    """kind -> (checkpoint directory, References, the kind's flags)."""
-    out = {}
+    """kind -> (checkpoint directory, References, the kind's flags); the kinds' jobs run side
+    by side."""
+    out, roots = {}, {kind: tmp_path_factory.mktemp(kind) / "ckpt" for kind in KINDS}
+    jobs = {kind: start("--num-batches", str(STEPS), "--ckpt-dir", str(roots[kind]),
+                        "--ckpt-interval", "4", "--ckpt-keep", "3", *flags)
+            for kind, flags in KINDS.items()}
     for kind, flags in KINDS.items():
-        root = tmp_path_factory.mktemp(kind) / "ckpt"
-        proc = train("--num-batches", str(STEPS), "--ckpt-dir", str(root), "--ckpt-interval",
-                     "4", "--ckpt-keep", "3", *flags)
+        root, proc = roots[kind], finish(jobs[kind])
         assert proc.returncode == 0, proc.stderr[-2000:]
         for category in CATEGORIES if kind == "incrcp" else COMMON:
             assert files_of(str(root), category), f"{kind}: no {category} file in {root}"

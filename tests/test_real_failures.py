@@ -77,7 +77,8 @@ def parity_trial(ckpt, seed: int, reference: str) -> None:
         assert f"rank(s) [{rank}] died" in f.read()
 
 
-@pytest.mark.parametrize("seed", [11])  # more seeds: the slow test below
+@pytest.mark.slow  # CI time: CI relaunches from survivor dumps in the partial-recovery test below
+@pytest.mark.parametrize("seed", [11])  # and rebuilds from parity in place (test_in_place.py)
 def test_parity_relaunch_after_a_random_sigkill(tmp_path, parity_reference, seed):
     parity_trial(tmp_path / "ckpt", seed, parity_reference)
 

@@ -117,6 +117,7 @@ def test_a_real_death_is_recovered_in_place(root, tmp_path):
     assert digest_in(proc.stdout) == _clean("row_wise", root)[0]
 
 
+@pytest.mark.slow  # CI time: tests/mpi/test_torchrec.py restores table-wise into row-wise in process
 def test_a_table_wise_checkpoint_restores_on_1_rank_and_row_wise(root):
     """Checkpoints are keyed by global row id: the last one of the 2-rank table-wise run,
     restored on 1 rank and under a row-wise plan, has the same digest (nothing left to train)."""

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from tests.launch import SHARED_CRITEO, digest_of, run_ranks
+from tests.launch import SHARED_CRITEO, digest_of, finish, run_ranks, start_ranks
 
 SMALL = ("--arch-embedding-size", "300-200-100-50", "--arch-sparse-feature-size", "8",
          "--arch-mlp-bot", "13-16-8", "--arch-mlp-top", "16-1", "--mini-batch-size", "32",
@@ -11,9 +11,9 @@ SMALL = ("--arch-embedding-size", "300-200-100-50", "--arch-sparse-feature-size"
 
 
 def test_digest_is_reproducible_and_changes_with_one_more_step():
-    a = digest_of(run_ranks(2, "mpickpt.train", *SMALL, "--num-batches", "6", "--digest"))
-    b = digest_of(run_ranks(2, "mpickpt.train", *SMALL, "--num-batches", "6", "--digest"))
-    c = digest_of(run_ranks(2, "mpickpt.train", *SMALL, "--num-batches", "7", "--digest"))
+    jobs = [start_ranks(2, "mpickpt.train", *SMALL, "--num-batches", str(n), "--digest")
+            for n in (6, 6, 7)]  # side by side
+    a, b, c = (digest_of(finish(job)) for job in jobs)
     assert re.fullmatch(r"[0-9a-f]{64}", a)
     assert a == b
     assert c != a
