@@ -89,7 +89,8 @@ def test_auto_bits_fall_back_to_8_after_more_restores_than_expected(tmp_path):
     first = run_ranks(2, "mpickpt.train", *_args(ckpt, *auto, "--inject-kill", "10:0", steps=20))
     assert first.returncode != 0
     assert "expected restores 0.50" in first.stdout and "adaptive-2" in first.stdout, first.stdout
-    assert {m.codec.split(" ")[0] for m in list_manifests(str(ckpt))} == {"adaptive-2"}
+    codecs = {m.codec.split(" ")[0] for m in list_manifests(str(ckpt))}
+    assert codecs == {"adaptive-2"}, first.stdout + first.stderr[-3000:]  # once empty in CI
     resumed = run_ranks(2, "mpickpt.train", *_args(ckpt, *auto, steps=20))
     assert resumed.returncode == 0, resumed.stderr
     assert "1 restores exceed the expected 0.50: checkpoints fall back to 8 bits" in resumed.stdout
