@@ -35,9 +35,9 @@ that a rank exited, is not one: that rank's death is what a spare waits for (the
 
 def warm_up(config) -> float:
     """Do now what a replacement's first model build pays once per process (a hot spare's, a
-    warm standby's): a torch optimizer's first construction imports torch._dynamo (1.4 s
-    measured here, most of a replacement's start); the dense part and its optimizer are built
-    and dropped, and the trainer's modules imported. Returns the seconds it took. Local."""
+    warm standby's): the trainer's modules are imported, and the dense part and its optimizer
+    built and dropped (torch.optim's would import torch._dynamo, 1.4 s here; mpickpt's dense
+    optimizers do not, see model/dense_optimizers). Returns the seconds it took. Local."""
     start = time.perf_counter()
     importlib.import_module("mpickpt.trainer")  # the imports a replacement pays
     from mpickpt.model.dense import DLRMDense

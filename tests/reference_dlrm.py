@@ -11,7 +11,16 @@ import torch.nn.functional as F
 
 from mpickpt.model.dense import DenseArch, DLRMDense
 from mpickpt.model.embedding import init_rows
-from mpickpt.model.optimizers import OptimizerConfig, make_dense_optimizer
+from mpickpt.model.optimizers import OptimizerConfig
+
+
+def torch_dense_optimizer(optim: OptimizerConfig, params) -> torch.optim.Optimizer:
+    """torch.optim's own optimizer for `optim` (mpickpt's dense optimizers reimplement it)."""
+    if optim.kind == "adagrad":
+        return torch.optim.Adagrad(params, lr=optim.lr, eps=optim.eps)
+    if optim.kind == "momentum":
+        return torch.optim.SGD(params, lr=optim.lr, momentum=optim.momentum)
+    return torch.optim.SGD(params, lr=optim.lr)
 
 
 class ReferenceDLRM:
@@ -27,7 +36,7 @@ class ReferenceDLRM:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.dense = DLRMDense(arch)
-        self.dense_optimizer = make_dense_optimizer(optim, self.dense.parameters())
+        self.dense_optimizer = torch_dense_optimizer(optim, self.dense.parameters())
 
     def _zero_state(self, n, dim):
         if self.optim.kind == "adagrad":

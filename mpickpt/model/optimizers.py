@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mpickpt.model.dense_optimizers import DenseAdagrad, DenseOptimizer, DenseSGD
+
 OPTIMIZERS = ("adagrad", "sgd", "momentum")
 
 
@@ -95,10 +97,11 @@ def make_sparse_optimizer(config: OptimizerConfig, num_rows: int, dim: int, devi
     return cls(config, num_rows, dim, device)
 
 
-def make_dense_optimizer(config: OptimizerConfig, params) -> torch.optim.Optimizer:
-    """The dense counterpart of `config.kind` for replicated MLP parameters. Local."""
+def make_dense_optimizer(config: OptimizerConfig, params) -> DenseOptimizer:
+    """The dense counterpart of `config.kind` for replicated MLP parameters: torch.optim's update
+    and state names, without its import of torch._dynamo (see dense_optimizers). Local."""
     if config.kind == "adagrad":
-        return torch.optim.Adagrad(params, lr=config.lr, eps=config.eps)
+        return DenseAdagrad(params, lr=config.lr, eps=config.eps)
     if config.kind == "momentum":
-        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum)
-    return torch.optim.SGD(params, lr=config.lr)
+        return DenseSGD(params, lr=config.lr, momentum=config.momentum)
+    return DenseSGD(params, lr=config.lr)
