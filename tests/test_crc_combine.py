@@ -53,3 +53,18 @@ def test_the_file_crc_of_a_written_shard_is_zlibs(tmp_path, align):
     size, payload, crc = write_file(spec, arrays, align)
     assert size == os.path.getsize(spec.path) and payload > 0
     assert crc == file_crc32(spec.path)
+
+
+def test_the_fast_crc_is_zlibs_crc32():
+    """mpickpt.store.crc (zlib-ng where installed, as the package requires) gives zlib's values,
+    whole and continued, on empty, odd-length, unaligned and large buffers."""
+    from mpickpt.store import crc
+
+    assert crc.IMPLEMENTATION == "zlib-ng"
+    data = np.random.default_rng(3).integers(0, 256, (9 << 20) + 13, dtype=np.uint8).tobytes()
+    for piece in (b"", data[:1], data[1:4096 + 7], data[5:], data):
+        assert crc.crc32(piece) == zlib.crc32(piece)
+    head, tail = data[:123457], data[123457:]
+    assert crc.crc32(tail, crc.crc32(head)) == zlib.crc32(data)
+    assert crc.crc32(memoryview(np.frombuffer(data, np.float32, 1000, 4))) == \
+        zlib.crc32(data[4:4004])

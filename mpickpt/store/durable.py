@@ -3,11 +3,12 @@ the manifests, the chunk index and the survivor dumps, which must not import h5p
 from __future__ import annotations
 
 import os
-import zlib
+
+from mpickpt.store.crc import crc32
 
 
 def file_crc32(path: str, block: int = 1 << 22) -> int:
-    """CRC32 of a whole file, read sequentially (the rate the disk and zlib allow). Local."""
+    """CRC32 of a whole file, read sequentially (the rate the disk and the CRC allow). Local."""
     with open(path, "rb") as f:
         return crc32_read(f, 0, None, block)
 
@@ -22,7 +23,7 @@ def crc32_read(f, crc: int, size: int | None, block: int = 1 << 22) -> int:
             if left is None:
                 break
             raise ValueError(f"{f.name}: ended {left} bytes early")
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
         if left is not None:
             left -= len(chunk)
     return crc

@@ -155,14 +155,21 @@ def _attr_value(attr):
     return array[()] if array.ndim == 0 else array
 
 
-def read_slab(ds: h5d.DatasetID, start: int, stop: int) -> np.ndarray:
+def read_slab(ds: h5d.DatasetID, start: int, stop: int, out: np.ndarray | None = None
+              ) -> np.ndarray:
     """Rows [start, stop) of the dataset `ds` (a low-level id), clamped to its rows as a slice
-    is. Local."""
+    is; into `out` when given (C-contiguous, of exactly those rows' shape and the dataset's
+    dtype: ValueError otherwise). Local."""
     space = ds.get_space()
     shape = space.shape
     stop = min(stop, shape[0])
     start = min(start, stop)
-    out = np.empty((stop - start, *shape[1:]), dtype=ds.dtype)
+    want = (stop - start, *shape[1:])
+    if out is None:
+        out = np.empty(want, dtype=ds.dtype)
+    elif out.shape != want or out.dtype != ds.dtype or not out.flags.c_contiguous:
+        raise ValueError(f"read_slab: destination {out.shape} {out.dtype} does not take rows "
+                         f"{start}..{stop} of a {shape} {ds.dtype} dataset contiguously")
     if out.size == 0:
         return out
     if start == 0 and stop == shape[0]:

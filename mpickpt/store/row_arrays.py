@@ -14,7 +14,6 @@ to them. Local: nothing here uses MPI.
 """
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import h5py
@@ -22,6 +21,7 @@ import numpy as np
 
 from mpickpt.quant.codecs import Codec, from_attrs
 from mpickpt.store import h5_lowlevel
+from mpickpt.store.crc import crc32
 from mpickpt.store.errors import CheckpointCorruptError
 from mpickpt.store.shard_file import BLOCK_ROWS, CRC_SUFFIX, read_rows
 
@@ -55,12 +55,18 @@ class StoredRows:
     def dim(self) -> int:
         return self.shape[1] if len(self.shape) > 1 else 1
 
-    def rows(self, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop), decoded to the logical dtype and shape. Local."""
+    def rows(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows [start, stop), decoded to the logical dtype and shape; written into `out` and
+        returned when given (plain rows are then read straight into it where they can be: see
+        `shard_file.read_rows`). Local."""
         if self.codec is None:
-            return read_rows(self.obj, start, stop, self.path)
-        out = self.codec.decode(self.raw(start, stop).arrays, self.dim)
-        return out.reshape((stop - start, *self.shape[1:])).astype(self.dtype, copy=False)
+            return read_rows(self.obj, start, stop, self.path, out=out)
+        rows = self.codec.decode(self.raw(start, stop).arrays, self.dim)
+        rows = rows.reshape((stop - start, *self.shape[1:])).astype(self.dtype, copy=False)
+        if out is None:
+            return rows
+        out[...] = rows
+        return out
 
     def raw(self, start: int, stop: int, cache=None) -> "EncodedRows":
         """The stored arrays of rows [start, stop), checksum-verified (`cache`: as
@@ -121,7 +127,7 @@ class BlockWriter:
 
     def write(self, block: np.ndarray) -> int:
         block = np.ascontiguousarray(block, dtype=self.dtype)
-        self.crcs.append(zlib.crc32(memoryview(block.reshape(-1)).cast("B")))
+        self.crcs.append(crc32(memoryview(block.reshape(-1)).cast("B")))
         self.sizes.append(block.nbytes)
         if self.before_block is not None:
             self.before_block(block.nbytes)
@@ -136,7 +142,7 @@ class BlockWriter:
         if self.log is not None:
             log_blocks(self.log, self.ds, list(zip(self.crcs, self.sizes)))
         if not self.crcs:  # an empty dataset has the CRC of one empty block
-            self.crcs.append(zlib.crc32(b""))
+            self.crcs.append(crc32(b""))
         h5_lowlevel.write_array(self.group, self.name + CRC_SUFFIX, np.array(self.crcs, np.uint32))
 
 

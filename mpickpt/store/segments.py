@@ -164,9 +164,11 @@ class SegmentReader:
         """Checksum-verified global ids of rows [start, stop) of `group`. Local."""
         return read_rows(group["gids"], start, stop, self.path(seg))
 
-    def rows(self, seg: Segment, group, name: str, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) of row array `name`, decoded when quantized. Local."""
-        return open_rows(group, name, self.path(seg)).rows(start, stop)
+    def rows(self, seg: Segment, group, name: str, start: int, stop: int,
+             out: np.ndarray | None = None) -> np.ndarray:
+        """Rows [start, stop) of row array `name`, decoded when quantized; into `out` when
+        given (see StoredRows.rows). Local."""
+        return open_rows(group, name, self.path(seg)).rows(start, stop, out)
 
 
 def owned_ranges(plan, rank: int, rows: tuple[int, int] | None = None
@@ -230,8 +232,10 @@ def _apply_sorted(reader, seg, group, start, gids, mine, out, newest) -> None:
             where = slice(int(local[0]), int(local[-1]) + 1) if keep.all() and \
                 int(local[-1]) - int(local[0]) + 1 == len(local) else local[keep]
             for name in out:
-                rows = reader.rows(seg, group, name, start + i0, start + i1)
-                out[name][where] = rows if isinstance(where, slice) else rows[keep]
+                if isinstance(where, slice):  # into place, no copy where the blocks allow
+                    reader.rows(seg, group, name, start + i0, start + i1, out[name][where])
+                else:
+                    out[name][where] = reader.rows(seg, group, name, start + i0, start + i1)[keep]
             newest[where] = seg.order
 
 
