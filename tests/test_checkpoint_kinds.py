@@ -97,6 +97,36 @@ def test_restore_reshards_to_other_rank_counts(tmp_path, kind):
                 assert np.array_equal(got[r]["weight"], want), (kind, world, step, r)
 
 
+@pytest.mark.parametrize("kind", ["full", "differential", "incrcp"])
+def test_a_rank_restores_without_opening_other_ranks_shard_files(tmp_path, kind):
+    """Under the writing plan, each rank reads only its own shard files (the manifest's plan says
+    which global ids each writer held): damage to rank 1's files does not reach rank 0's restore.
+    A manifest whose plan does not list its shards (older ones) opens every file, as before."""
+    import dataclasses
+
+    from mpickpt.checkpoint.load import load_checkpoint
+    from mpickpt.store.errors import CheckpointError
+
+    chain = LocalChain(str(tmp_path), PLAN, dim=3, policy=kind, seed=5)
+    expected = _stream(chain, np.random.default_rng(5), 4, 4, 30)
+    manifests = {m.step: m for m in list_manifests(str(tmp_path))}
+    for m in manifests.values():
+        for rel, meta in m.files.items():
+            if meta["role"] == "shard" and meta["rank"] == 1:
+                with open(os.path.join(str(tmp_path), rel), "r+b") as f:
+                    f.write(b"\0" * 64)  # the HDF5 superblock: unreadable, size unchanged
+    templates = {"weight": ((3,), np.dtype(np.float32)), "state/sum": ((), np.dtype(np.float32))}
+    got = load_checkpoint(str(tmp_path), manifests[4], PLAN, 0, 3, templates, manifests).rows
+    _assert_state([got], [expected[4][0]], f"{kind} rank 0")
+    with pytest.raises(CheckpointError, match="rank-00001"):
+        load_checkpoint(str(tmp_path), manifests[4], PLAN, 1, 3, templates, manifests)
+    unlisted = {step: dataclasses.replace(m, plan={k: v for k, v in m.plan.items()
+                                                   if k != "shards"})
+                for step, m in manifests.items()}
+    with pytest.raises(CheckpointError, match="rank-00001"):
+        load_checkpoint(str(tmp_path), unlisted[4], PLAN, 0, 3, templates, unlisted)
+
+
 def test_retention_keeps_what_retained_checkpoints_need(tmp_path):
     chain = LocalChain(str(tmp_path), PLAN, dim=3, policy="incrcp", keep=3, seed=5,
                        incrcp_reset="never")

@@ -37,6 +37,10 @@ class Segment:
     group: str = ""
     """HDF5 group of the rows when not ``tables/<table>`` (bundles); `table` is -1 when a merged
     segment spans several tables."""
+    spans: tuple | None = None
+    """[g0, g1) global-id ranges outside which the segment holds no row (a whole shard file: its
+    writer's shards under the manifest's plan); None: unknown. A restore skips, without opening
+    it, a segment none of whose spans it owns rows of."""
 
     def row_orders(self, n: int) -> np.ndarray:
         """The order of each of the segment's `n` rows (GAP for rows it does not hold). Local."""
@@ -46,8 +50,30 @@ class Segment:
 
 
 def whole_files(manifest: Manifest) -> list[Segment]:
-    """The shard files a checkpoint wrote itself, as segments ordered by its step. Local."""
-    return [Segment(rel, order=manifest.step) for rel in manifest.shard_files()]
+    """The shard files a checkpoint wrote itself, as segments ordered by its step, each with the
+    global-id spans of its writer's shards where the manifest's plan lists them. Local."""
+    spans = writer_spans(manifest.plan)
+    return [Segment(rel, order=manifest.step, spans=spans.get(manifest.files[rel].get("rank")))
+            for rel in manifest.shard_files()]
+
+
+def writer_spans(plan: dict) -> dict[int, tuple]:
+    """Writer rank -> the [g0, g1) global-id ranges of its shards, from a manifest's plan (its
+    `describe()`); empty when the plan does not list its shards. Local."""
+    if not isinstance(plan, dict) or "shards" not in plan or "table_sizes" not in plan:
+        return {}
+    offsets = np.concatenate([[0], np.cumsum(plan["table_sizes"], dtype=np.int64)])
+    out: dict[int, list] = {}
+    for table, row_start, row_end, rank in plan["shards"]:
+        g0 = int(offsets[table]) + int(row_start)
+        out.setdefault(int(rank), []).append((g0, g0 + int(row_end) - int(row_start)))
+    return {rank: tuple(sorted(v)) for rank, v in out.items()}
+
+
+def _wanted(seg: Segment, ranges) -> bool:
+    """Whether `seg` may hold rows of the owned `ranges` ((table, g0, g1, row) tuples)."""
+    return seg.spans is None or any(a < g1 and g0 < b for a, b in seg.spans
+                                    for _, g0, g1, _ in ranges)
 
 
 GAP = np.iinfo(np.int64).min
@@ -202,6 +228,8 @@ def load_rows(root: str, segments: list[Segment], plan, rank: int, templates: di
     ranges = owned_ranges(plan, rank, (lo, hi))
     with SegmentReader(root) as reader:
         for seg in segments:
+            if not _wanted(seg, ranges):  # another rank's file: not even opened
+                continue
             for table, group, start, stop, gmin, gmax in reader.groups(seg):
                 mine = [r for r in ranges if table in (r[0], -1) and gmax >= r[1] and gmin < r[2]]
                 if not mine or stop <= start:
