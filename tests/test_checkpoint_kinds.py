@@ -100,7 +100,8 @@ def test_restore_reshards_to_other_rank_counts(tmp_path, kind):
 @pytest.mark.parametrize("kind", ["full", "differential", "incrcp"])
 def test_a_rank_restores_without_opening_other_ranks_shard_files(tmp_path, kind):
     """Under the writing plan, each rank reads only its own shard files (the manifest's plan says
-    which global ids each writer held): damage to rank 1's files does not reach rank 0's restore.
+    which global ids each writer held): damage to rank 1's files, or their loss, does not reach
+    rank 0's restore.
     A manifest whose plan does not list its shards (older ones) opens every file, as before."""
     import dataclasses
 
@@ -119,6 +120,14 @@ def test_a_rank_restores_without_opening_other_ranks_shard_files(tmp_path, kind)
     got = load_checkpoint(str(tmp_path), manifests[4], PLAN, 0, 3, templates, manifests).rows
     _assert_state([got], [expected[4][0]], f"{kind} rank 0")
     with pytest.raises(CheckpointError, match="rank-00001"):
+        load_checkpoint(str(tmp_path), manifests[4], PLAN, 1, 3, templates, manifests)
+    for m in manifests.values():  # a missing file too is its reader's to report
+        for rel, meta in m.files.items():
+            if meta["role"] == "shard" and meta["rank"] == 1:
+                os.remove(os.path.join(str(tmp_path), rel))
+    got = load_checkpoint(str(tmp_path), manifests[4], PLAN, 0, 3, templates, manifests).rows
+    _assert_state([got], [expected[4][0]], f"{kind} rank 0, rank 1's files gone")
+    with pytest.raises(CheckpointError, match="rank-00001.*missing"):
         load_checkpoint(str(tmp_path), manifests[4], PLAN, 1, 3, templates, manifests)
     unlisted = {step: dataclasses.replace(m, plan={k: v for k, v in m.plan.items()
                                                    if k != "shards"})

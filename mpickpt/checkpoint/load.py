@@ -15,7 +15,7 @@ import numpy as np
 from mpickpt.kinds.registry import checkpoint_segments, format_of
 from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import Manifest, list_manifests, parent_manifests, torn_dirs
-from mpickpt.store.segments import load_rows
+from mpickpt.store.segments import load_rows, wanted_files
 from mpickpt.store.shard_file import open_shard, read_all
 
 
@@ -40,6 +40,19 @@ def check_files(root: str, manifest: Manifest, paths=None) -> None:
         if size != want:
             raise CheckpointError(f"{path}: {size} bytes, the manifest of step {manifest.step} "
                                   f"records {want} (truncated or overwritten)")
+
+
+def check_read_files(root: str, manifest: Manifest, by_step: dict, segments, plan, rank: int,
+                     rows: tuple[int, int] | None = None) -> None:
+    """`check_files` over the files of `manifest` and its parents that this rank's load reads:
+    the segments it opens, the dense files and its own shard and extra files (RNG states).
+    Another rank's files are its reader's to check (a restore agrees on every rank's error), so
+    N ranks make N checks of a file each, not N^2. Local."""
+    read = wanted_files(segments, plan, rank, rows)
+    for m in [*parent_manifests(manifest, by_step), manifest]:
+        check_files(root, m, [rel for rel, meta in m.files.items()
+                              if rel in read or meta["role"] == "dense"
+                              or meta.get("rank") == rank])
 
 
 def check_compatible(manifest: Manifest, plan, dim: int, row_names) -> None:
@@ -88,9 +101,8 @@ def load_checkpoint(root: str, manifest: Manifest, plan, rank: int, dim: int,
     `by_step` holds the committed manifests an incremental checkpoint builds on. Local."""
     check_compatible(manifest, plan, dim, templates)
     by_step = by_step or {}
-    for m in [*parent_manifests(manifest, by_step), manifest]:
-        check_files(root, m)
     segments = checkpoint_segments(root, manifest, by_step)
+    check_read_files(root, manifest, by_step, segments, plan, rank)
     rows = load_rows(root, segments, plan, rank, templates, manifest.step)
     return LoadedState(manifest.step, rows, load_dense(root, manifest),
                        load_rng(root, manifest, rank), manifest)
@@ -103,9 +115,8 @@ def load_row_range(root: str, manifest: Manifest, plan, rank: int, dim: int, tem
     save that wrote it for prioritized saves (rows skipped since keep an older value).
     CheckpointError on any problem. Local."""
     check_compatible(manifest, plan, dim, templates)
-    for m in [*parent_manifests(manifest, by_step), manifest]:
-        check_files(root, m)
     segments = checkpoint_segments(root, manifest, by_step)
+    check_read_files(root, manifest, by_step, segments, plan, rank, rows)
     arrays, written = load_rows(root, segments, plan, rank, templates, manifest.step, rows=rows,
                                 with_steps=True)
     if format_of(manifest).exact:

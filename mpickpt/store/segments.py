@@ -70,6 +70,13 @@ def writer_spans(plan: dict) -> dict[int, tuple]:
     return {rank: tuple(sorted(v)) for rank, v in out.items()}
 
 
+def wanted_files(segments: list[Segment], plan, rank: int,
+                 rows: tuple[int, int] | None = None) -> set[str]:
+    """The files of `segments` that `load_rows` opens for `rank` under `plan`. Local."""
+    ranges = owned_ranges(plan, rank, rows)
+    return {s.file for s in segments if _wanted(s, ranges)}
+
+
 def _wanted(seg: Segment, ranges) -> bool:
     """Whether `seg` may hold rows of the owned `ranges` ((table, g0, g1, row) tuples)."""
     return seg.spans is None or any(a < g1 and g0 < b for a, b in seg.spans
