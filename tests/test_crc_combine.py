@@ -58,9 +58,12 @@ def test_the_file_crc_of_a_written_shard_is_zlibs(tmp_path, align):
 def test_the_fast_crc_is_zlibs_crc32():
     """mpickpt.store.crc (zlib-ng where installed, as the package requires) gives zlib's values,
     whole and continued, on empty, odd-length, unaligned and large buffers."""
+    import platform
+
     from mpickpt.store import crc
 
-    assert crc.IMPLEMENTATION == "zlib-ng"
+    if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):  # where setup.py asks for it
+        assert crc.IMPLEMENTATION == "zlib-ng"
     data = np.random.default_rng(3).integers(0, 256, (9 << 20) + 13, dtype=np.uint8).tobytes()
     for piece in (b"", data[:1], data[1:4096 + 7], data[5:], data):
         assert crc.crc32(piece) == zlib.crc32(piece)
