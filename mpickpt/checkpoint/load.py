@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import h5py
 import numpy as np
 
 from mpickpt.kinds.registry import checkpoint_segments, format_of
@@ -70,16 +71,18 @@ def check_compatible(manifest: Manifest, plan, dim: int, row_names) -> None:
 
 
 def load_dense(root: str, manifest: Manifest) -> dict[str, np.ndarray]:
-    """Every dataset under /dense of the dense file, verified. Local."""
+    """Every dataset under /dense of the dense file, verified. Listed and opened through HDF5's
+    own visit and low-level opens (h5py's `visititems` builds an object per member: a third of
+    the time for the ~70 objects of a dense file). Local."""
     path = os.path.join(root, manifest.dense_file())
-    out = {}
     with open_shard(path) as f:
-        names: list[str] = []
-        f["dense"].visititems(lambda n, o: names.append(n) if hasattr(o, "shape")
-                              and not n.endswith(".crc") else None)
-        for name in names:
-            out[name] = read_all(f["dense"][name], path)
-    return out
+        group = f["dense"].id
+        names: list[bytes] = []
+        h5py.h5o.visit(group, lambda n, info: names.append(n)
+                       if info.type == h5py.h5o.TYPE_DATASET and not n.endswith(b".crc")
+                       else None, info=True)
+        return {name.decode(): read_all(h5py.Dataset(h5py.h5d.open(group, name)), path)
+                for name in names}
 
 
 def load_rng(root: str, manifest: Manifest, rank: int) -> dict[str, bytes]:
