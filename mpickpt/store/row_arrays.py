@@ -21,9 +21,8 @@ import numpy as np
 
 from mpickpt.quant.codecs import Codec, from_attrs
 from mpickpt.store import h5_lowlevel
-from mpickpt.store.crc import crc32
 from mpickpt.store.errors import CheckpointCorruptError
-from mpickpt.store.shard_file import BLOCK_ROWS, CRC_SUFFIX, read_rows
+from mpickpt.store.shard_file import BLOCK_ROWS, BlockWriter, read_rows
 
 
 def is_encoded(obj) -> bool:
@@ -113,37 +112,6 @@ class EncodedRows:
         """The selected rows (a mask or index array). Local."""
         return EncodedRows(self.codec, self.tail, self.dtype,
                            {k: a[rows] for k, a in self.arrays.items()})
-
-
-class BlockWriter:
-    """A contiguous dataset written block after block, each block's CRC32 kept. Local."""
-
-    def __init__(self, group: h5py.Group, name: str, shape: tuple, dtype, before_block=None,
-                 log=None):
-        self.group, self.name, self.before_block, self.log = group, name, before_block, log
-        self.ds = h5_lowlevel.create_dataset(group, name, shape, dtype)
-        self.dtype, self.rows = np.dtype(dtype), shape[0]
-        self.at, self.crcs, self.sizes = 0, [], []
-
-    def write(self, block: np.ndarray) -> int:
-        block = np.ascontiguousarray(block, dtype=self.dtype)
-        self.crcs.append(crc32(memoryview(block.reshape(-1)).cast("B")))
-        self.sizes.append(block.nbytes)
-        if self.before_block is not None:
-            self.before_block(block.nbytes)
-        if block.shape[0]:
-            h5_lowlevel.write_block(self.ds, block, self.at, self.rows)
-        self.at += block.shape[0]
-        return block.nbytes
-
-    def close(self) -> None:
-        from mpickpt.store.shard_file import log_blocks
-
-        if self.log is not None:
-            log_blocks(self.log, self.ds, list(zip(self.crcs, self.sizes)))
-        if not self.crcs:  # an empty dataset has the CRC of one empty block
-            self.crcs.append(crc32(b""))
-        h5_lowlevel.write_array(self.group, self.name + CRC_SUFFIX, np.array(self.crcs, np.uint32))
 
 
 def write_encoded(parent: h5py.Group, name: str, data: np.ndarray, codec: Codec,

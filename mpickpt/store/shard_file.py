@@ -45,33 +45,54 @@ def block_crcs(array: np.ndarray, block_rows: int = BLOCK_ROWS) -> np.ndarray:
 
 def write_dataset(group: h5py.Group, name: str, array: np.ndarray, before_block=None,
                   log=None) -> int:
-    """Write `array` block by block with per-block CRCs; returns bytes written. Local.
+    """Write `array` block by block with per-block CRCs (a `BlockWriter`); returns bytes
+    written. Local.
 
     The dataset is contiguous (no chunk padding, no chunk index), made through h5py's low-level
-    API (`h5_lowlevel`: the high-level objects cost more CPU than the bytes of a small dataset);
-    each block's CRC is computed before HDF5 writes it (`store.crc`: a 4 MB block in ~0.1 ms,
-    less than a helper thread would cost). `before_block(nbytes)` is called before each block is written (the writer hands
-    reserved disk space over there). `log` (a `crc_combine.BlockLog`) is told where the blocks
-    landed in the file and their CRCs."""
+    API (`h5_lowlevel`: the high-level objects cost more CPU than the bytes of a small dataset).
+    `before_block(nbytes)` is called before each block is written (the writer hands reserved
+    disk space over there). `log` (a `crc_combine.BlockLog`) is told where the blocks landed in
+    the file and their CRCs."""
     scalar = array.ndim == 0
     array = array.reshape(1) if scalar else array
-    n = array.shape[0]
-    ds = h5_lowlevel.create_dataset(group, name, array.shape, array.dtype)
-    crcs, sizes = [], []
-    for a in range(0, max(n, 1), BLOCK_ROWS):
-        block = np.ascontiguousarray(array[a:a + BLOCK_ROWS])
-        crcs.append(crc32(memoryview(block.reshape(-1)).cast("B")))
-        sizes.append(block.nbytes)
-        if before_block is not None:
-            before_block(block.nbytes)
-        if block.shape[0]:
-            h5_lowlevel.write_block(ds, block, a, n)
-    h5_lowlevel.write_array(group, name + CRC_SUFFIX, np.array(crcs, dtype=np.uint32))
-    if log is not None:
-        log_blocks(log, ds, list(zip(crcs, sizes)))
+    writer = BlockWriter(group, name, array.shape, array.dtype, before_block, log)
+    for a in range(0, array.shape[0], BLOCK_ROWS):
+        writer.write(array[a:a + BLOCK_ROWS])
+    writer.close()
     if scalar:
-        h5py.Dataset(ds).attrs["scalar"] = True
+        h5py.Dataset(writer.ds).attrs["scalar"] = True
     return array.nbytes
+
+
+class BlockWriter:
+    """A contiguous dataset written block after block, each block's CRC32 kept and written as
+    its checksum dataset at `close`. Each CRC is computed before HDF5 writes the block
+    (`store.crc`: a 4 MB block in ~0.1 ms, less than a helper thread would cost). Local."""
+
+    def __init__(self, group: h5py.Group, name: str, shape: tuple, dtype, before_block=None,
+                 log=None):
+        self.group, self.name, self.before_block, self.log = group, name, before_block, log
+        self.ds = h5_lowlevel.create_dataset(group, name, shape, dtype)
+        self.dtype, self.rows = np.dtype(dtype), shape[0]
+        self.at, self.crcs, self.sizes = 0, [], []
+
+    def write(self, block: np.ndarray) -> int:
+        block = np.ascontiguousarray(block, dtype=self.dtype)
+        self.crcs.append(crc32(memoryview(block.reshape(-1)).cast("B")))
+        self.sizes.append(block.nbytes)
+        if self.before_block is not None:
+            self.before_block(block.nbytes)
+        if block.shape[0]:
+            h5_lowlevel.write_block(self.ds, block, self.at, self.rows)
+        self.at += block.shape[0]
+        return block.nbytes
+
+    def close(self) -> None:
+        if self.log is not None:
+            log_blocks(self.log, self.ds, list(zip(self.crcs, self.sizes)))
+        if not self.crcs:  # an empty dataset has the CRC of one empty block
+            self.crcs.append(crc32(b""))
+        h5_lowlevel.write_array(self.group, self.name + CRC_SUFFIX, np.array(self.crcs, np.uint32))
 
 
 def log_blocks(log, ds: h5py.h5d.DatasetID, blocks: list[tuple[int, int]]) -> None:
