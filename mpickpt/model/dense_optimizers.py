@@ -22,7 +22,7 @@ class DenseOptimizer:
     and `zero_grad`. Local."""
 
     def __init__(self, params, lr: float):
-        self.params = [p for p in params]
+        self.params = list(params)
         if not self.params:
             raise ValueError("a dense optimizer needs at least one parameter, got none")
         self.lr = float(lr)

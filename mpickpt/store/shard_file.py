@@ -110,7 +110,7 @@ def read_rows(ds: h5py.Dataset, start: int, stop: int, path: str,
     has their destination (filled and returned; read into directly when the rows are whole
     blocks and `out` takes them contiguously, which saves a copy and a buffer's page faults;
     its contents are undefined after a CheckpointCorruptError). Local."""
-    if cache is not None or out is not None and not _takes_blocks(ds, start, stop, out):
+    if cache is not None or (out is not None and not _takes_blocks(ds, start, stop, out)):
         data = cache.rows(ds, start, stop, path, crc_ds) if cache is not None else \
             read_rows(ds, start, stop, path, crc_ds)
         if out is None:
