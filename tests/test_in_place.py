@@ -190,15 +190,14 @@ def test_a_killed_spare_comes_back_as_a_spare_and_takes_the_next_death(tmp_path)
                           str(tmp_path / "ckpt"), "--spares", "1", "--num-batches", "3000"))
     try:
         assert job.wait_for_step(15), job.output
-        launched = job.ranks()
-        spare = next(p for p in launched if rank_of(p) == 4)
+        by_rank = {rank_of(p): p for p in job.ranks()}  # read while all live: pids are not in
+        spare = by_rank[4]                              # rank order, and the spare dies first
         os.kill(spare, 9)
         deadline = time.monotonic() + 60
         while job.output.count("spare: waiting for a dead rank's slot") < 2:
             assert time.monotonic() < deadline and job.proc.poll() is None, job.output
             time.sleep(0.05)
-        victim = next(p for p in launched if rank_of(p) == 1)
-        os.kill(victim, 9)
+        os.kill(by_rank[1], 9)
         code = job.wait(240)
     finally:
         job.stop()
