@@ -73,7 +73,8 @@ class CheckpointConfig:
                            choices=("stop-the-world", "copy-on-update"))
     """how a checkpoint copies the rows: all at once in the stall, or copy-on-update (only the
     dense part in the stall; each row copied in the background or before its first update,
-    byte-identical; CPU models; see mpickpt/engine/copy_on_update.py)"""
+    byte-identical; CPU models, and CUDA models with CuPy: kernels/pending_rows.cu; see
+    mpickpt/engine/copy_on_update.py)"""
     background: str = option("idle", flag="--ckpt-background", choices=("idle", "low", "normal"))
     """CPU and I/O priority of the writers (CRC, quantizer) and the IncrCP extractor: idle
     (SCHED_IDLE, idle I/O: only what training leaves), low (SCHED_BATCH, best-effort 7), normal

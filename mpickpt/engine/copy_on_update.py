@@ -13,8 +13,12 @@ lock before the update runs, so a row is copied exactly once and always before i
 after s. Anything else that rewrites rows (a recovery, a restore, an emulated loss) must call
 `finish()` first; the trainer does.
 
-CPU tensors only (on CUDA the snapshot stays a stop-the-world copy on its side stream). Local:
-the copier is a thread of this rank; nothing here is collective.
+Where the rows live decides how they are copied (`mpickpt.engine.pending_rows`): CPU tables by
+torch copies under a host mask; CUDA tables by kernels (kernels/pending_rows.cu) that write the
+rows straight into the page-locked, mapped host staging, enqueued on the training stream under
+the same locks, so stream order puts every copy before the update that follows it and the step
+never waits for the device. Local: the copier is a thread of this rank; nothing here is
+collective.
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ import threading
 import time
 
 import torch
+
+from mpickpt.engine.pending_rows import DevicePendingRows, HostPendingRows
 
 CHUNK_ROWS = 1 << 15
 """Rows copied per chunk (one hold of the state lock: a few ms at D = 64)."""
@@ -42,11 +48,11 @@ class CopyOnUpdate:
         """`pause_s`: the copier sleeps this long between chunks (0: only yields the lock)."""
         self.model, self.chunk_rows, self.pause_s = model, chunk_rows, pause_s
         self._mask_lock = threading.Lock()
-        self._mask: torch.Tensor | None = None
-        """The pending mask's buffer, reused by every snapshot of the same row count."""
-        self._mask_full = False
-        """The buffer is all True already: the copier refilled it after its last snapshot."""
-        self._pending: torch.Tensor | None = None
+        self._pending: HostPendingRows | DevicePendingRows | None = None
+        """The current snapshot's pending rows (None: nothing pending)."""
+        self._kept: dict[str, HostPendingRows | DevicePendingRows] = {}
+        """One pending-rows object per device type, reused by every snapshot."""
+        self._last: HostPendingRows | DevicePendingRows | None = None
         self._sources: dict[str, torch.Tensor] = {}
         self._targets: dict[str, torch.Tensor] = {}
         self._wake = threading.Condition()
@@ -56,36 +62,45 @@ class CopyOnUpdate:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.error: BaseException | None = None
-        self.by_hook = 0
-        """Rows of the current snapshot copied by the update hook (the rest by the copier)."""
         model.embeddings.add_update_hook(self)
         self._ensure_thread()  # here, not in a checkpoint's stall
+        device = getattr(getattr(model, "topo", None), "device", None)
+        if device is not None and device.type == "cuda":
+            self._pending_rows(device)  # compiles the kernels now, not in the first stall
+
+    @property
+    def by_hook(self) -> int:
+        """Rows of the last snapshot copied by the update hook (the rest by the copier); on CUDA
+        counted on the device and read back when the copy ends. Local."""
+        return self._last.hooked() if self._last is not None else 0
 
     # ---- the snapshot -----------------------------------------------------------------------
     def start(self, sources: dict[str, torch.Tensor], targets: dict[str, torch.Tensor],
               selected=None) -> None:
         """Make the `selected` rows (sorted local rows; None: every row) of `sources`
-        (row-aligned, live) pending for `targets` (same shapes); the copier begins at `go`.
-        Local."""
+        (row-aligned, live) pending for `targets` (same shapes; for CUDA sources, host memory
+        registered as mapped); the copier begins at `go`. Local."""
         self.finish()
         rows = len(next(iter(sources.values())))
         self._sources, self._targets = sources, targets
-        self.by_hook, self.error = 0, None
+        self.error = None
         self._stop.clear()
-        if self._mask is None or len(self._mask) != rows:
-            self._mask, self._mask_full = torch.empty(rows, dtype=torch.bool), False
-        pending, full, self._mask_full = self._mask, self._mask_full, False
-        if selected is None:
-            if not full:
-                pending.fill_(True)
-        else:
-            pending.zero_()
-            pending[torch.as_tensor(selected, dtype=torch.int64)] = True
+        pending = self._pending_rows(next(iter(sources.values())).device)
+        if isinstance(pending, DevicePendingRows):
+            pending.check(sources, targets)
+        pending.arm(rows, selected)
+        self._last = pending
         with self._mask_lock:
             self._pending = pending
         with self._wake:
             self._state = "ready"
         self._ensure_thread()
+
+    def _pending_rows(self, device: torch.device):
+        if device.type not in self._kept:
+            self._kept[device.type] = DevicePendingRows(device) if device.type == "cuda" \
+                else HostPendingRows()
+        return self._kept[device.type]
 
     def go(self) -> None:
         """Let the copier begin (the checkpoint's save() calls this last, so that the copier's
@@ -115,6 +130,8 @@ class CopyOnUpdate:
         self._wait_idle()
         with self._mask_lock:
             self._pending = None
+        if self._last is not None:
+            self._last.drain()  # no kernel writes into staging after this
         self.error = None
 
     def close(self) -> None:
@@ -155,50 +172,31 @@ class CopyOnUpdate:
                 self._wake.notify_all()
 
     def _copy_all(self) -> None:
+        pending = self._pending
         try:
-            rows = len(self._pending)
-            for a in range(0, rows, self.chunk_rows):
+            for a in range(0, pending.rows, self.chunk_rows):
                 if self._stop.is_set():
                     return
                 with self.model.state_lock, self._mask_lock:
-                    self._copy_range(a, min(rows, a + self.chunk_rows))
+                    pending.copy_chunk(self._sources, self._targets, a,
+                                       min(pending.rows, a + self.chunk_rows))
                 time.sleep(self.pause_s)  # a waiting training thread takes the lock here
+            pending.drain()  # CUDA: the enqueued copies have landed
             with self._mask_lock:
                 self._pending = None
-            self._mask.fill_(True)  # the next full snapshot's mask, outside its stall
-            self._mask_full = True
+            pending.done()
         except BaseException as e:  # reported by finish(); the checkpoint is not written
             self.error = e
 
-    def _copy_range(self, a: int, b: int) -> None:
-        mask = self._pending[a:b]
-        if bool(mask.all()):
-            for name, src in self._sources.items():
-                self._targets[name][a:b].copy_(src[a:b])
-        elif bool(mask.any()):
-            idx = torch.nonzero(mask).flatten() + a
-            self._copy_rows(idx)
-        mask.zero_()
-
-    def _copy_rows(self, idx: torch.Tensor) -> None:
-        for name, src in self._sources.items():
-            self._targets[name].index_copy_(0, idx, src.index_select(0, idx))
-
     # ---- update hook -------------------------------------------------------------------------
     def before_update(self, rows: torch.Tensor):
-        """Copy the pending ones among `rows` before the update overwrites them. Local."""
+        """Copy the pending ones among `rows` before the update overwrites them (on CUDA:
+        enqueue their copy ahead of the update). Local."""
         if self._pending is None:
             return None
         with self._mask_lock:
-            pending = self._pending
-            if pending is None:
-                return None
-            idx = rows.cpu()
-            idx = idx[pending[idx]]
-            if len(idx):
-                self._copy_rows(idx)
-                pending[idx] = False
-                self.by_hook += len(idx)
+            if self._pending is not None:
+                self._pending.copy_listed(self._sources, self._targets, rows)
         return None
 
     def after_update(self, rows: torch.Tensor, token) -> None:

@@ -52,7 +52,7 @@ class CheckpointManager:
             topo.control.bcast(uuid.uuid4().hex[:8] if topo.is_root else None, root=0)
         remove_stale_areas()
         self.snapshots = Snapshotter(model, with_dense=topo.is_root)
-        self.copier = self._copier(config, model)
+        self.copier = self._copier(config, model, self.say)
         self._deferred: list | None = None
         """The writer jobs of a snapshot whose rows are still being copied (copy-on-update)."""
         self.writers = WriterPool(config.writers, config.background)
@@ -86,10 +86,19 @@ class CheckpointManager:
         self.say(self.bits.explain())
 
     @staticmethod
-    def _copier(config, model):
-        """The copy-on-update hook, when asked for and the rows are on the CPU. Local."""
-        if config.snapshot != "copy-on-update" or model.topo.device.type != "cpu":
+    def _copier(config, model, say):
+        """The copy-on-update hook, when asked for and the rows' device can run it (CPU, or a
+        CUDA device with the kernels of kernels/pending_rows.cu; else stop-the-world, saying
+        why). Local."""
+        if config.snapshot != "copy-on-update":
             return None
+        if model.topo.device.type != "cpu":
+            from mpickpt.engine.pending_rows_cuda import unusable
+
+            why = unusable(model.topo.device)
+            if why is not None:
+                say(f"--ckpt-snapshot copy-on-update: {why}; snapshots stay stop-the-world")
+                return None
         from mpickpt.model.contract import COPY_ON_UPDATE, require
 
         require(model, COPY_ON_UPDATE)

@@ -50,19 +50,20 @@ class Snapshotter:
         """Copy the state a save writes into staging; returns (seconds, bytes copied now).
         `selected`: the sorted local rows it writes (None: every row); on the CPU only those
         rows are copied, into their places (the writers read no other). With `copier` (a
-        `CopyOnUpdate`, CPU only) only the dense part is copied now and the rows are left to
-        it: pending until copied in the background or before their first update. Local."""
+        `CopyOnUpdate`) only the dense part is copied now and the rows are left to it: pending
+        until copied in the background or before their first update (CUDA rows: only into a
+        staging area the device can write, `StagingArea.mapped`). Local."""
         self.prepare()
         rows = dict(self.model.row_state())
         dense = {f"dense/{k}": t for k, t in self.model.dense_state().items()} \
             if self.with_dense else {}
         start = time.perf_counter()
-        if self._stream is not None:
-            nbytes = self._copy({**rows, **dense})
-        elif copier is not None:
+        if copier is not None and (self._stream is None or self.area.mapped):
             nbytes = self._copy(dense)
             targets = self.area.tensors()
             copier.start(rows, {name: targets[name] for name in rows}, selected)
+        elif self._stream is not None:
+            nbytes = self._copy({**rows, **dense})
         else:
             nbytes = self._copy(dense) + self._copy_rows(rows, selected)
         return time.perf_counter() - start, nbytes

@@ -3,7 +3,8 @@
 A `StagingArea` is one file in /dev/shm (tmpfs), memory-mapped by the training rank and by its
 writer processes, holding named arrays at fixed offsets. It is allocated and pre-faulted once and
 reused by every checkpoint, so the snapshot stall is a pure memory copy. On GPUs the mapping is
-page-locked (cudaHostRegister) and the device-to-host copies run on a side stream.
+page-locked and mapped (cudaHostRegister): the device-to-host copies run on a side stream, and
+copy-on-update kernels write rows into it directly.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import numpy as np
 ALIGN = 4096
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 PREFIX = "mpickpt-staging-"
+PORTABLE, MAPPED = 1, 2
+"""cudaHostRegisterPortable, cudaHostRegisterMapped."""
 
 
 def layout_of(specs: dict[str, tuple[tuple[int, ...], str]]) -> tuple[dict, int]:
@@ -55,11 +58,18 @@ class StagingArea:
         self._pinned = self._pin() if pin_for_cuda else None
 
     def _pin(self):
+        """Page-lock the area for fast device-to-host copies, mapped into the device's address
+        space (portable: every device) so that kernels can write rows into it directly."""
         import torch
 
         ptr = self._mm.ctypes.data
-        err = torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, 0)
+        err = torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, PORTABLE | MAPPED)
         return ptr if int(err) == 0 else None
+
+    @property
+    def mapped(self) -> bool:
+        """Page-locked and mapped for the device (kernels may write into it). Local."""
+        return self._pinned is not None
 
     def matches(self, specs) -> bool:
         """True when this area was laid out for exactly `specs`. Local."""
