@@ -84,6 +84,21 @@ class CheckpointManager:
         """(step, request) of the busy vote started a step before that step's save."""
         self.bits = config.quant.policy(max(1, topo.world_size // max(1, topo.local_size)))
         self.say(self.bits.explain())
+        self.codec_threads = self._codec_threads(config, topo)
+        """Quantizer threads of each writer: the rank's free cores over its writers."""
+
+    def _codec_threads(self, config, topo) -> int:
+        import torch
+
+        from mpickpt.engine import free_cores
+
+        threads = free_cores.codec_threads(topo.local_size, config.writers, topo.device.type,
+                                           torch.get_num_threads())
+        if str(config.quant.bits) != "32":
+            self.say(f"quantizer: {threads} thread(s) in each of {config.writers} writer(s) "
+                     f"({free_cores.cores_available()} cores, {topo.local_size} rank(s) on "
+                     f"this node, training on {topo.device.type})")
+        return threads
 
     @staticmethod
     def _copier(config, model, say):
@@ -346,7 +361,8 @@ class CheckpointManager:
         groups = save_file_specs(self.model, self.root, ckpt_id, step, self.writers.size, save,
                                  codecs, rng_blobs())
         jobs = [{"step": step, "dir": os.path.join(self.root, ckpt_id), "files": files,
-                 "staging": self.snapshots.area.describe(), "align": self.config.align}
+                 "staging": self.snapshots.area.describe(), "align": self.config.align,
+                 "codec_threads": self.codec_threads}
                 for files in groups]
         if self.topo.is_root:
             jobs[-1]["files"].append(dense_file_spec(self.model, self.root, ckpt_id, step))

@@ -40,7 +40,8 @@ def run_job(job: dict, attached: dict) -> dict:
         total = 0
         for spec in job["files"]:
             current = spec.path
-            size, payload, crc = write_file(spec, arrays, job.get("align", 0))
+            size, payload, crc = write_file(spec, arrays, job.get("align", 0),
+                                            job.get("codec_threads", 1))
             written[spec.relpath] = {**spec.meta, "size": size, "crc32": crc}
             total += payload
         return {"ok": True, "files": written, "bytes": total,
@@ -61,11 +62,11 @@ def _attach(staging: dict, attached: dict) -> dict:
     return attached[path][1]
 
 
-def write_file(spec, arrays: dict, align: int = 0) -> tuple[int, int, int]:
+def write_file(spec, arrays: dict, align: int = 0, codec_threads: int = 1) -> tuple[int, int, int]:
     """Write one shard or dense file atomically and durably; returns (file size, payload, CRC32
     of the whole file, which the manifest keeps so that `mpickpt verify` can check the file at
     the speed of a sequential read). Datasets of at least `align` bytes start at a multiple of
-    `align` (0: packed). Local."""
+    `align` (0: packed); quantized ones are encoded on `codec_threads` threads. Local."""
     from mpickpt.store.crc_combine import BlockLog, file_crc32_from_regions
     from mpickpt.store.durable import fsync_path
 
@@ -75,7 +76,7 @@ def write_file(spec, arrays: dict, align: int = 0) -> tuple[int, int, int]:
     reservation = Reservation(spec.path, payload + padding)
     log = BlockLog()
     try:
-        payload = _write_hdf5(tmp, spec, arrays, reservation, align, log)
+        payload = _write_hdf5(tmp, spec, arrays, reservation, align, log, codec_threads)
     finally:
         reservation.close()
     fsync_path(tmp)
@@ -87,7 +88,7 @@ def write_file(spec, arrays: dict, align: int = 0) -> tuple[int, int, int]:
 
 
 def _write_hdf5(tmp: str, spec, arrays: dict, reservation: Reservation, align: int,
-                log=None) -> int:
+                log=None, codec_threads: int = 1) -> int:
     from mpickpt.store.h5_lowlevel import set_attrs
     from mpickpt.store.shard_file import FORMAT_VERSION, alignment, open_hdf5, seal_attributes
 
@@ -101,7 +102,7 @@ def _write_hdf5(tmp: str, spec, arrays: dict, reservation: Reservation, align: i
             data = _gather(arrays[source], ranges)
             if source in codecs:  # quantized here, block by block, in the background
                 payload += _write_encoded(groups, name, data, codecs[source],
-                                          reservation.release, log)
+                                          reservation.release, log, codec_threads)
             else:
                 payload += _write(groups, name, data, reservation.release, log)
         for name, raw in spec.blobs.items():
@@ -205,12 +206,13 @@ def _write(groups: GroupCache, name: str, data: np.ndarray, before_block, log=No
 
 
 def _write_encoded(groups: GroupCache, name: str, data: np.ndarray, codec: dict, before_block,
-                   log=None) -> int:
+                   log=None, threads: int = 1) -> int:
     from mpickpt.quant.codecs import Codec
     from mpickpt.store.row_arrays import write_encoded
 
     parent, leaf = groups.parent(name)
-    return write_encoded(parent, leaf, data, Codec(**codec), before_block, log)
+    return write_encoded(parent, leaf, data, Codec(**{**codec, "threads": threads}), before_block,
+                         log)
 
 
 def _gather(array: np.ndarray, ranges) -> np.ndarray:
