@@ -1,11 +1,10 @@
 """Copy-on-update snapshots of CUDA-resident rows (kernels/pending_rows.cu): the rows staged for a
 snapshot at step s equal the rows at s byte for byte, while later steps update a random part of
 the pending rows before the slowed copier reaches them (the hook's kernels copy those first, in
-stream order) — for every word width of the kernels, for all rows and for a selection (the
+stream order) — for every word width of the kernels (16, 8, 4, 2, 1 bytes), for all rows and for a selection (the
 incremental kinds), and after a cancel no kernel writes into staging any more. End to end: a
 HybridDLRM on CUDA (1 rank, NCCL) checkpointed with copy-on-update, full and incrcp, restores
 exactly the state of its save step. Needs CuPy and a CUDA GPU; skipped otherwise."""
-import threading
 import time
 
 import numpy as np
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from tests.gpu import cupy_with_gpu
+from tests.row_tables import RowTables
 
 cupy = cupy_with_gpu("copy-on-update of CUDA rows")
 
@@ -29,31 +29,8 @@ LAYOUTS = {
     "fp32-37+fp16-3+u8-5": {"weight": ((ROWS, 37), torch.float32),
                             "state/m": ((ROWS, 3), torch.float16),
                             "state/b": ((ROWS, 5), torch.uint8)},
+    "fp32-2": {"weight": ((ROWS, 2), torch.float32)},  # 8-byte words
 }
-
-
-class _Tables:
-    """What CopyOnUpdate needs of a model (`embeddings.add_update_hook`, `state_lock`), over
-    CUDA tables; `update` is one step's sparse update, its hooks called first as in
-    ShardedEmbeddingBags.apply_gradients."""
-
-    def __init__(self, tables):
-        self.tables, self.hooks = tables, []
-        self.state_lock = threading.RLock()
-        self.embeddings = self
-
-    def add_update_hook(self, hook):
-        self.hooks.append(hook)
-
-    def update(self, rows):
-        for hook in self.hooks:
-            hook.before_update(rows)
-        with self.state_lock:
-            for t in self.tables.values():
-                if t.dtype == torch.uint8:
-                    t[rows] += 1
-                else:
-                    t[rows] += torch.ones_like(t[rows])
 
 
 def _tables(layout, seed):
@@ -81,7 +58,7 @@ def _bytes(t):
 
 def test_word_widths():
     assert word_bytes(64, 0, 4096) == 16 and word_bytes(148, 0, 4096) == 4
-    assert word_bytes(6, 0, 4096) == 2 and word_bytes(5, 0, 4096) == 1
+    assert word_bytes(6, 0, 4096) == 2 and word_bytes(5, 0, 4096) == 1 and word_bytes(8, 0, 64) == 8
     assert word_bytes(64, 0, 4100) == 4  # an address that is not 16-aligned narrows the word
 
 
@@ -89,7 +66,7 @@ def test_word_widths():
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_staged_rows_are_the_rows_at_the_snapshot(layout, selected):
     tables = _tables(layout, seed=1)
-    model = _Tables(tables)
+    model = RowTables(tables)
     area, staging = _staging(tables)
     cou = CopyOnUpdate(model, chunk_rows=2000, pause_s=0.002)  # slow: steps overtake it
     try:
@@ -116,7 +93,7 @@ def test_staged_rows_are_the_rows_at_the_snapshot(layout, selected):
 
 def test_after_a_cancel_no_kernel_writes_into_staging():
     tables = _tables("fp32-16+rowwise", seed=3)
-    model = _Tables(tables)
+    model = RowTables(tables)
     area, staging = _staging(tables)
     cou = CopyOnUpdate(model, chunk_rows=500, pause_s=0.005)
     try:
@@ -125,6 +102,7 @@ def test_after_a_cancel_no_kernel_writes_into_staging():
         for _ in range(3):
             model.update(torch.randperm(ROWS, device="cuda")[:5000])
         cou.cancel()
+        assert cou._pending is None and not cou.active
         frozen = {n: t.clone() for n, t in staging.items()}
         for _ in range(5):
             model.update(torch.randperm(ROWS, device="cuda")[:5000])

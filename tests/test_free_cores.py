@@ -6,7 +6,7 @@ import h5py
 import numpy as np
 import pytest
 
-from mpickpt.engine.free_cores import MAX_THREADS, codec_threads, free_cores
+from mpickpt.engine.free_cores import MAX_THREADS, codec_threads, free_cores, rank_share
 from mpickpt.quant import search as rs
 from mpickpt.quant.codecs import Codec
 
@@ -23,11 +23,25 @@ from mpickpt.quant.codecs import Codec
 ])
 def test_codec_threads_are_the_free_cores_over_the_writers(local_size, device, torch_threads,
                                                            cores, writers, want):
-    assert codec_threads(local_size, writers, device, torch_threads, cores) == want
+    """Unbound ranks: every rank's mask is the whole node."""
+    assert codec_threads(local_size, writers, device, torch_threads, cores, node_cores=cores) == want
+
+
+@pytest.mark.parametrize("local_size,cores,node_cores,want", [
+    (8, 2, 16, 1),    # bound to 2 cores of its own: 1 free
+    (8, 1, 16, 1),    # bound to 1 core: none free, still 1 thread
+    (8, 8, 16, 1),    # socket binding, 4 ranks on each 8-core socket: 2 each, 1 free
+    (8, 32, 64, 7),   # socket binding, 4 ranks on each 32-core socket: 8 each
+    (1, 8, 16, 7),    # one rank bound to half the node
+])
+def test_a_bound_rank_s_mask_is_shared_only_by_the_ranks_bound_to_it(local_size, cores,
+                                                                    node_cores, want):
+    assert codec_threads(local_size, 1, "cuda", 1, cores, node_cores) == want
 
 
 def test_free_cores_never_negative():
-    assert free_cores(4, "cpu", 8, cores=4) == 0
+    assert free_cores(4, "cpu", 8, cores=4, node_cores=4) == 0
+    assert rank_share(4, 1, 4) == 1
 
 
 def test_the_writer_encodes_on_its_threads_and_writes_the_same_rows(tmp_path, monkeypatch):

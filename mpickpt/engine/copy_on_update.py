@@ -7,17 +7,22 @@ rows the update will touch before it touches them). Every staged row therefore h
 step s: the staging area ends byte-identical to a stop-the-world copy at s, and the stall no
 longer grows with the table size.
 
-Exclusion: the copier copies a chunk while holding the model's `state_lock` (the lock every
-sparse update holds) and the mask lock, and the hook copies and clears its rows under the mask
-lock before the update runs, so a row is copied exactly once and always before its first update
-after s. Anything else that rewrites rows (a recovery, a restore, an emulated loss) must call
-`finish()` first; the trainer does.
+Exclusion on the CPU: the copier copies a chunk while holding the model's `state_lock` (the lock
+every sparse update of HybridDLRM holds) and the mask lock, and the hook copies and clears its
+rows under the mask lock before the update runs, so a row is copied exactly once and always
+before its first update after s. On CUDA the copies are enqueued, and stream order does the
+rest (below). Anything else that rewrites rows (a recovery, a restore, an emulated loss) must
+call `finish()` first; the trainer does.
+
+A failure of the copy (the copier's or the hook's) abandons the snapshot, never training: the
+rows stop being pending, the hook copies nothing more, and `finish()` raises it for the manager,
+which drops that checkpoint.
 
 Where the rows live decides how they are copied (`mpickpt.engine.pending_rows`): CPU tables by
 torch copies under a host mask; CUDA tables by kernels (kernels/pending_rows.cu) that write the
-rows straight into the page-locked, mapped host staging, enqueued on the training stream under
-the same locks, so stream order puts every copy before the update that follows it and the step
-never waits for the device. Local: the copier is a thread of this rank; nothing here is
+rows straight into the page-locked, mapped host staging, all enqueued on the training stream (an
+update on another stream is ordered after the copies by stream waits), so stream order puts every
+copy before the update that follows it and the step never waits for the device. Local: the copier is a thread of this rank; nothing here is
 collective.
 """
 from __future__ import annotations
@@ -62,16 +67,17 @@ class CopyOnUpdate:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.error: BaseException | None = None
-        model.embeddings.add_update_hook(self)
-        self._ensure_thread()  # here, not in a checkpoint's stall
         device = getattr(getattr(model, "topo", None), "device", None)
         if device is not None and device.type == "cuda":
-            self._pending_rows(device)  # compiles the kernels now, not in the first stall
+            self._pending_rows(device)  # compiles the kernels now (not in the first stall),
+            # before anything is registered: a failure here leaves the model untouched
+        model.embeddings.add_update_hook(self)
+        self._ensure_thread()  # here, not in a checkpoint's stall
 
     @property
     def by_hook(self) -> int:
         """Rows of the last snapshot copied by the update hook (the rest by the copier); on CUDA
-        counted on the device and read back when the copy ends. Local."""
+        counted on the device: reading it waits for the copies enqueued so far. Local."""
         return self._last.hooked() if self._last is not None else 0
 
     # ---- the snapshot -----------------------------------------------------------------------
@@ -131,7 +137,10 @@ class CopyOnUpdate:
         with self._mask_lock:
             self._pending = None
         if self._last is not None:
-            self._last.drain()  # no kernel writes into staging after this
+            try:
+                self._last.drain()  # no kernel writes into staging after this
+            except Exception:  # a dead CUDA context: nothing more lands either; the caller
+                pass  # (abort, close) must still free the writers and the staging
         self.error = None
 
     def close(self) -> None:
@@ -186,7 +195,15 @@ class CopyOnUpdate:
                 self._pending = None
             pending.done()
         except BaseException as e:  # reported by finish(); the checkpoint is not written
-            self.error = e
+            self._fail(e)
+
+    def _fail(self, error: BaseException) -> None:
+        """Abandon the snapshot: nothing is pending any more, `finish` raises `error`."""
+        if self.error is None:
+            self.error = error
+        self._stop.set()
+        with self._mask_lock:
+            self._pending = None
 
     # ---- update hook -------------------------------------------------------------------------
     def before_update(self, rows: torch.Tensor):
@@ -194,9 +211,12 @@ class CopyOnUpdate:
         enqueue their copy ahead of the update). Local."""
         if self._pending is None:
             return None
-        with self._mask_lock:
-            if self._pending is not None:
-                self._pending.copy_listed(self._sources, self._targets, rows)
+        try:
+            with self._mask_lock:
+                if self._pending is not None:
+                    self._pending.copy_listed(self._sources, self._targets, rows)
+        except Exception as e:  # the snapshot is lost, training is not
+            self._fail(e)
         return None
 
     def after_update(self, rows: torch.Tensor, token) -> None:

@@ -65,6 +65,9 @@ class CheckpointManager:
         self.stalls: list[float] = []
         self._in_flight: dict | None = None
         self.snapshots.prepare()  # allocate and pre-fault staging now, not in the first stall
+        if self.copier is not None and not self.snapshots.copier_can_write:
+            self.say("--ckpt-snapshot copy-on-update: the staging area could not be page-locked "
+                     "and mapped for the GPU; snapshots stay stop-the-world")
         self.incremental = IncrementalSaves(topo, config, model, self.root, self.say)
         self.schedule = CheckpointSchedule(config.fixed_interval or DEFAULT_INTERVAL)
         self.on_saved = None
@@ -94,7 +97,7 @@ class CheckpointManager:
 
         threads = free_cores.codec_threads(topo.local_size, config.writers, topo.device.type,
                                            torch.get_num_threads())
-        if str(config.quant.bits) != "32":
+        if str(config.quant.bits) not in ("32", "16"):
             self.say(f"quantizer: {threads} thread(s) in each of {config.writers} writer(s) "
                      f"({free_cores.cores_available()} cores, {topo.local_size} rank(s) on "
                      f"this node, training on {topo.device.type})")
@@ -107,19 +110,26 @@ class CheckpointManager:
         why). Local."""
         if config.snapshot != "copy-on-update":
             return None
-        if model.topo.device.type != "cpu":
-            from mpickpt.engine.pending_rows_cuda import unusable
-
-            why = unusable(model.topo.device)
-            if why is not None:
-                say(f"--ckpt-snapshot copy-on-update: {why}; snapshots stay stop-the-world")
-                return None
         from mpickpt.model.contract import COPY_ON_UPDATE, require
 
         require(model, COPY_ON_UPDATE)
-        if config.inject_slow_copy is not None:  # fault tests: a copy that spans steps
-            return CopyOnUpdate(model, chunk_rows=SLOW_COPY_ROWS, pause_s=config.inject_slow_copy)
-        return CopyOnUpdate(model)
+        slow = {} if config.inject_slow_copy is None else \
+            {"chunk_rows": SLOW_COPY_ROWS, "pause_s": config.inject_slow_copy}  # fault tests
+        if model.topo.device.type == "cpu":
+            return CopyOnUpdate(model, **slow)
+        from mpickpt.engine.pending_rows_cuda import unusable
+
+        why = unusable(model.topo.device)
+        if why is None:
+            loose = [n for n, t in model.row_state().items() if not t.is_contiguous()]
+            why = f"row arrays {loose} are not contiguous" if loose else None
+        if why is None:
+            try:
+                return CopyOnUpdate(model, **slow)  # compiles the kernels
+            except Exception as e:  # a CuPy or driver problem: checkpoints go on as they were
+                why = f"its kernels failed to load ({type(e).__name__}: {e})"
+        say(f"--ckpt-snapshot copy-on-update: {why}; snapshots stay stop-the-world")
+        return None
 
     @property
     def kind(self):

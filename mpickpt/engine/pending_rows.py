@@ -95,7 +95,9 @@ class DevicePendingRows:
         return len(self._mask)
 
     def arm(self, rows: int, selected) -> None:
-        """Enqueued on the current stream: no wait on the device."""
+        """Enqueued on the current stream (a selection's row numbers are copied to the device
+        first, from pageable memory: in the stall, where the dense copy waits for the device
+        anyway)."""
         self._stream = torch.cuda.current_stream(self.device)
         if self._mask is None or len(self._mask) != rows:
             self._mask = torch.empty(rows, dtype=torch.bool, device=self.device)
@@ -118,12 +120,21 @@ class DevicePendingRows:
             self._mask[a:b].zero_()
 
     def copy_listed(self, sources, targets, rows: torch.Tensor) -> None:
+        """Enqueued ahead of the update that follows on the caller's stream: on the snapshot's
+        stream, which first waits for the caller's when the two differ (and the caller's then
+        waits for the copies)."""
+        caller = torch.cuda.current_stream(self.device)
+        other = caller != self._stream
+        if other:
+            self._stream.wait_stream(caller)
         with torch.cuda.stream(self._stream):
             rows = rows.to(self.device, torch.int64).contiguous()
             for i, (name, src) in enumerate(sources.items()):
                 self._kernels.copy_listed(self._stream, src, targets[name], self._mask, rows,
                                           self._hooked if i == 0 else None)
             self._mask.index_fill_(0, rows, False)
+        if other:
+            caller.wait_stream(self._stream)
 
     def drain(self) -> None:
         """Wait (this thread only) until every copy enqueued so far has landed in the host

@@ -40,6 +40,12 @@ class Snapshotter:
         cuda = model.topo.device.type == "cuda"
         self._stream = torch.cuda.Stream() if cuda else None
 
+    @property
+    def copier_can_write(self) -> bool:
+        """A copy-on-update copier can write rows into the staging area (CPU rows, or CUDA rows
+        and an area page-locked and mapped for the device). Local."""
+        return self._stream is None or (self.area is not None and self.area.mapped)
+
     def prepare(self) -> None:
         """Allocate the staging area for the current state shapes (if they changed). Local."""
         specs = state_specs(self.model, self.with_dense)
@@ -58,7 +64,7 @@ class Snapshotter:
         dense = {f"dense/{k}": t for k, t in self.model.dense_state().items()} \
             if self.with_dense else {}
         start = time.perf_counter()
-        if copier is not None and (self._stream is None or self.area.mapped):
+        if copier is not None and self.copier_can_write:
             nbytes = self._copy(dense)
             targets = self.area.tensors()
             copier.start(rows, {name: targets[name] for name in rows}, selected)
