@@ -86,6 +86,8 @@ def main(argv=None) -> int:
     if not (cuda_kernels.available() and torch.cuda.is_available()):
         raise SystemExit("needs CuPy and a CUDA GPU")
     results = []
+    if stripe_code._cpu_fold() is None:
+        print("the C fold (mpickpt._parity_cpu) is not built: the cpu column times torch's fold")
     print(f"{'rows':>8} {'D':>3} {'MB':>7} {'kernel ms':>10} {'torch ms':>9} {'cpu ms':>8} "
           f"{'kernel GB/s':>11} {'x torch':>8} {'x cpu':>7} {'equal':>6}")
     for dim in (int(d) for d in args.dims.split(",")):
@@ -97,6 +99,7 @@ def main(argv=None) -> int:
                   f"{r['kernel_vs_torch']:>8.1f} {r['kernel_vs_cpu']:>7.1f} {r['equal_to_cpu']!s:>6}",
                   flush=True)
     out = {"device": torch.cuda.get_device_name(), "cpu_threads": torch.get_num_threads(),
+           "cpu_path": "C kernel" if stripe_code._cpu_fold() is not None else "torch (not built)",
            "parity_rows": args.parity_rows, "results": results}
     if args.out:
         with open(args.out, "w") as f:
