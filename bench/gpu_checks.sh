@@ -5,6 +5,7 @@
 # /tmp/mpickpt-gpu). Python packages missing there can travel as wheels in .whl/ (installed into
 # /tmp/site). Usage: OUT=dir bash bench/gpu_checks.sh [section ...]
 #   sections: env tests bench train cou parity2   (default: all)
+#   cou: COU_SCALE_DOWN (Criteo Kaggle tables / this, default 2) and COU_PAIRS (default 1)
 set -u
 OUT=${OUT:-/tmp/mpickpt-gpu}
 mkdir -p "$OUT"
