@@ -4,7 +4,8 @@ the same flags as for the built-in model: a job SIGKILLed at a random step resum
 or an incremental (incrcp) checkpoint to the uninterrupted digest; 4-bit checkpoints stay within the
 codec's bound of the float32 ones; parity rebuilds a lost shard while training goes on, to the
 failure-free digest; partial recovery reloads the lost shard without a rollback; a real death
-under mpickpt-run is recovered in place (survivors keep their processes); a table-wise
+under mpickpt-run is recovered in place (survivors keep their processes); copy-on-update
+checkpoints equal stop-the-world ones byte for byte; a table-wise
 checkpoint restores on 1 rank and under a row-wise plan with the same digest. Skipped where
 torchrec is not installed."""
 from __future__ import annotations
@@ -91,6 +92,25 @@ def test_parity_rebuilds_a_lost_shard_while_training_goes_on(root):
     assert f"parity: ranks [1] lost their shards after step {at}" in proc.stdout, proc.stdout
     assert "parity: rebuilt ranks [1]" in proc.stdout
     assert digest_of(proc) == _clean("table_wise", root)[0]
+
+
+def test_copy_on_update_checkpoints_equal_stop_the_world_ones(root, tmp_path):
+    """The copier slowed so that a checkpoint's rows stay pending across the next steps, whose
+    fused backward updates rows the lookup's hook copied first."""
+    ckpt = str(tmp_path / "cou")
+    proc = _train(2, "table_wise", "--ckpt-dir", ckpt, *CKPT, "--ckpt-snapshot", "copy-on-update",
+                  "--inject-slow-copy", "0.02")
+    clean_digest, clean = _clean("table_wise", root)
+    assert digest_of(proc) == clean_digest
+    assert "waited" in proc.stdout, proc.stdout  # a copy still ran when the next save came
+    got = {m.step: m for m in list_manifests(ckpt)}
+    want = {m.step: m for m in list_manifests(clean)}
+    assert sorted(got) == sorted(want) == [4, 8, 12, 16, 20, 24]
+    for step in got:
+        a, b = tmp_path / f"cou{step}.h5", tmp_path / f"stw{step}.h5"
+        export_checkpoint(ckpt, got[step], str(a), with_optimizer=True)
+        export_checkpoint(clean, want[step], str(b), with_optimizer=True)
+        assert a.read_bytes() == b.read_bytes(), step
 
 
 def test_partial_recovery_reloads_the_lost_shard_without_a_rollback(tmp_path):
