@@ -85,17 +85,23 @@ def nbytes_of(tensors) -> int:
 
 
 def memcpy_bandwidth(topo, nbytes: int, tries: int = 5) -> float:
-    """Best host copy bandwidth (bytes/s) for `nbytes`, all ranks copying at once. Collective."""
+    """Best copy bandwidth (bytes/s) for `nbytes` into host memory, all ranks copying at once:
+    host to host, or on GPUs device to page-locked host (the copy a stop-the-world snapshot
+    makes). Collective."""
     import torch
 
-    src = torch.empty(max(1, nbytes // 4), dtype=torch.float32).uniform_()
-    dst = torch.empty_like(src)
+    cuda = topo.device.type == "cuda"
+    src = torch.empty(max(1, nbytes // 4), dtype=torch.float32, device=topo.device).uniform_()
+    dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=cuda)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     dst.copy_(src)  # fault in both
     best = float("inf")
     for _ in range(tries):
+        sync()
         topo.control.Barrier()
         start = time.perf_counter()
-        dst.copy_(src)
+        dst.copy_(src, non_blocking=cuda)
+        sync()
         best = min(best, time.perf_counter() - start)
     moved = src.numel() * src.element_size()
     del src, dst
@@ -227,6 +233,11 @@ def measure_dcp(topo, model, root: str, repeats: int) -> dict:
     state = {f"rank{r}/{k.replace('state/', '')}": v for k, v in model.row_state().items()}
     state.update({f"dense/{k}": v for k, v in model.dense_state().items()})  # replicated: DCP dedups
     runs, error = [], None
+    kwargs = {}
+    if topo.device.type == "cuda":  # async_save's own collectives need a CPU group
+        import torch.distributed as dist
+
+        kwargs["process_group"] = dist.new_group(backend="gloo")
     for i in range(repeats + 1):  # i == 0 is the warm-up
         path = os.path.join(root, f"save-{i}")
         if topo.is_root:
@@ -234,7 +245,7 @@ def measure_dcp(topo, model, root: str, repeats: int) -> dict:
         topo.control.Barrier()
         try:
             start = time.perf_counter()
-            response = dcp.async_save(state, checkpoint_id=path)
+            response = dcp.async_save(state, checkpoint_id=path, **kwargs)
             stall = time.perf_counter() - start
             if isinstance(response, Future):
                 response.result()
@@ -340,7 +351,7 @@ def worker(args) -> None:
 
     from mpickpt.topology import Topology
 
-    topo = Topology.from_mpi(MPI.COMM_WORLD, backend="gloo")
+    topo = Topology.from_mpi(MPI.COMM_WORLD, backend=args.backend)
     results = []
     for size_mb in [float(s) for s in args.sizes_mb.split(",")]:
         t0 = time.perf_counter()
@@ -530,6 +541,9 @@ def main() -> None:
                    choices=("stop-the-world", "copy-on-update"),
                    help="mpickpt's --ckpt-snapshot (copy-on-update: the rows are copied after "
                         "save() returns)")
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
+                   help="nccl: the model on the GPUs (one per rank), the floor a device-to-host "
+                        "copy into page-locked memory")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(HERE / "results" / "checkpoint_stall.json"))
     args = p.parse_args()
@@ -547,7 +561,8 @@ def main() -> None:
     tmp = HERE / "results" / ".checkpoint_stall.tmp"
     cmd = [mpiexec(), "-n", str(args.ranks), sys.executable, __file__, "--worker", "--out", str(tmp),
            "--sizes-mb", args.sizes_mb, "--repeats", str(args.repeats), "--writers",
-           str(args.writers), "--dir", os.path.abspath(args.dir), "--snapshot", args.snapshot]
+           str(args.writers), "--dir", os.path.abspath(args.dir), "--snapshot", args.snapshot,
+           "--backend", args.backend]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.ranks)))
     start = time.perf_counter()
     try:
@@ -559,7 +574,7 @@ def main() -> None:
     tmp.unlink()
     meta = {"machine": platform.node(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
             "command": " ".join(sys.argv), "torch": _torch_version(), "dir": os.path.abspath(args.dir),
-            "snapshot": args.snapshot,
+            "snapshot": args.snapshot, "backend": args.backend,
             "filesystem": fs, "omp_num_threads": env["OMP_NUM_THREADS"],
             "elapsed_s": time.perf_counter() - start,
             "targets": {"stall_vs_memcpy": f"<= {TARGET_STALL_VS_MEMCPY}",

@@ -4,7 +4,7 @@
 # incrcp, 4-bit quantization and a resume + verify. Logs and JSON land in $OUT (default
 # /tmp/mpickpt-gpu). Python packages missing there can travel as wheels in .whl/ (installed into
 # /tmp/site). Usage: OUT=dir bash bench/gpu_checks.sh [section ...]
-#   sections: env tests bench train cou parity2   (default: all)
+#   sections: env tests bench train cou parity2 stall   (default: all but stall)
 #   cou: COU_SCALE_DOWN (Criteo Kaggle tables / this, default 2) and COU_PAIRS (default 1)
 set -u
 OUT=${OUT:-/tmp/mpickpt-gpu}
@@ -113,6 +113,18 @@ for path in sorted(glob.glob(f"{sys.argv[1]}/cou_none_*.json")):
 EOF
     timeout 120 python3 -m mpickpt.cli verify "$ck-copy-on-update" 2>&1 | tail -1
     ran "verify copy-on-update" "${PIPESTATUS[0]}"
+    ;;
+stall)
+    section "checkpoint stall on the GPU: stop-the-world and copy-on-update against DCP async_save"
+    # Open MPI as root, and the variables the ranks need (bench/checkpoint_stall.py launches mpiexec)
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+        OMPI_MCA_mca_base_env_list="PYTHONPATH;LD_LIBRARY_PATH;PYTHONUNBUFFERED"
+    for snap in stop-the-world copy-on-update; do
+        timeout 300 python3 bench/checkpoint_stall.py --ranks 1 --backend nccl --snapshot $snap \
+            --sizes-mb ${STALL_SIZES_MB:-64,256,1024} --repeats 3 --dir /tmp/mpickpt-stall \
+            --out "$OUT/stall_gpu_$snap.json" 2>&1 | tail -9
+        ran "stall $snap" "${PIPESTATUS[0]}"
+    done
     ;;
 *) echo "unknown section $s"; exit 2 ;;
 esac; done
