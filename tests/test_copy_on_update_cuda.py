@@ -18,6 +18,7 @@ cupy = cupy_with_gpu("copy-on-update of CUDA rows")
 
 from mpickpt.engine.copy_on_update import CopyOnUpdate  # noqa: E402
 from mpickpt.engine.pending_rows_cuda import unusable, word_bytes  # noqa: E402
+from mpickpt.engine.snapshot import numpy_dtype  # noqa: E402
 from mpickpt.engine.staging import StagingArea  # noqa: E402
 
 if unusable(torch.device("cuda", 0)) is not None:
@@ -45,8 +46,7 @@ def _tables(layout, seed):
 
 
 def _staging(tables):
-    specs = {n: (tuple(t.shape), str(torch.empty(0, dtype=t.dtype).numpy().dtype))
-             for n, t in tables.items()}
+    specs = {n: (tuple(t.shape), numpy_dtype(t)) for n, t in tables.items()}
     area = StagingArea(specs, pin_for_cuda=True)
     assert area.mapped
     return area, area.tensors()

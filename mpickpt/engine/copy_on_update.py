@@ -22,8 +22,9 @@ Where the rows live decides how they are copied (`mpickpt.engine.pending_rows`):
 torch copies under a host mask; CUDA tables by kernels (kernels/pending_rows.cu) that write the
 rows straight into the page-locked, mapped host staging, all enqueued on the training stream (an
 update on another stream is ordered after the copies by stream waits), so stream order puts every
-copy before the update that follows it and the step never waits for the device. Local: the copier is a thread of this rank; nothing here is
-collective.
+copy before the update that follows it and the step never waits for the device.
+
+Local: the copier is a thread of this rank; nothing here is collective.
 """
 from __future__ import annotations
 
