@@ -202,6 +202,14 @@ class Trainer:
                 return
             except Exception as e:
                 dead = self.survival.failed(e)  # re-raises unless a peer died
+                self._injected_kill(interrupted=True)
+
+    def _injected_kill(self, interrupted: bool = False) -> None:
+        """`--inject-kill`: SIGKILL this rank if it is named for the step it finished (or, when
+        `interrupted` by a peer's death, for the step that death broke). Local."""
+        kill = self.config.faults.inject_kill
+        if kill is not None and self._first_life():
+            kill.maybe_kill(self.step, self.topo.rank, interrupted)
 
     def _first_life(self) -> bool:
         """The job's first launch and generation: an injected kill fires there only, not again
@@ -323,8 +331,7 @@ class Trainer:
             if self.votes[0] > 0:
                 self._stop_on_signal()
                 return
-            if cfg.faults.inject_kill is not None and self._first_life():
-                cfg.faults.inject_kill.maybe_kill(self.step, self.topo.rank)
+            self._injected_kill()
             lost = self.faults.loss_after(self.step)
             if lost is not None:
                 self._recover(lost)

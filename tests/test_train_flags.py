@@ -230,6 +230,16 @@ def test_scripted_losses_fire_once_each_in_step_order():
     assert script.due(7, fired).ranks == (1,) and fired == {3, 7}
 
 
+def test_an_injected_kill_fires_after_its_step_or_when_a_death_breaks_that_step():
+    kill = TrainConfig.from_args(["--inject-kill", "30:1,3"]).faults.inject_kill
+    assert [kill.due(s, 1) for s in (29, 30, 31)] == [False, True, False]
+    assert not kill.due(30, 2)
+    # a peer's death seen before this rank's own kill: during step 30 (29 finished) or after it
+    assert [kill.due(s, 3, interrupted=True) for s in (28, 29, 30, 31)] == [False, True, True,
+                                                                          False]
+    assert not kill.due(29, 0, interrupted=True)
+
+
 def test_spares_are_refused_where_nothing_can_place_them():
     """--spares and --warm-respawn need in-place recovery under a respawning agent, and spares
     a rank left to train; mpickpt-run -n N launches N + S processes."""

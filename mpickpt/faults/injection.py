@@ -42,9 +42,17 @@ class KillAt(StepRanks):
 
     FLAG = "--inject-kill"
 
-    def maybe_kill(self, step: int, rank: int) -> None:
-        """SIGKILL this process if it is named for this step. Local."""
-        if step == self.step and rank in self.ranks:
+    def due(self, step: int, rank: int, interrupted: bool = False) -> bool:
+        """Whether `rank`, having finished step `step`, is to die now. `interrupted`: a peer's
+        death broke step `step` + 1 (or what follows step `step`): a rank named for that step
+        dies then too, instead of recovering, so that ranks named together die together even
+        when one of them sees another's death before it reaches its own. Local."""
+        return rank in self.ranks and (step == self.step or
+                                       (interrupted and step + 1 == self.step))
+
+    def maybe_kill(self, step: int, rank: int, interrupted: bool = False) -> None:
+        """SIGKILL this process if it is named for this step (`due`). Local."""
+        if self.due(step, rank, interrupted):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
