@@ -8,7 +8,8 @@
  * the polish needs (in double); the walk's two moves share one pass (evaluate2), with the same
  * arithmetic per candidate. The same call can pack each row's codes right after its search, while
  * the row is in cache, and flags rows float16 parameters cannot cover (NaN, inf, |x| > 65504). The
- * call releases the GIL, so Python threads can split the rows.
+ * call releases the GIL, so Python threads can split the rows. `decode_rows` is the way back:
+ * packed codes to o + s*c in one pass, into the caller's buffer (a restore's destination).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -364,48 +365,81 @@ static PyObject *search_rows(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* Rows o + s*c of one row's packed codes (code j at bit j*bits of the row's little-endian
+ * bytes, as encode_row packs them): the product rounded to float, then the sum, as
+ * mpickpt.quant.search.decode_codes computes them in numpy (ISO C: no FMA contraction). */
+CLONES static void decode_row(const uint8_t *in, int d, int bits, float s, float o, float *out) {
+    const uint64_t mask = (1u << bits) - 1u;
+    int row_bytes = (d * bits + 7) / 8, j = 0, at = 0;
+    for (; j < d; j += 8, at += bits) { /* eight codes fill exactly `bits` bytes */
+        int nb = row_bytes - at < bits ? row_bytes - at : bits, take = d - j < 8 ? d - j : 8;
+        uint64_t w = 0;
+        for (int b = 0; b < nb; b++) w |= (uint64_t)in[at + b] << (8 * b);
+        for (int k = 0; k < take; k++) out[j + k] = (float)((w >> (k * bits)) & mask) * s + o;
+    }
+}
+
 /* encode_rows(x: float32 buffer (n*d), n, d, bits, scale: float32 (n), offset: float32 (n),
- *             out: uint8 buffer (n * ceil(d*bits/8))) */
-static PyObject *encode_rows(PyObject *self, PyObject *args) {
-    Py_buffer xb, sb, ob, cb;
+ *             out: uint8 buffer (n * ceil(d*bits/8)))
+ * decode_rows(codes: uint8 buffer (n * ceil(d*bits/8)), n, d, bits, scale, offset,
+ *             out: float32 buffer (n*d)) */
+static PyObject *convert_rows(PyObject *args, int decode) {
+    Py_buffer ib, sb, ob, xb;
     Py_ssize_t n;
     int d, bits;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "y*niiy*y*w*", &xb, &n, &d, &bits, &sb, &ob, &cb)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*niiy*y*w*", &ib, &n, &d, &bits, &sb, &ob, &xb)) return NULL;
     Py_ssize_t row_bytes = ((Py_ssize_t)d * bits + 7) / 8;
+    Py_ssize_t floats = n * d * (Py_ssize_t)sizeof(float), codes = n * row_bytes;
     PyObject *result = NULL;
-    if (d < 1 || bits < 1 || bits > 8 || xb.len < (Py_ssize_t)(n * d * sizeof(float))
+    if (d < 1 || bits < 1 || bits > 8 || n < 0 || ib.len < (decode ? codes : floats)
         || sb.len < (Py_ssize_t)(n * sizeof(float)) || ob.len < (Py_ssize_t)(n * sizeof(float))
-        || cb.len < n * row_bytes) {
-        PyErr_SetString(PyExc_ValueError, "encode_rows: buffer sizes do not match n, d and bits");
+        || xb.len < (decode ? floats : codes)) {
+        PyErr_Format(PyExc_ValueError, "%s: buffer sizes do not match n, d and bits",
+                     decode ? "decode_rows" : "encode_rows");
     } else {
-        const float *x = (const float *)xb.buf, *scale = (const float *)sb.buf,
-                    *offset = (const float *)ob.buf;
-        uint8_t *codes = (uint8_t *)cb.buf;
+        const float *scale = (const float *)sb.buf, *offset = (const float *)ob.buf;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++)
-            encode_row(x + i * d, d, bits, scale[i], offset[i], codes + i * row_bytes);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (decode)
+                decode_row((const uint8_t *)ib.buf + i * row_bytes, d, bits, scale[i],
+                           offset[i], (float *)xb.buf + i * d);
+            else
+                encode_row((const float *)ib.buf + i * d, d, bits, scale[i], offset[i],
+                           (uint8_t *)xb.buf + i * row_bytes);
+        }
         Py_END_ALLOW_THREADS
         result = Py_None;
         Py_INCREF(result);
     }
-    PyBuffer_Release(&xb);
+    PyBuffer_Release(&ib);
     PyBuffer_Release(&sb);
     PyBuffer_Release(&ob);
-    PyBuffer_Release(&cb);
+    PyBuffer_Release(&xb);
     return result;
+}
+
+static PyObject *encode_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    return convert_rows(args, 0);
+}
+
+static PyObject *decode_rows(PyObject *self, PyObject *args) {
+    (void)self;
+    return convert_rows(args, 1);
 }
 
 static PyMethodDef methods[] = {
     {"encode_rows", encode_rows, METH_VARARGS,
      "Nearest codes of every row for float32 scale/offset, packed little-endian per row."},
+    {"decode_rows", decode_rows, METH_VARARGS,
+     "Rows offset + scale * code of packed codes, into a float32 buffer (no FMA: numpy's values)."},
     {"search_rows", search_rows, METH_VARARGS,
      "Per-row float16 scale and offset by the greedy walk (refine=0) or the refined search, and "
      "optionally the packed codes; returns the first row out of float16's range, or -1."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_quant_cpu",
-                                    "CPU kernel of mpickpt's quantization range search.", -1,
+                                    "CPU kernels of mpickpt's quantization: range search, encode, decode.", -1,
                                     methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__quant_cpu(void) { return PyModule_Create(&module); }

@@ -106,6 +106,28 @@ def test_fused_search_and_encode_equals_search_then_encode(seed, bits, dim, sear
     assert np.array_equal(codes, pack(rs.encode_codes(x, want_s, want_o, bits), bits))
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), bits=st.sampled_from(WIDTHS), dim=st.integers(1, 70),
+       n=st.integers(0, 40))
+def test_the_compiled_decode_equals_numpys_bit_for_bit(seed, bits, dim, n):
+    if rs.c_kernel() is None:
+        pytest.skip("the CPU quantization kernel is not built")
+    rng = np.random.default_rng(seed)
+    packed = pack(rng.integers(0, 1 << bits, (n, dim)), bits)
+    scale = (rng.standard_normal(n) * 10.0 ** rng.integers(-6, 3, n)).astype(np.float16)
+    offset = (rng.standard_normal(n) * 10.0 ** rng.integers(-6, 3, n)).astype(np.float16)
+    want = rs.decode_codes(unpack(packed, bits, dim), scale, offset)
+    got = rs.decode_packed(packed, scale, offset, bits, dim)
+    assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    into = np.full((n + 2, dim), np.nan, np.float32)  # straight into rows 1..n of a bigger array
+    got = rs.decode_packed(packed, scale, offset, bits, dim, into[1:n + 1])
+    assert n == 0 or np.shares_memory(got, into)
+    assert np.array_equal(into[1:n + 1], want) and np.isnan(into[[0, -1]]).all()
+    strided = np.zeros((n, dim + 1), np.float32)[:, :dim]  # not contiguous: decoded, then copied
+    rs.decode_packed(packed, scale, offset, bits, dim, strided)
+    assert np.array_equal(strided, want)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bad", [np.nan, -np.inf, 70000.0])
 def test_fused_search_names_the_first_row_out_of_float16_range(bad, threads):
@@ -169,6 +191,8 @@ def test_encoded_arrays_span_blocks_copy_raw_and_catch_corruption(tmp_path):
         whole = codec.decode(codec.encode(x), dim)
         a, b = BLOCK_ROWS - 5, BLOCK_ROWS + 7  # across the block boundary
         assert np.array_equal(rows.rows(a, b), whole[a:b])
+        into = np.zeros((b - a, dim), np.float32)
+        assert rows.rows(a, b, into) is into and np.array_equal(into, whole[a:b])
         raw = rows.raw(10, 20)
     with h5py.File(str(tmp_path / "b.h5"), "w") as g:
         write_raw(g, "w", EncodedRows.concat([raw, raw[np.arange(3)]]))

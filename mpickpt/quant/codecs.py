@@ -116,15 +116,19 @@ class Codec:
         return rs.search(x, self.bits, self.search, self.bins, self.range_ratio,
                          threads=self.threads)
 
-    def decode(self, arrays: dict[str, np.ndarray], dim: int) -> np.ndarray:
-        """Rows float32 (n, dim) from stored arrays. Local."""
+    def decode(self, arrays: dict[str, np.ndarray], dim: int,
+               out: np.ndarray | None = None) -> np.ndarray:
+        """Rows float32 (n, dim) from stored arrays; the uniform codecs decode straight into
+        `out` where it takes them (C-contiguous float32, n*dim values: `search.decode_packed`),
+        and every codec returns the rows, which are then `out` exactly when written there. Local."""
         if self.name in ("fp32", "fp16"):
             return np.asarray(arrays["values"], dtype=np.float32)
-        codes = unpack(arrays["codes"], self.bits, dim)
         if self.name == "kmeans":
+            codes = unpack(arrays["codes"], self.bits, dim)
             cent = arrays["centroids"].astype(np.float32)
             return np.take_along_axis(cent, codes.astype(np.int64), axis=1)
-        return rs.decode_codes(codes, arrays["scale"], arrays["offset"])
+        return rs.decode_packed(arrays["codes"], arrays["scale"], arrays["offset"], self.bits,
+                                dim, out)
 
     def array_names(self) -> tuple[str, ...]:
         if self.name in ("fp32", "fp16"):

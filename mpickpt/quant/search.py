@@ -221,6 +221,33 @@ def decode_codes(codes: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np
             + offset.astype(np.float32)[:, None])
 
 
+def decode_packed(packed: np.ndarray, scale: np.ndarray, offset: np.ndarray, bits: int,
+                  dim: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Rows o + s*c float32 (n, dim) of packed codes (n, ceil(dim*bits/8)): the compiled kernel
+    in one pass where built, written into `out` when given (C-contiguous float32 of n*dim
+    values, returned as (n, dim)); else `packing.unpack` + `decode_codes`. The same values
+    either way. Local."""
+    from mpickpt.quant.packing import packed_bytes, unpack
+
+    n = len(packed)
+    kernel = c_kernel()
+    fits = out is None or (out.dtype == np.float32 and out.flags.c_contiguous
+                           and out.size == n * dim)
+    if kernel is None or not fits or packed.ndim != 2 \
+            or packed.shape[1] != packed_bytes(dim, bits):
+        rows = decode_codes(unpack(packed, bits, dim), scale, offset)
+        if out is None:
+            return rows
+        out.reshape(n, dim)[...] = rows
+        return out.reshape(n, dim)
+    rows = np.empty((n, dim), np.float32) if out is None else out.reshape(n, dim)
+    if n:
+        kernel.decode_rows(np.ascontiguousarray(packed, dtype=np.uint8), n, dim, bits,
+                           np.ascontiguousarray(scale, dtype=np.float32),
+                           np.ascontiguousarray(offset, dtype=np.float32), rows)
+    return rows
+
+
 def row_loss(x: np.ndarray, scale: np.ndarray, offset: np.ndarray, bits: int) -> np.ndarray:
     """Exact squared L2 error per row of storing `x` with these parameters. Local."""
     err = decode_codes(encode_codes(x, scale, offset, bits), scale, offset) - x

@@ -60,7 +60,10 @@ class StoredRows:
         `shard_file.read_rows`). Local."""
         if self.codec is None:
             return read_rows(self.obj, start, stop, self.path, out=out)
-        rows = self.codec.decode(self.raw(start, stop).arrays, self.dim)
+        into = out if out is not None and self.dtype == np.float32 else None
+        rows = self.codec.decode(self.raw(start, stop).arrays, self.dim, into)
+        if into is not None and np.may_share_memory(rows, into):
+            return out  # decoded in place
         rows = rows.reshape((stop - start, *self.shape[1:])).astype(self.dtype, copy=False)
         if out is None:
             return rows
