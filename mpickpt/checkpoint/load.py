@@ -7,6 +7,7 @@ the rows in those ranges (plus the checksum blocks around them).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from mpickpt.kinds.registry import checkpoint_segments, format_of
 from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import Manifest, list_manifests, parent_manifests, torn_dirs
 from mpickpt.store.segments import load_rows, wanted_files
-from mpickpt.store.shard_file import open_shard, read_all
+from mpickpt.store.shard_file import OpenShards, open_shard, read_all
 
 
 @dataclass
@@ -70,12 +71,14 @@ def check_compatible(manifest: Manifest, plan, dim: int, row_names) -> None:
                               f"(optimizer {manifest.optimizer}); the model needs {sorted(row_names)}")
 
 
-def load_dense(root: str, manifest: Manifest) -> dict[str, np.ndarray]:
+def load_dense(root: str, manifest: Manifest, files: OpenShards | None = None
+               ) -> dict[str, np.ndarray]:
     """Every dataset under /dense of the dense file, verified. Listed and opened through HDF5's
     own visit and low-level opens (h5py's `visititems` builds an object per member: a third of
-    the time for the ~70 objects of a dense file). Local."""
+    the time for the ~70 objects of a dense file). `files`: where the file is opened (kept
+    open there), else opened and closed here. Local."""
     path = os.path.join(root, manifest.dense_file())
-    with open_shard(path) as f:
+    with _opened(path, files) as f:
         group = f["dense"].id
         names: list[bytes] = []
         h5py.h5o.visit(group, lambda n, info: names.append(n)
@@ -85,12 +88,14 @@ def load_dense(root: str, manifest: Manifest) -> dict[str, np.ndarray]:
                 for name in names}
 
 
-def load_rng(root: str, manifest: Manifest, rank: int) -> dict[str, bytes]:
-    """RNG states saved by the same rank number, if that rank existed. Local."""
+def load_rng(root: str, manifest: Manifest, rank: int, files: OpenShards | None = None
+             ) -> dict[str, bytes]:
+    """RNG states saved by the same rank number, if that rank existed (`files`: as
+    `load_dense`'s). Local."""
     for rel, meta in manifest.files.items():
         if meta["role"] in ("shard", "extra") and meta["rank"] == rank and meta["part"] == 0:
             path = os.path.join(root, rel)
-            with open_shard(path) as f:
+            with _opened(path, files) as f:
                 extra = f.get("extra")
                 return {} if extra is None else {k: read_all(extra[k], path).tobytes()
                                                  for k in extra if not k.endswith(".crc")}
@@ -106,9 +111,17 @@ def load_checkpoint(root: str, manifest: Manifest, plan, rank: int, dim: int,
     by_step = by_step or {}
     segments = checkpoint_segments(root, manifest, by_step)
     check_read_files(root, manifest, by_step, segments, plan, rank)
-    rows = load_rows(root, segments, plan, rank, templates, manifest.step)
-    return LoadedState(manifest.step, rows, load_dense(root, manifest),
-                       load_rng(root, manifest, rank), manifest)
+    with OpenShards() as files:  # a rank's own shard holds its rows and its RNG states
+        rows = load_rows(root, segments, plan, rank, templates, manifest.step,
+                         opener=files.open)
+        return LoadedState(manifest.step, rows, load_dense(root, manifest, files),
+                           load_rng(root, manifest, rank, files), manifest)
+
+
+def _opened(path: str, files: OpenShards | None):
+    """The shard at `path`, as a context: kept open in `files` when given, else closed at
+    exit. Local."""
+    return contextlib.nullcontext(files.open(path)) if files is not None else open_shard(path)
 
 
 def load_row_range(root: str, manifest: Manifest, plan, rank: int, dim: int, templates: dict,

@@ -221,19 +221,20 @@ def owned_ranges(plan, rank: int, rows: tuple[int, int] | None = None
 
 def load_rows(root: str, segments: list[Segment], plan, rank: int, templates: dict,
               step: int, complete: bool = True, rows: tuple[int, int] | None = None,
-              with_steps: bool = False):
+              with_steps: bool = False, opener=None):
     """This rank's rows under `plan` from `segments` (only local rows [rows[0], rows[1]) when
     given); where several segments hold a row, the highest order (newest step) wins. Local.
 
     `templates` maps row-array names to (shape tail, dtype). With `complete`, every row must come
     from some segment (benchmarks read an incremental checkpoint's increments alone). With
-    `with_steps`, returns (rows, the step that wrote each row) instead."""
+    `with_steps`, returns (rows, the step that wrote each row) instead. `opener`: as
+    `SegmentReader`'s."""
     lo, hi = rows if rows is not None else (0, plan.local_rows(rank))
     n = hi - lo
     out = {k: np.empty((n, *tail), dtype=dt) for k, (tail, dt) in templates.items()}
     newest = np.full(n, np.iinfo(np.int64).min, dtype=np.int64)
     ranges = owned_ranges(plan, rank, (lo, hi))
-    with SegmentReader(root) as reader:
+    with SegmentReader(root, opener) as reader:
         for seg in segments:
             if not _wanted(seg, ranges):  # another rank's file: not even opened
                 continue

@@ -220,6 +220,28 @@ def open_shard(path: str, check_attrs: bool = True) -> h5py.File:
     return f
 
 
+class OpenShards:
+    """Shard files opened with `open_shard` (attributes checked) once each for one reader that
+    visits a file more than once (a restore reads rows, then RNG states from the same shard);
+    closed at exit. `open(path)` is an opener for `segments.SegmentReader`. Local."""
+
+    def __init__(self):
+        self.files: dict[str, h5py.File] = {}
+
+    def open(self, path: str) -> h5py.File:
+        if path not in self.files:
+            self.files[path] = open_shard(path)
+        return self.files[path]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for f in self.files.values():
+            f.close()
+        self.files = {}
+
+
 def alignment(align: int) -> dict:
     """h5py.File arguments that start every object of at least `align` bytes at a multiple of
     `align` (a parallel filesystem's stripe size, so no two ranks' datasets share a stripe); {}
