@@ -103,17 +103,20 @@ def load_rng(root: str, manifest: Manifest, rank: int, files: OpenShards | None 
 
 
 def load_checkpoint(root: str, manifest: Manifest, plan, rank: int, dim: int,
-                    templates: dict, by_step: dict[int, Manifest] | None = None) -> LoadedState:
+                    templates: dict, by_step: dict[int, Manifest] | None = None,
+                    into: dict | None = None) -> LoadedState:
     """Everything this rank needs from one checkpoint of any kind; CheckpointError on any problem.
 
-    `by_step` holds the committed manifests an incremental checkpoint builds on. Local."""
+    `by_step` holds the committed manifests an incremental checkpoint builds on. `into`: the
+    arrays the rows are read straight into (`segments.load_rows`); the state's rows are then
+    those arrays. Local."""
     check_compatible(manifest, plan, dim, templates)
     by_step = by_step or {}
     segments = checkpoint_segments(root, manifest, by_step)
     check_read_files(root, manifest, by_step, segments, plan, rank)
     with OpenShards() as files:  # a rank's own shard holds its rows and its RNG states
         rows = load_rows(root, segments, plan, rank, templates, manifest.step,
-                         opener=files.open)
+                         opener=files.open, into=into)
         return LoadedState(manifest.step, rows, load_dense(root, manifest, files),
                            load_rng(root, manifest, rank, files), manifest)
 

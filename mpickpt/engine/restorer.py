@@ -75,7 +75,11 @@ class Restorer:
         manifests = self._committed()
         self._remove_leftovers(manifests)
         candidates = list(reversed(manifests)) if latest else self._candidates(manifests)
-        found = self._first_usable(candidates, manifests, self._try_load)
+        into = None if latest else self._own_rows()
+
+        def load(manifest, by_step):
+            return self._try_load(manifest, by_step, into)
+        found = self._first_usable(candidates, manifests, load)
         if found is None:
             return None
         restored = self._apply(found)
@@ -194,12 +198,41 @@ class Restorer:
         return {k: (tuple(t.shape[1:]), np.dtype(numpy_dtype(t)))
                 for k, t in self.model.row_state().items()}
 
-    def _try_load(self, manifest: Manifest, by_step: dict):
+    def _own_rows(self) -> dict[str, np.ndarray] | None:
+        """The model's row state as numpy arrays sharing its memory, for a restore that reads
+        rows straight into place: no second copy of the rows in memory, no copy into the model
+        afterwards. Only where every row tensor lives on the CPU, contiguous, in a numpy dtype;
+        else None (the rows are loaded apart and copied in). Only the job's first restore uses
+        it: nothing else sees the model then (the survivors' watch starts after it, so no dump
+        can copy rows half-way through), and a candidate that fails half-way is followed by one
+        that writes every row, or by the error that ends the job. Local."""
+        views, n = {}, self.model.plan.local_rows(self.topo.rank)
+        for name, t in self.model.row_state().items():
+            if t.device.type != "cpu" or not t.is_contiguous() or t.dim() < 1 or len(t) != n:
+                return None
+            try:
+                views[name] = t.detach().numpy()
+            except (TypeError, RuntimeError):  # no numpy dtype (bfloat16), or a tensor subclass
+                return None
+            if views[name].dtype != np.dtype(numpy_dtype(t)) or not views[name].flags.writeable:
+                return None
+        return views
+
+    def _try_load(self, manifest: Manifest, by_step: dict, into=None):
         try:
             return None, load_checkpoint(self.root, manifest, self.model.plan, self.topo.rank,
-                                         self.model.embeddings.dim, self._templates(), by_step)
+                                         self.model.embeddings.dim, self._templates(), by_step,
+                                         into)
         except LOAD_ERRORS as e:
             return str(e), None
+
+    def _in_place(self, rows: dict) -> bool:
+        """Whether `rows` are the model's own row memory (`_own_rows`), already in place. Local."""
+        mine = self.model.row_state()
+        return set(rows) == set(mine) and all(
+            isinstance(a, np.ndarray) and a.size and mine[k].device.type == "cpu"
+            and a.__array_interface__["data"][0] == mine[k].data_ptr()
+            and a.nbytes == mine[k].numel() * mine[k].element_size() for k, a in rows.items())
 
     def _try_rows(self, manifest: Manifest, by_step: dict, shards):
         m = self.model
@@ -212,7 +245,8 @@ class Restorer:
             return str(e), None
 
     def _apply(self, loaded) -> Restored:
-        self.model.load_row_state(loaded.rows)
+        if not self._in_place(loaded.rows):
+            self.model.load_row_state(loaded.rows)
         self.model.load_dense_state(loaded.dense)
         if "torch_cpu_rng" in loaded.rng:
             torch.set_rng_state(torch.frombuffer(bytearray(loaded.rng["torch_cpu_rng"]),

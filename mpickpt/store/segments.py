@@ -221,17 +221,19 @@ def owned_ranges(plan, rank: int, rows: tuple[int, int] | None = None
 
 def load_rows(root: str, segments: list[Segment], plan, rank: int, templates: dict,
               step: int, complete: bool = True, rows: tuple[int, int] | None = None,
-              with_steps: bool = False, opener=None):
+              with_steps: bool = False, opener=None, into: dict | None = None):
     """This rank's rows under `plan` from `segments` (only local rows [rows[0], rows[1]) when
     given); where several segments hold a row, the highest order (newest step) wins. Local.
 
     `templates` maps row-array names to (shape tail, dtype). With `complete`, every row must come
     from some segment (benchmarks read an incremental checkpoint's increments alone). With
     `with_steps`, returns (rows, the step that wrote each row) instead. `opener`: as
-    `SegmentReader`'s."""
+    `SegmentReader`'s. `into`: writable arrays the rows go straight into instead of new ones
+    (one per template, (n, *tail) of its dtype: a model's own row memory; `place` checks them),
+    whose rows are undefined after an error."""
     lo, hi = rows if rows is not None else (0, plan.local_rows(rank))
     n = hi - lo
-    out = {k: np.empty((n, *tail), dtype=dt) for k, (tail, dt) in templates.items()}
+    out = place(templates, n, into)
     newest = np.full(n, np.iinfo(np.int64).min, dtype=np.int64)
     ranges = owned_ranges(plan, rank, (lo, hi))
     with SegmentReader(root, opener) as reader:
@@ -253,6 +255,22 @@ def load_rows(root: str, segments: list[Segment], plan, rank: int, templates: di
                               f"e.g. global ids "
                               f"{plan.local_to_global(rank, lo + missing[:5]).tolist()}")
     return (out, newest) if with_steps else out
+
+
+def place(templates: dict, n: int, into: dict | None) -> dict[str, np.ndarray]:
+    """Where `load_rows` puts `n` rows of each template: the arrays of `into` when it has one
+    of each template's shape and dtype, writable (ValueError naming the first that is not),
+    else new arrays. Local."""
+    if into is None:
+        return {k: np.empty((n, *tail), dtype=dt) for k, (tail, dt) in templates.items()}
+    for k, (tail, dt) in templates.items():
+        a = into.get(k)
+        if a is None or a.shape != (n, *tail) or a.dtype != np.dtype(dt) \
+                or not a.flags.writeable:
+            raise ValueError(f"rows cannot be loaded into {k!r}: it is "
+                             f"{None if a is None else (a.shape, str(a.dtype))}, expected a "
+                             f"writable {(n, *tail)} array of {np.dtype(dt)}")
+    return {k: into[k] for k in templates}
 
 
 def _apply_sorted(reader, seg, group, start, gids, mine, out, newest) -> None:

@@ -116,6 +116,55 @@ def test_gap_control_and_round_trip(topology, ckpt_dir):
     assert fresh.digest() == model.digest()
 
 
+@pytest.mark.mpi(min_size=1)
+def test_the_first_restore_reads_rows_into_place_and_a_half_read_damaged_one_falls_back(
+        topology, ckpt_dir, monkeypatch):
+    """The job's first restore reads rows straight into the model's own memory (no copy into
+    it afterwards); when the newest checkpoint turns out damaged after some tables were read
+    into place, the previous one overwrites every row, so the state is exactly its. A later
+    restore (a rollback while training goes on) loads apart and copies in."""
+    from mpickpt.store.manifest import list_manifests as listed
+    from mpickpt.store.shard_file import open_hdf5
+
+    model = make_model(topology)
+    mgr, _ = manager(topology, model, ckpt_dir, interval=3, keep=5)
+    states = {}
+    for step in range(1, 7):
+        _one_step(topology, model)
+        if step % 3 == 0:
+            assert mgr.save(step, {"kind": "synthetic", "sample_index": step}, wait=True)
+            states[step] = ({k: v.clone() for k, v in model.row_state().items()}, model.digest())
+    mgr.close()
+    newest = listed(ckpt_dir)[-1]
+    assert newest.step == 6
+    if topology.is_root:  # damage the last table's rows of rank 0's shard: read after others
+        rel = next(r for r, m in newest.files.items() if m["role"] == "shard" and m["rank"] == 0)
+        with open_hdf5(f"{ckpt_dir}/{rel}", "r") as f:
+            last = max(int(t) for t in f["tables"])
+            offset = f[f"tables/{last}/weight"].id.get_offset()
+        with open(f"{ckpt_dir}/{rel}", "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    topology.control.Barrier()
+    fresh = make_model(topology, seed=99)
+    before = {k: v.data_ptr() for k, v in fresh.row_state().items()}
+    monkeypatch.setattr(fresh, "load_row_state", lambda arrays: pytest.fail("copied in"))
+    lines = []
+    restored = Restorer(topology, ckpt_dir, fresh, lines.append, "latest").restore()
+    assert restored.step == 3
+    assert {k: v.data_ptr() for k, v in fresh.row_state().items()} == before
+    for name, value in fresh.row_state().items():
+        assert torch.equal(value, states[3][0][name]), name
+    assert fresh.digest() == states[3][1]
+    assert topology.rank != 0 or any("step 6 unusable" in l and "checksum" in l for l in lines)
+    copied = []
+    monkeypatch.setattr(fresh, "load_row_state", copied.append)
+    assert Restorer(topology, ckpt_dir, fresh, lines.append, "latest").restore(latest=True).step \
+        == 3 and len(copied) == 1 and set(copied[0]) == set(before)
+
+
 def _one_step(topology, model):
     world = topology.world_size
     stream = SyntheticStream(SyntheticConfig(table_sizes=SIZES))
