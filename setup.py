@@ -3,8 +3,11 @@ from setuptools import Extension, find_packages, setup
 
 # The CPU kernel of the quantization range search (mpickpt._quant_cpu). Optional: without a C
 # compiler the install still succeeds and mpickpt.quant.search falls back to its torch path.
+# -ffp-contract=off: no FMAs (clang contracts by default even in ISO C), so decoded rows equal
+# numpy's bit for bit on every compiler and machine.
 QUANT_CPU = Extension("mpickpt._quant_cpu", sources=["kernels/quant_rows_cpu.c"],
-                      extra_compile_args=["-O3", "-std=c11"], optional=True)
+                      extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off"],
+                      optional=True)
 
 # The CPU fold of parity deltas (mpickpt._parity_cpu), optional too: mpickpt.parity falls back to
 # torch indexing.

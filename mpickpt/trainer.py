@@ -73,7 +73,7 @@ class Trainer:
                                  rec.dumps_mode(os.environ, config.checkpoint is not None),
                                  rec.peer_timeout, self.log.say,
                                  in_place=rec.in_place_wanted(os.environ),
-                                 on_notice=lambda: self.signals.mute_death_notices(10.0))
+                                 on_notice=self._on_death_notice)
         self.in_place = InPlace(topo, self.model, self.survival.undo, self.parity,
                                 rec.join_timeout)
         if self.survival.in_place and rec.spares:
@@ -203,6 +203,14 @@ class Trainer:
             except Exception as e:
                 dead = self.survival.failed(e)  # re-raises unless a peer died
                 self._injected_kill(interrupted=True)
+
+    def _on_death_notice(self) -> None:
+        """On the watch thread, the moment a peer's death is known: mute the death notices a
+        signal would bring, and let a rank named by `--inject-kill` for the step that death
+        broke die now (in place or not: a relaunch must not find it alive). Local."""
+        self.signals.mute_death_notices(10.0)
+        if hasattr(self, "step"):
+            self._injected_kill(interrupted=True)
 
     def _injected_kill(self, interrupted: bool = False) -> None:
         """`--inject-kill`: SIGKILL this rank if it is named for the step it finished (or, when

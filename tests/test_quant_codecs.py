@@ -126,6 +126,9 @@ def test_the_compiled_decode_equals_numpys_bit_for_bit(seed, bits, dim, n):
     strided = np.zeros((n, dim + 1), np.float32)[:, :dim]  # not contiguous: decoded, then copied
     rs.decode_packed(packed, scale, offset, bits, dim, strided)
     assert np.array_equal(strided, want)
+    flat = np.zeros(2 * n * dim, np.float32)[::2]  # n*dim values in another shape, strided
+    got = rs.decode_packed(packed, scale, offset, bits, dim, flat)
+    assert np.array_equal(flat, want.ravel()) and np.array_equal(got.reshape(n, dim), want)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

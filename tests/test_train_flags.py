@@ -240,7 +240,33 @@ def test_an_injected_kill_fires_after_its_step_or_when_a_death_breaks_that_step(
     assert not kill.due(29, 0, interrupted=True)
 
 
-def test_spares_are_refused_where_nothing_can_place_them():
+@pytest.mark.parametrize("step, generation, killed", [(29, 0, True), (30, 0, True),
+                                                      (28, 0, False), (29, 1, False)])
+def test_a_death_notice_kills_a_rank_named_for_the_step_it_broke(monkeypatch, step, generation,
+                                                                 killed):
+    """The watch thread's notice (in place or not) fires the kill; never in a later generation."""
+    import signal
+    from types import SimpleNamespace
+
+    from mpickpt.faults import injection
+    from mpickpt.launch.rank_wrapper import RESTART_VARIABLE
+    from mpickpt.trainer import Trainer
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.config = TrainConfig.from_args(["--inject-kill", "30:1"])
+    trainer.topo = SimpleNamespace(rank=1, generation=generation, replacement=False)
+    muted = []
+    trainer.signals = SimpleNamespace(mute_death_notices=muted.append)
+    sent = []
+    monkeypatch.setattr(injection.os, "kill", lambda pid, sig: sent.append(sig))
+    monkeypatch.delenv(RESTART_VARIABLE, raising=False)
+    trainer._on_death_notice()  # before the trainer has a step: nothing to decide yet
+    trainer.step = step
+    trainer._on_death_notice()
+    assert sent == ([signal.SIGKILL] if killed else []) and muted == [10.0, 10.0]
+
+
+
     """--spares and --warm-respawn need in-place recovery under a respawning agent, and spares
     a rank left to train; mpickpt-run -n N launches N + S processes."""
     from mpickpt.launch.relaunch import processes

@@ -225,12 +225,13 @@ def decode_packed(packed: np.ndarray, scale: np.ndarray, offset: np.ndarray, bit
                   dim: int, out: np.ndarray | None = None) -> np.ndarray:
     """Rows o + s*c float32 (n, dim) of packed codes (n, ceil(dim*bits/8)): the compiled kernel
     in one pass where built, written into `out` when given (C-contiguous float32 of n*dim
-    values, returned as (n, dim)); else `packing.unpack` + `decode_codes`. The same values
-    either way. Local."""
+    values: returned as (n, dim); any other array of n*dim values is filled by a copy and
+    returned as it is); else `packing.unpack` + `decode_codes`. The same values either way.
+    Local."""
     from mpickpt.quant.packing import packed_bytes, unpack
 
     n = len(packed)
-    kernel = c_kernel()
+    kernel = getattr(c_kernel(), "decode_rows", None)  # None too in a build that predates it
     fits = out is None or (out.dtype == np.float32 and out.flags.c_contiguous
                            and out.size == n * dim)
     if kernel is None or not fits or packed.ndim != 2 \
@@ -238,13 +239,13 @@ def decode_packed(packed: np.ndarray, scale: np.ndarray, offset: np.ndarray, bit
         rows = decode_codes(unpack(packed, bits, dim), scale, offset)
         if out is None:
             return rows
-        out.reshape(n, dim)[...] = rows
-        return out.reshape(n, dim)
+        np.copyto(out, rows.reshape(out.shape))
+        return out.reshape(n, dim) if out.flags.c_contiguous else out
     rows = np.empty((n, dim), np.float32) if out is None else out.reshape(n, dim)
     if n:
-        kernel.decode_rows(np.ascontiguousarray(packed, dtype=np.uint8), n, dim, bits,
-                           np.ascontiguousarray(scale, dtype=np.float32),
-                           np.ascontiguousarray(offset, dtype=np.float32), rows)
+        kernel(np.ascontiguousarray(packed, dtype=np.uint8), n, dim, bits,
+               np.ascontiguousarray(scale, dtype=np.float32),
+               np.ascontiguousarray(offset, dtype=np.float32), rows)
     return rows
 
 
