@@ -264,11 +264,6 @@ def med(values) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
 
-def _listed(value) -> list:
-    """A list of values (raw files from before --restores hold one number). Local."""
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
 def summarize(raw: dict, checkpoints: int) -> list[dict]:
     base = statistics.mean(raw["baseline_s"])
     rows = []
@@ -276,8 +271,8 @@ def summarize(raw: dict, checkpoints: int) -> list[dict]:
         rows.append({"mode": mode, "stall_ms": med(r["stall_s"]) * 1e3,
                      "MB_per_ckpt": statistics.mean(r["bytes"]) / 1e6 if r["bytes"] else 0.0,
                      "lost_ms_per_ckpt": (r["wall_s"] - base) / checkpoints * 1e3,
-                     "drain_s": r["drain_s"], "restore_s": med(_listed(r["restore_s"])),
-                     "restores_s": _listed(r["restore_s"]),
+                     "drain_s": r["drain_s"], "restore_s": med(r["restore_s"]),
+                     "restores_s": r["restore_s"],
                      "kinds": r.get("kinds", [])})
     dcp = next(x for x in rows if x["mode"] == "dcp")
     for x in rows:

@@ -214,8 +214,6 @@ class Restorer:
                 views[name] = t.detach().numpy()
             except (TypeError, RuntimeError):  # no numpy dtype (bfloat16), or a tensor subclass
                 return None
-            if views[name].dtype != np.dtype(numpy_dtype(t)) or not views[name].flags.writeable:
-                return None
         return views
 
     def _try_load(self, manifest: Manifest, by_step: dict, into=None):
