@@ -24,7 +24,7 @@ def shard_of(ckpt, step, rank=1):
 
 def flip_weight_byte(path):
     with h5py.File(path, "r") as f:
-        ds = f["tables"][sorted(f["tables"])[0]]["weight"]
+        ds = f["rows/weight"]
         offset = ds.id.get_offset() + ds.id.get_storage_size() // 2
     with open(path, "r+b") as f:
         f.seek(offset)

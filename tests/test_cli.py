@@ -62,7 +62,7 @@ def shard_files(root: str, step: int) -> list[str]:
 def flip_weight_byte(path: str) -> str:
     """Flip one byte inside the data of the first `weight` dataset of `path`; returns its name."""
     with h5py.File(path, "r") as f:
-        name = next(f"tables/{t}/weight" for t in f["tables"])
+        name = "rows/weight"
         ds = f[name]
         offset = ds.id.get_chunk_info(0).byte_offset if ds.chunks else ds.id.get_offset()
     with open(path, "r+b") as f:
@@ -193,12 +193,12 @@ def assemble_from_shards(root: str, step: int, name: str = "weight") -> list[np.
     tables = [None] * len(SIZES)
     for path in shard_files(root, step):
         with h5py.File(path, "r") as f:
-            for t, group in f["tables"].items():
-                t = int(t)
-                data = group[name][:]
+            group = f["rows"]
+            for t, a, b, _, _ in group.attrs["tables"]:
+                data = group[name][a:b]
                 if tables[t] is None:
                     tables[t] = np.full((SIZES[t], *data.shape[1:]), np.nan, dtype=data.dtype)
-                tables[t][group["gids"][:] - OFFSETS[t]] = data
+                tables[t][group["gids"][a:b] - OFFSETS[t]] = data
     return tables
 
 

@@ -62,7 +62,7 @@ def test_jobs_give_the_same_verdict(chain, capsys):
     assert "0 with problems" in capsys.readouterr().out
     damaged = os.path.join(chain, list_manifests(chain)[0].shard_files()[0])
     with h5py.File(damaged, "r") as f:  # a byte inside the first table's weights
-        offset = f["tables/0/weight"].id.get_offset()
+        offset = f["rows/weight"].id.get_offset()
     with open(damaged, "r+b") as f:
         f.seek(offset)
         byte = f.read(1)

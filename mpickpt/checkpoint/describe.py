@@ -19,7 +19,7 @@ from mpickpt.store.manifest import Manifest, list_manifests
 from mpickpt.store.segments import GAP, SegmentReader
 from mpickpt.store.shard_file import open_shard
 from mpickpt.store.tables import (READ_ERRORS, dataset_shape, error_text, group_datasets,
-                                  rows_per_rank, table_groups, table_offsets, table_sizes)
+                                  rows_per_rank, table_offsets, table_pieces, table_sizes)
 
 
 def describe(root: str, manifest: Manifest) -> dict:
@@ -120,8 +120,8 @@ def table_rows_found(root: str, manifest: Manifest) -> tuple[dict[int, int], lis
             continue
         try:
             with open_shard(path) as f:
-                for table, group in table_groups(f).items():
-                    found[table] = found.get(table, 0) + int(group["gids"].shape[0])
+                for piece in table_pieces(f):
+                    found[piece.table] = found.get(piece.table, 0) + piece.rows
         except READ_ERRORS as e:
             errors.append(error_text(path, e))
     return found, errors

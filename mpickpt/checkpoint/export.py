@@ -27,9 +27,10 @@ from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import Manifest, list_manifests, parent_manifests
 from mpickpt.store.segments import GAP, SegmentReader, newest_rows
 from mpickpt.checkpoint.model_spec import architecture, describe
-from mpickpt.store.shard_file import BLOCK_ROWS, open_hdf5, open_shard, read_all
-from mpickpt.store.tables import (READ_ERRORS, error_text, group_datasets, row_array_names,
-                                  shard_index, stored_row_arrays, table_offsets)
+from mpickpt.store.shard_file import BLOCK_ROWS, open_hdf5, open_shard, read_all, read_rows
+from mpickpt.store.tables import (READ_ERRORS, TablePiece, error_text, group_datasets,
+                                  row_array_names, shard_index, stored_row_arrays, table_offsets,
+                                  table_pieces)
 
 EXPORT_FORMAT = "mpickpt-export-2"
 """2: the model's architecture and inputs are attributes (`checkpoint.model_spec`)."""
@@ -113,7 +114,8 @@ def assemble_table(manifest: Manifest, table: int, paths: list[str],
     for path in paths:
         try:
             with open_shard(path) as f:
-                rows = place_group(f[f"tables/{table}"], path, g0, size, filled, names, out)
+                piece = next(p for p in table_pieces(f) if p.table == table)
+                rows = place_piece(piece, path, g0, size, filled, names, out)
         except CheckpointError:
             raise
         except READ_ERRORS as e:
@@ -162,11 +164,11 @@ def assemble_layers(root: str, manifest: Manifest, segments: list, table: int,
     return out
 
 
-def place_group(group: h5py.Group, path: str, g0: int, size: int, filled: np.ndarray,
+def place_piece(piece: TablePiece, path: str, g0: int, size: int, filled: np.ndarray,
                 names: list[str], out: dict[str, np.ndarray]) -> np.ndarray:
     """Copy one file's rows of a table into `out` by global id; returns the table rows. Local."""
-    rows = read_all(group["gids"], path) - g0
-    where = f"{path}: group {group.name}"
+    rows = read_rows(piece.group["gids"], piece.start, piece.stop, path) - g0
+    where = f"{path}: {piece.where}"
     if rows.size and (rows.min() < 0 or rows.max() >= size):
         raise CheckpointError(f"{where}: global ids outside the table (rows {rows.min()}.."
                               f"{rows.max()} of {size})")
@@ -175,16 +177,17 @@ def place_group(group: h5py.Group, path: str, g0: int, size: int, filled: np.nda
     if filled[rows].any():
         raise CheckpointError(f"{where}: table rows {id_ranges(rows[filled[rows]])} are also in "
                               f"another shard file")
-    datasets = stored_row_arrays(group, path)
+    datasets = stored_row_arrays(piece.group, path)
+    n = datasets["gids"].shape[0]
     for name in names:
         ds = datasets.get(name)
-        if ds is None or ds.shape[0] != rows.size:
-            what = "is missing" if ds is None else f"has {ds.shape[0]} rows, gids {rows.size}"
+        if ds is None or ds.shape[0] != n:
+            what = "is missing" if ds is None else f"has {ds.shape[0]} rows, gids {n}"
             raise CheckpointError(f"{where}: dataset {name} {what}")
         target = out.setdefault(name, np.zeros((size, *ds.shape[1:]), dtype=ds.dtype))
         for a in range(0, rows.size, BLOCK_ROWS):
             b = min(rows.size, a + BLOCK_ROWS)
-            target[rows[a:b]] = ds.rows(a, b)
+            target[rows[a:b]] = ds.rows(piece.start + a, piece.start + b)
     return rows
 
 

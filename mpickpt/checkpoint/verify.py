@@ -23,9 +23,8 @@ from mpickpt.store.catalog import file_problem_messages, file_problems
 from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import Manifest, list_manifests, parent_manifests
 from mpickpt.store.segments import GAP, SegmentReader, segment_files
-from mpickpt.store.tables import (READ_ERRORS, error_text, group_datasets, row_array_names,
-                                  stored_row_arrays,
-                                  table_groups, table_offsets)
+from mpickpt.store.tables import (READ_ERRORS, TablePiece, error_text, group_datasets,
+                                  row_array_names, stored_row_arrays, table_offsets, table_pieces)
 
 
 def verify_checkpoint(root: str, manifest: Manifest, session: VerifySession | None = None,
@@ -82,9 +81,12 @@ def shard_structure(root: str, rel: str, manifest: Manifest, index: dict[int, li
     try:
         f = session.open(path)
         out = file_attr_problems(path, dict(f.attrs), manifest.files[rel], manifest)
-        for table, group in table_groups(f).items():
-            out += group_problems(path, table, group, manifest)
-            index.setdefault(table, []).append(path)
+        pieces = table_pieces(f)
+        for group in dict.fromkeys(p.group.name for p in pieces):  # a packed file's one group
+            out += group_problems(path, f[group], manifest)
+        for piece in pieces:
+            out += piece_problems(path, piece, manifest)
+            index.setdefault(piece.table, []).append(path)
         return out
     except READ_ERRORS as e:
         return [error_text(path, e)]
@@ -98,17 +100,22 @@ def file_attr_problems(path: str, attrs: dict, meta: dict, manifest: Manifest) -
             for key, value in want.items() if value is not None and attrs.get(key) != value]
 
 
-def group_problems(path: str, table: int, group, manifest: Manifest) -> list[str]:
-    """One table group: known table, expected datasets, equal row counts, the manifest's dim. Local."""
-    where = f"{path}: group /tables/{table}"
-    if table >= len(manifest.plan["table_sizes"]):
+def piece_problems(path: str, piece: TablePiece, manifest: Manifest) -> list[str]:
+    """One table's rows: a table of the manifest, with its gid range attributes. Local."""
+    where = f"{path}: {piece.where}"
+    if piece.table >= len(manifest.plan["table_sizes"]):
         return [f"{where}: the manifest has only {len(manifest.plan['table_sizes'])} tables"]
+    return [f"{where}: attribute {a} is missing" for a, v in
+            (("gid_min", piece.gid_min), ("gid_max", piece.gid_max)) if v is None]
+
+
+def group_problems(path: str, group, manifest: Manifest) -> list[str]:
+    """One group of row arrays: expected datasets, equal row counts, the manifest's dim. Local."""
+    where = f"{path}: group {group.name}"
     datasets = stored_row_arrays(group, path)
     expected = ["gids", *row_array_names(manifest)]
     out = [f"{where}: dataset {n} is missing" for n in expected if n not in datasets]
     out += [f"{where}: unexpected dataset {n}" for n in sorted(set(datasets) - set(expected))]
-    out += [f"{where}: attribute {a} is missing" for a in ("gid_min", "gid_max")
-            if a not in group.attrs]
     if "gids" not in datasets:
         return out
     n = datasets["gids"].shape[0]
@@ -164,14 +171,13 @@ def table_coverage(table: int, g0: int, g1: int, paths: list[str], hint: str,
 
 def table_gids(path: str, table: int, g0: int, g1: int,
                session: VerifySession) -> tuple[np.ndarray | None, list[str]]:
-    """(checksum-verified gids of one table group or None, problems with them). Local."""
-    where = f"{path}: dataset /tables/{table}/gids"
+    """(checksum-verified gids of one table's rows in a file or None, problems with them). Local."""
     try:
-        group = session.open(path)[f"tables/{table}"]
-        gids = session.gids(path, group, 0, group["gids"].shape[0])
-        attrs = (group.attrs.get("gid_min"), group.attrs.get("gid_max"))
-    except READ_ERRORS:
+        piece = next(p for p in table_pieces(session.open(path)) if p.table == table)
+        gids = session.gids(path, piece.group, piece.start, piece.stop)
+    except (StopIteration, *READ_ERRORS):
         return None, []
+    where = f"{path}: {piece.where}: dataset gids"
     out = []
     if gids.size and np.any(np.diff(gids) <= 0):
         out.append(f"{where}: global ids are not strictly ascending")
@@ -179,9 +185,9 @@ def table_gids(path: str, table: int, g0: int, g1: int,
     if outside.size:
         out.append(f"{where}: {outside.size} global ids outside table {table}'s range "
                    f"{g0}..{g1 - 1}, e.g. {int(outside[0])}")
-    if gids.size and attrs != (gids[0], gids[-1]):
-        out.append(f"{path}: group /tables/{table}: attributes gid_min/gid_max {attrs[0]}/"
-                   f"{attrs[1]}, the gids run from {gids[0]} to {gids[-1]}")
+    if gids.size and (piece.gid_min, piece.gid_max) != (gids[0], gids[-1]):
+        out.append(f"{path}: {piece.where}: gid range {piece.gid_min}..{piece.gid_max} in its "
+                   f"attributes, the gids run from {gids[0]} to {gids[-1]}")
     return gids, out
 
 

@@ -65,20 +65,20 @@ def restore_seconds(state: dict, job: dict, index) -> tuple[float | None, bool]:
 
 
 def column_refs(root: str, chain: str, rank: int, step: int, parts: int) -> list:
-    """ChunkRefs of every table group in the column files of checkpoint `step`. Local."""
+    """ChunkRefs of every table's rows in the column files of checkpoint `step`. Local."""
     from mpickpt.store.chunk_index import ChunkRef
     from mpickpt.store.file_spec import column_relpath
     from mpickpt.store.shard_file import open_shard
+    from mpickpt.store.tables import table_pieces
 
     refs = []
     for j in range(parts):
         rel = column_relpath(chain, rank, step, j)
         with open_shard(os.path.join(root, rel)) as f:
-            for name, group in (f.get("tables") or {}).items():
-                n = group["gids"].shape[0]
-                if n:
-                    refs.append(ChunkRef(rel, int(name), 0, n, int(group.attrs["gid_min"]),
-                                         int(group.attrs["gid_max"]), step))
+            for p in table_pieces(f):
+                if p.rows:  # a packed file's pieces share its group; per-table groups are implied
+                    refs.append(ChunkRef(rel, p.table, p.start, p.stop, p.gid_min, p.gid_max,
+                                         step, group=p.group.name.lstrip("/") if p.packed else ""))
     return refs
 
 

@@ -8,7 +8,7 @@ find files and check attributes with the same functions. Local: nothing here use
 Layout under the checkpoint root::
 
     manifest-<step>.json                             the commit record (`store.manifest`)
-    step-<step>-<attempt>/rank-<r>-part-<j>.h5       shard files: /tables/<t>/{gids, weight, state/..}
+    step-<step>-<attempt>/rank-<r>-part-<j>.h5       shard files: /rows/{gids, weight, state/..}
     step-<step>-<attempt>/rank-<r>-extra.h5          RNG states, when the shard lives in a chain
     step-<step>-<attempt>/dense.h5                   replicated dense state
     chains/<chain>/rank-<r>/col-<step>-part-<j>.h5   an IncrCP increment (a 2-D list column)
@@ -100,29 +100,62 @@ def part_bounds(n: int, parts: int) -> list[tuple[int, int]]:
 def shard_specs(root: str, plan, rank: int, gids: np.ndarray, row_names, relpath_of, role: str,
                 attrs_of, selected: np.ndarray | None = None, codecs: dict | None = None,
                 parts: int = 1) -> list[FileSpec]:
-    """One spec per writer part: per table shard of `rank`, that part's rows of `gids` and every
-    row array in `row_names`. Local.
+    """One spec per writer part: that part's rows of `gids` and every row array in `row_names`,
+    packed (`store.tables`): one dataset per array holding the part's rows of every table of
+    `rank`, in local row order, and the tables' row ranges in the attribute ``rows/tables``.
+    Local.
 
     `relpath_of(part)` and `attrs_of(part)` name and stamp each file; `selected` (sorted local
     rows) restricts an incremental save to those rows; `codecs` maps row-array names to the Codec
     fields the writer encodes them with."""
-    names = ["gids", *row_names]
+    from mpickpt.store.tables import PACKED_GROUP, PIECES_ATTR
+
     specs = []
     for j, (a, b) in enumerate(part_bounds(plan.local_rows(rank), parts)):
         spec = FileSpec(root, relpath_of(j), role, rank, j, attrs_of(j), codecs=dict(codecs or {}))
-        for s in plan.shards_of(rank):
-            lo, hi = max(a, s.local_start), min(b, s.local_start + s.rows)
-            if lo >= hi:
-                continue
-            rows = [(lo, hi)] if selected is None else _rows_within(selected, lo, hi)
-            if selected is not None and len(rows) == 0:
-                continue
-            first, last = (lo, hi - 1) if selected is None else (int(rows[0]), int(rows[-1]))
-            group = f"tables/{s.table}"
-            spec.group_attrs[group] = {"gid_min": int(gids[first]), "gid_max": int(gids[last])}
-            spec.datasets += [(f"{group}/{name}", name, rows) for name in names]
+        lines, rows = _packed_rows(plan, rank, gids, a, b, selected)
+        if lines:
+            spec.group_attrs[PACKED_GROUP] = {PIECES_ATTR: np.array(lines, dtype=np.int64)}
+            spec.datasets += [(f"{PACKED_GROUP}/{name}", name, rows)
+                              for name in ["gids", *row_names]]
         specs.append(spec)
     return specs
+
+
+def _packed_rows(plan, rank: int, gids: np.ndarray, a: int, b: int,
+                 selected: np.ndarray | None) -> tuple[list, object]:
+    """(the (table, start, stop, gid_min, gid_max) lines of local rows [a, b), the rows to write:
+    one [(lo, hi)] range when whole shards are saved, else the selected rows). Local."""
+    lines, at, ranges, chosen = [], 0, [], []
+    for s in plan.shards_of(rank):
+        lo, hi = max(a, s.local_start), min(b, s.local_start + s.rows)
+        if lo >= hi:
+            continue
+        rows = None if selected is None else _rows_within(selected, lo, hi)
+        if rows is not None and len(rows) == 0:
+            continue
+        first, last = (lo, hi - 1) if rows is None else (int(rows[0]), int(rows[-1]))
+        count = hi - lo if rows is None else len(rows)
+        lines.append((s.table, at, at + count, int(gids[first]), int(gids[last])))
+        at += count
+        if rows is None:
+            ranges.append((lo, hi))
+        else:
+            chosen.append(rows)
+    if selected is not None:
+        return lines, (np.concatenate(chosen) if chosen else selected[:0])
+    return lines, _merged_ranges(ranges)
+
+
+def _merged_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent [a, b) ranges joined (a part's shards are consecutive local rows). Local."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        if out and out[-1][1] == lo:
+            out[-1] = (out[-1][0], hi)
+        else:
+            out.append((lo, hi))
+    return out
 
 
 def _rows_within(rows: np.ndarray, lo: int, hi: int) -> np.ndarray:

@@ -16,6 +16,7 @@ from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import Manifest
 from mpickpt.store.row_arrays import open_rows
 from mpickpt.store.shard_file import open_shard, read_rows
+from mpickpt.store.tables import table_pieces
 
 
 @dataclass(frozen=True)
@@ -172,26 +173,26 @@ class SegmentReader:
         path = self.path(seg)
         if seg.file not in self.files:
             self.files[seg.file] = (self.opener or open_shard)(path)
+        f = self.files[seg.file]
         if seg.group:
-            if seg.group not in self.files[seg.file]:
+            if seg.group not in f:
                 raise CheckpointError(f"{path}: has no group /{seg.group}")
-            yield (seg.table, self.files[seg.file][seg.group], seg.start, seg.stop, seg.gid_min,
+            yield seg.table, f[seg.group], seg.start, seg.stop, seg.gid_min, seg.gid_max
+            return
+        if seg.table is not None:  # a chunk of a per-table column file (format 2)
+            if f"tables/{seg.table}" not in f:
+                raise CheckpointError(f"{path}: has no group /tables/{seg.table}")
+            yield (seg.table, f[f"tables/{seg.table}"], seg.start, seg.stop, seg.gid_min,
                    seg.gid_max)
             return
-        tables = self.files[seg.file].get("tables")
-        if tables is None:
+        pieces = table_pieces(f)
+        if _ascending(pieces):  # one read of the whole file (`_apply_sorted` joins the ranges)
+            p = pieces[0]
+            yield -1, p.group, 0, pieces[-1].stop, p.gid_min, pieces[-1].gid_max
             return
-        names = [str(seg.table)] if seg.table is not None else list(tables)
-        for name in names:
-            if name not in tables:
-                raise CheckpointError(f"{path}: has no group /tables/{name}")
-            group = tables[name]
-            if seg.table is not None:
-                yield seg.table, group, seg.start, seg.stop, seg.gid_min, seg.gid_max
-            else:
-                n = group["gids"].shape[0]
-                yield (int(name), group, 0, n, int(group.attrs.get("gid_min", 0)),
-                       int(group.attrs.get("gid_max", -1)))
+        for p in pieces:
+            yield (p.table, p.group, p.start, p.stop, 0 if p.gid_min is None else p.gid_min,
+                   -1 if p.gid_max is None else p.gid_max)
 
     def gids(self, seg: Segment, group, start: int, stop: int) -> np.ndarray:
         """Checksum-verified global ids of rows [start, stop) of `group`. Local."""
@@ -202,6 +203,14 @@ class SegmentReader:
         """Rows [start, stop) of row array `name`, decoded when quantized; into `out` when
         given (see StoredRows.rows). Local."""
         return open_rows(group, name, self.path(seg)).rows(start, stop, out)
+
+
+def _ascending(pieces) -> bool:
+    """Whether the pieces share one packed group and its gids ascend across them (each piece's
+    gids ascend, and every piece's come before the next one's), so the whole group reads as one
+    sorted segment. Local."""
+    return len(pieces) > 0 and all(p.packed and p.rows for p in pieces) and all(
+        p.gid_max < q.gid_min for p, q in zip(pieces, pieces[1:]))
 
 
 def owned_ranges(plan, rank: int, rows: tuple[int, int] | None = None
@@ -274,23 +283,41 @@ def place(templates: dict, n: int, into: dict | None) -> dict[str, np.ndarray]:
 
 
 def _apply_sorted(reader, seg, group, start, gids, mine, out, newest) -> None:
-    """A segment with ascending gids: read only the owned ranges. Local."""
+    """A segment with ascending gids: read only the owned ranges, each run of ranges that are
+    consecutive both in the file and in local rows in one read (a whole packed shard: the
+    rank's rows in one go, straight into place where the blocks allow). Local."""
+    for i0, i1, where, keep in _owned_reads(seg, gids, mine, newest):
+        for name in out:
+            if keep is None:  # into place, no copy where the blocks allow
+                reader.rows(seg, group, name, start + i0, start + i1, out[name][where])
+            else:
+                out[name][where] = reader.rows(seg, group, name, start + i0, start + i1)[keep]
+        newest[where] = seg.order
+
+
+def _owned_reads(seg, gids, mine, newest) -> list:
+    """(i0, i1, where, keep) per read of segment rows [i0, i1): `where` a slice of local rows
+    and `keep` None where every row is taken and they are consecutive, else the local rows of
+    the kept ones and the mask. Local."""
+    reads: list = []
     for _, g0, g1, local0 in mine:
         i0, i1 = (int(i) for i in np.searchsorted(gids, [g0, g1]))
-        if i1 > i0:
-            local = local0 + gids[i0:i1] - g0
-            keep = seg.order >= newest[local]
-            if not keep.any():
-                continue
-            # every row, consecutive (a full shard): slices instead of index arrays
-            where = slice(int(local[0]), int(local[-1]) + 1) if keep.all() and \
-                int(local[-1]) - int(local[0]) + 1 == len(local) else local[keep]
-            for name in out:
-                if isinstance(where, slice):  # into place, no copy where the blocks allow
-                    reader.rows(seg, group, name, start + i0, start + i1, out[name][where])
-                else:
-                    out[name][where] = reader.rows(seg, group, name, start + i0, start + i1)[keep]
-            newest[where] = seg.order
+        if i1 <= i0:
+            continue
+        local = local0 + gids[i0:i1] - g0
+        keep = seg.order >= newest[local]
+        if not keep.any():
+            continue
+        if not keep.all() or int(local[-1]) - int(local[0]) + 1 != len(local):
+            reads.append((i0, i1, local[keep], keep))
+            continue
+        where = slice(int(local[0]), int(local[-1]) + 1)
+        last = reads[-1] if reads else None
+        if last is not None and last[3] is None and last[1] == i0 and last[2].stop == where.start:
+            reads[-1] = (last[0], i1, slice(last[2].start, where.stop), None)
+        else:
+            reads.append((i0, i1, where, None))
+    return reads
 
 
 def _apply_merged(reader, seg, group, start, gids, mine, out, newest) -> None:

@@ -1,11 +1,13 @@
 """HDF5 shard files: one per rank (and writer part) per checkpoint.
 
-Layout of a shard file::
+Layout of a shard file (format 3; `store.tables` also reads the per-table layout of formats 1
+and 2, ``/tables/<t>/{gids, weight, state/<s>}``)::
 
     /                      attrs: format_version, step, kind, codec, rank, part, world_size, ...
-    /tables/<t>/gids       int64 (n,)   global row ids, ascending
-    /tables/<t>/weight     float32 (n, D)
-    /tables/<t>/state/<s>  optimizer state per row, e.g. adagrad_sum (n,), momentum (n, D)
+    /rows                  attr tables: (table, start, stop, gid_min, gid_max) per table
+    /rows/gids             int64 (n,)   global row ids, ascending within each table's rows
+    /rows/weight           float32 (n, D)
+    /rows/state/<s>        optimizer state per row, e.g. adagrad_sum (n,), momentum (n, D)
     /extra/<name>          small per-rank arrays (RNG states)
     /dense/<name>          replicated dense state (only in the dense file)
 
@@ -26,9 +28,10 @@ from mpickpt.store import attr_digest, h5_lowlevel
 from mpickpt.store.crc import crc32
 from mpickpt.store.errors import CheckpointCorruptError, CheckpointError
 
-FORMAT_VERSION = 2
-"""2: every file ends with /_attrs, the digest of its attributes (`store.attr_digest`)."""
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+"""2: every file ends with /_attrs, the digest of its attributes (`store.attr_digest`); 3: shard
+rows are packed (`store.tables`), which a reader of format 2 would take for a file without rows."""
+READABLE_VERSIONS = (1, 2, 3)
 BLOCK_ROWS = 1 << 16
 CRC_SUFFIX = ".crc"
 

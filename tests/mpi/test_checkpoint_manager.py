@@ -140,8 +140,9 @@ def test_the_first_restore_reads_rows_into_place_and_a_half_read_damaged_one_fal
     if topology.is_root:  # damage the last table's rows of rank 0's shard: read after others
         rel = next(r for r, m in newest.files.items() if m["role"] == "shard" and m["rank"] == 0)
         with open_hdf5(f"{ckpt_dir}/{rel}", "r") as f:
-            last = max(int(t) for t in f["tables"])
-            offset = f[f"tables/{last}/weight"].id.get_offset()
+            weight = f["rows/weight"]
+            offset = weight.id.get_offset() + int(f["rows"].attrs["tables"][-1][1]) * \
+                weight.dtype.itemsize * weight.shape[1]
         with open(f"{ckpt_dir}/{rel}", "r+b") as f:
             f.seek(offset)
             byte = f.read(1)

@@ -1,0 +1,178 @@
+"""Packed shard files (format 3): one dataset per row array for all of a file's tables, the
+tables' row ranges in ``rows/tables``. Written by the real writer in process, read back by every
+reader path (restore's `load_rows`, `export`, IncrCP's column references), and compared with
+files in the per-table layout of format 2, which the readers still read."""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import h5py
+import numpy as np
+import pytest
+
+from mpickpt.engine.writer_process import write_file
+from mpickpt.model.shard_plan import ShardPlan
+from mpickpt.quant.codecs import Codec
+from mpickpt.store import h5_lowlevel
+from mpickpt.store.file_spec import FileSpec, shard_attrs, shard_specs
+from mpickpt.store.segments import Segment, load_rows
+from mpickpt.store.shard_file import open_shard, verify_file
+from mpickpt.store.tables import table_pieces
+
+SIZES = [70_000, 300, 5, 90_000, 1_000, 17, 40_000, 2]
+DIM = 4
+NAMES = ["weight", "state/adagrad_sum"]
+TEMPLATES = {"weight": ((DIM,), np.float32), "state/adagrad_sum": ((), np.float32)}
+
+
+def rank_arrays(plan: ShardPlan, rank: int) -> tuple[np.ndarray, dict]:
+    gids = plan.rank_global_ids(rank)
+    rng = np.random.default_rng(rank)
+    return gids, {"gids": gids, "weight": rng.standard_normal((len(gids), DIM), np.float32),
+                  "state/adagrad_sum": rng.random(len(gids), np.float32)}
+
+
+def write_packed(root, plan, rank, selected=None, parts=1, codecs=None) -> list[str]:
+    gids, arrays = rank_arrays(plan, rank)
+    specs = shard_specs(str(root), plan, rank, gids, NAMES, lambda j: f"packed-{rank}-{j}.h5",
+                        "shard", lambda j: shard_attrs(7, "full", "fp32", rank, j, parts, 2),
+                        selected=selected, codecs=codecs, parts=parts)
+    for spec in specs:
+        write_file(spec, arrays)
+    return [spec.relpath for spec in specs]
+
+
+def write_per_table(root, plan, rank, selected=None) -> str:
+    """One file in format 2's layout: a group ``tables/<t>`` per table with gid_min/gid_max."""
+    gids, arrays = rank_arrays(plan, rank)
+    spec = FileSpec(str(root), f"per-table-{rank}.h5", "shard", rank, 0,
+                    shard_attrs(7, "full", "fp32", rank, 0, 1, 2))
+    for s in plan.shards_of(rank):
+        rows = np.arange(s.local_start, s.local_start + s.rows)
+        if selected is not None:
+            rows = rows[np.isin(rows, selected)]
+        if len(rows) == 0:
+            continue
+        group = f"tables/{s.table}"
+        spec.group_attrs[group] = {"gid_min": int(gids[rows[0]]), "gid_max": int(gids[rows[-1]])}
+        spec.datasets += [(f"{group}/{name}", name, rows) for name in ["gids", *NAMES]]
+    write_file(spec, arrays)
+    return spec.relpath
+
+
+def loaded(root, files, plan, rank, **kw):
+    return load_rows(str(root), [Segment(rel, order=7) for rel in files], plan, rank, TEMPLATES,
+                     7, **kw)
+
+
+@pytest.fixture
+def plan():
+    return ShardPlan.build(SIZES, 2)
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_a_packed_shard_reads_back_exactly_and_has_few_objects(tmp_path, plan, parts):
+    for rank in range(2):
+        files = write_packed(tmp_path, plan, rank, parts=parts)
+        _, arrays = rank_arrays(plan, rank)
+        rows = loaded(tmp_path, files, plan, rank)
+        for name in NAMES:
+            np.testing.assert_array_equal(rows[name], arrays[name])
+        for rel in files:
+            assert verify_file(str(tmp_path / rel)) == []
+            with h5py.File(tmp_path / rel, "r") as f:
+                objects = []
+                f.visit(objects.append)
+                pieces = table_pieces(f)
+            # rows, rows/state, 3 datasets + their CRCs, the attribute digest and its CRC
+            assert len(objects) == 10, objects
+            assert [p.table for p in pieces] == sorted(p.table for p in pieces)
+            assert pieces[0].start == 0 and all(p.stop == q.start
+                                                for p, q in zip(pieces, pieces[1:]))
+
+
+def test_the_per_table_layout_of_format_2_reads_the_same(tmp_path, plan):
+    selected = np.arange(0, plan.local_rows(1), 3)
+    for sel in (None, selected):
+        old = loaded(tmp_path, [write_per_table(tmp_path, plan, 1, sel)], plan, 1,
+                     complete=sel is None, with_steps=True)
+        new = loaded(tmp_path, write_packed(tmp_path, plan, 1, sel), plan, 1,
+                     complete=sel is None, with_steps=True)
+        for name in NAMES:
+            np.testing.assert_array_equal(old[0][name][old[1] == 7], new[0][name][new[1] == 7])
+        np.testing.assert_array_equal(old[1], new[1])
+        with open_shard(str(tmp_path / "per-table-1.h5")) as f_old, \
+                open_shard(str(tmp_path / "packed-1-0.h5")) as f_new:
+            a, b = table_pieces(f_old), table_pieces(f_new)
+            assert [(p.table, p.rows, p.gid_min, p.gid_max) for p in a] == \
+                [(p.table, p.rows, p.gid_min, p.gid_max) for p in b]
+            assert not a[0].packed and b[0].packed
+
+
+def test_a_selected_quantized_save_keeps_each_tables_rows(tmp_path, plan):
+    selected = np.sort(np.random.default_rng(3).choice(plan.local_rows(0), 5_000, replace=False))
+    files = write_packed(tmp_path, plan, 0, selected,
+                         codecs={"weight": asdict(Codec("asym", 8))})
+    rows, steps = loaded(tmp_path, files, plan, 0, complete=False, with_steps=True)
+    _, arrays = rank_arrays(plan, 0)
+    assert np.array_equal(np.nonzero(steps == 7)[0], selected)
+    np.testing.assert_array_equal(rows["state/adagrad_sum"][selected],
+                                  arrays["state/adagrad_sum"][selected])
+    err = np.abs(rows["weight"][selected] - arrays["weight"][selected]).max()
+    assert 0 < err < 0.02  # quantized: close, not equal
+    with open_shard(str(tmp_path / files[0])) as f:
+        counts = {p.table: p.rows for p in table_pieces(f)}
+    owner_tables = {s.table: s for s in plan.shards_of(0)}
+    for t, s in owner_tables.items():
+        want = int(np.count_nonzero((selected >= s.local_start) &
+                                    (selected < s.local_start + s.rows)))
+        assert counts.get(t, 0) == want
+
+
+def test_a_whole_packed_shard_is_read_once_straight_into_place(tmp_path, plan, monkeypatch):
+    files = write_packed(tmp_path, plan, 0)
+    reads = []
+    real = h5_lowlevel.read_slab
+
+    def counting(ds_id, a, b, out=None):
+        reads.append((h5py.h5i.get_name(ds_id).decode(), a, b, out is not None))
+        return real(ds_id, a, b, out)
+
+    monkeypatch.setattr(h5_lowlevel, "read_slab", counting)
+    n = plan.local_rows(0)
+    into = {"weight": np.zeros((n, DIM), np.float32), "state/adagrad_sum": np.zeros(n, np.float32)}
+    loaded(tmp_path, files, plan, 0, into=into)
+    data = [r for r in reads if r[0].startswith("/rows/") and not r[0].endswith(".crc")]
+    assert sorted(data) == [("/rows/gids", 0, n, False), ("/rows/state/adagrad_sum", 0, n, True),
+                            ("/rows/weight", 0, n, True)]
+    np.testing.assert_array_equal(into["weight"], rank_arrays(plan, 0)[1]["weight"])
+
+
+def test_a_piece_list_that_does_not_tile_the_rows_is_an_error_naming_the_group(tmp_path, plan):
+    [rel] = write_packed(tmp_path, plan, 1)
+    with h5py.File(tmp_path / rel, "r+") as f:
+        lines = f["rows"].attrs["tables"]
+        lines[-1, 2] -= 1  # the last table ends a row early
+        f["rows"].attrs["tables"] = lines
+    with h5py.File(tmp_path / rel, "r") as f, pytest.raises(ValueError, match=r"/rows: its "
+                                                             r"tables' rows end at"):
+        table_pieces(f)
+
+
+def test_column_refs_point_into_the_packed_group(tmp_path, plan):
+    from mpickpt.incrcp.extractor_process import column_refs
+    from mpickpt.store.file_spec import column_relpath
+
+    gids, arrays = rank_arrays(plan, 0)
+    selected = np.arange(0, plan.local_rows(0), 7)
+    [spec] = shard_specs(str(tmp_path), plan, 0, gids, NAMES,
+                         lambda j: column_relpath("c1", 0, 7, j), "chunk",
+                         lambda j: shard_attrs(7, "incrcp", "fp32", 0, j, 1, 2), selected=selected)
+    write_file(spec, arrays)
+    refs = column_refs(str(tmp_path), "c1", 0, 7, 1)
+    assert {r.group for r in refs} == {"rows"} and sum(r.rows for r in refs) == len(selected)
+    with h5py.File(spec.path, "r") as f:
+        for r in refs:
+            got = f["rows/gids"][r.start:r.stop]
+            assert (got[0], got[-1]) == (r.gid_min, r.gid_max)
+            assert np.all(plan.split_global(got)[0] == r.table)
