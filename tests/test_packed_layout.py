@@ -176,3 +176,61 @@ def test_column_refs_point_into_the_packed_group(tmp_path, plan):
             got = f["rows/gids"][r.start:r.stop]
             assert (got[0], got[-1]) == (r.gid_min, r.gid_max)
             assert np.all(plan.split_global(got)[0] == r.table)
+
+
+DENSE = {"param/bot.0.weight": np.arange(12, dtype=np.float32).reshape(3, 4),
+         "param/bot.0.bias": np.array([1.5, -2.0, 3.25], dtype=np.float32),
+         "opt/0/step": np.array(7.0, dtype=np.float32),
+         "opt/0/sum": np.full((3, 4), 0.5, dtype=np.float64),
+         "opt/1/count": np.array([3], dtype=np.int64)}
+
+
+def test_a_packed_dense_file_reads_back_every_array_exactly(tmp_path):
+    from mpickpt.store import dense_file
+    from mpickpt.store.file_spec import dense_spec
+
+    spec = dense_spec(str(tmp_path), "step-1", 1,
+                      {k: (v.shape, str(v.dtype)) for k, v in DENSE.items()}, ["bot.0.weight"])
+    write_file(spec, {f"dense/{k}": v for k, v in DENSE.items()})
+    with open_shard(spec.path) as f:
+        got = dense_file.dense_arrays(f, spec.path)
+        listing = dense_file.dense_listing(f, spec.path)
+        objects = []
+        f.visit(objects.append)
+    assert list(got) == list(DENSE) and len(objects) == 5, objects
+    for name, value in DENSE.items():
+        assert got[name].dtype == value.dtype and got[name].shape == value.shape, name
+        np.testing.assert_array_equal(got[name], value)
+    assert listing == [(k, v.shape, str(v.dtype)) for k, v in DENSE.items()]
+    assert verify_file(spec.path) == []
+
+
+def test_a_per_array_dense_file_of_format_2_reads_the_same(tmp_path):
+    from mpickpt.store import dense_file
+
+    spec = FileSpec(str(tmp_path), "dense.h5", "dense", 0, 0, {"step": 1},
+                    datasets=[(f"dense/{k}", k, None) for k in DENSE])
+    write_file(spec, DENSE)
+    with open_shard(spec.path) as f:
+        got = dense_file.dense_arrays(f, spec.path)
+        listing = dense_file.dense_listing(f, spec.path)
+    assert sorted(got) == sorted(DENSE)
+    for name, value in DENSE.items():
+        np.testing.assert_array_equal(got[name], value)
+        assert got[name].shape == value.shape, name
+    assert sorted(listing) == sorted((k, v.shape, str(v.dtype)) for k, v in DENSE.items())
+
+
+def test_a_dense_index_outside_the_pack_is_an_error_naming_the_file(tmp_path):
+    from mpickpt.store import dense_file
+    from mpickpt.store.file_spec import dense_spec
+
+    spec = dense_spec(str(tmp_path), "step-1", 1,
+                      {k: (v.shape, str(v.dtype)) for k, v in DENSE.items()}, [])
+    write_file(spec, {f"dense/{k}": v for k, v in DENSE.items()})
+    with h5py.File(spec.path, "r+") as f:
+        f["dense"].attrs["arrays"] = f["dense"].attrs["arrays"].replace("[3, 4], 0]",
+                                                                        "[300, 4], 0]")
+    with h5py.File(spec.path, "r") as f, pytest.raises(ValueError, match=r"dense arrays "
+                                                        r"\['param/bot.0.weight'\] lie outside"):
+        dense_file.dense_arrays(f, spec.path)

@@ -18,8 +18,9 @@ from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import Manifest, list_manifests
 from mpickpt.store.segments import GAP, SegmentReader
 from mpickpt.store.shard_file import open_shard
-from mpickpt.store.tables import (READ_ERRORS, dataset_shape, error_text, group_datasets,
-                                  rows_per_rank, table_offsets, table_pieces, table_sizes)
+from mpickpt.store.dense_file import dense_listing
+from mpickpt.store.tables import (READ_ERRORS, error_text, rows_per_rank, table_offsets,
+                                  table_pieces, table_sizes)
 
 
 def describe(root: str, manifest: Manifest) -> dict:
@@ -141,12 +142,11 @@ def dense_datasets(root: str, manifest: Manifest) -> tuple[list[dict], str | Non
     path = os.path.join(root, rels[0])
     try:
         with open_shard(path) as f:
-            group = f.get("dense")
-            if group is None:
+            if "dense" not in f:
                 return [], f"{path}: has no /dense group"
-            return [{"name": name, "shape": list(dataset_shape(ds)), "dtype": str(ds.dtype)}
-                    for name, ds in sorted(group_datasets(group).items(),
-                                           key=lambda item: natural_key(item[0]))], None
+            return [{"name": name, "shape": list(shape), "dtype": dtype}
+                    for name, shape, dtype in sorted(dense_listing(f, path),
+                                                     key=lambda item: natural_key(item[0]))], None
     except READ_ERRORS as e:
         return [], error_text(path, e)
 

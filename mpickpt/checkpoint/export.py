@@ -27,10 +27,10 @@ from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import Manifest, list_manifests, parent_manifests
 from mpickpt.store.segments import GAP, SegmentReader, newest_rows
 from mpickpt.checkpoint.model_spec import architecture, describe
-from mpickpt.store.shard_file import BLOCK_ROWS, open_hdf5, open_shard, read_all, read_rows
-from mpickpt.store.tables import (READ_ERRORS, TablePiece, error_text, group_datasets,
-                                  row_array_names, shard_index, stored_row_arrays, table_offsets,
-                                  table_pieces)
+from mpickpt.store.shard_file import BLOCK_ROWS, open_hdf5, open_shard, read_rows
+from mpickpt.store.dense_file import dense_arrays
+from mpickpt.store.tables import (READ_ERRORS, TablePiece, error_text, row_array_names,
+                                  shard_index, stored_row_arrays, table_offsets, table_pieces)
 
 EXPORT_FORMAT = "mpickpt-export-2"
 """2: the model's architecture and inputs are attributes (`checkpoint.model_spec`)."""
@@ -200,14 +200,14 @@ def read_dense(root: str, manifest: Manifest, with_optimizer: bool) -> dict[str,
     out = {}
     try:
         with open_shard(path) as src:
-            params = src.get("dense/param")
-            if params is None or not group_datasets(params):
-                raise CheckpointError(f"{path}: no dense parameters (group /dense/param)")
-            for name, ds in sorted(group_datasets(params).items()):
-                out[f"dense/{name}"] = read_all(ds, path)
-            opt = src.get("dense/opt")
-            for name, ds in sorted(group_datasets(opt).items()) if with_optimizer and opt else []:
-                out[f"optimizer/dense/{name}"] = read_all(ds, path)
+            arrays = dense_arrays(src, path)
+        if not any(name.startswith("param/") for name in arrays):
+            raise CheckpointError(f"{path}: no dense parameters (/dense/param/...)")
+        for name, array in sorted(arrays.items()):
+            if name.startswith("param/"):
+                out[f"dense/{name[len('param/'):]}"] = array
+            elif name.startswith("opt/") and with_optimizer:
+                out[f"optimizer/dense/{name[len('opt/'):]}"] = array
     except CheckpointError:
         raise
     except READ_ERRORS as e:

@@ -23,8 +23,9 @@ from mpickpt.store.catalog import file_problem_messages, file_problems
 from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import Manifest, list_manifests, parent_manifests
 from mpickpt.store.segments import GAP, SegmentReader, segment_files
-from mpickpt.store.tables import (READ_ERRORS, TablePiece, error_text, group_datasets,
-                                  row_array_names, stored_row_arrays, table_offsets, table_pieces)
+from mpickpt.store.dense_file import dense_listing
+from mpickpt.store.tables import (READ_ERRORS, TablePiece, error_text, row_array_names,
+                                  stored_row_arrays, table_offsets, table_pieces)
 
 
 def verify_checkpoint(root: str, manifest: Manifest, session: VerifySession | None = None,
@@ -194,9 +195,9 @@ def table_gids(path: str, table: int, g0: int, g1: int,
 def dense_structure(path: str, session: VerifySession) -> list[str]:
     """The dense file holds at least one parameter under /dense/param. Local."""
     try:
-        params = session.open(path).get("dense/param")
-        if params is None or not group_datasets(params):
-            return [f"{path}: no dense parameters (group /dense/param is missing or empty)"]
+        if not any(name.startswith("param/") for name, _, _ in
+                   dense_listing(session.open(path), path)):
+            return [f"{path}: no dense parameters (/dense/param/... is missing or empty)"]
     except READ_ERRORS as e:
         return [error_text(path, e)]
     return []

@@ -144,9 +144,10 @@ def codec_fields(codec) -> dict:
 def dense_file_spec(model, root: str, ckpt_id: str, step: int) -> FileSpec:
     """The replicated dense state, written once (by rank 0's last writer); the parameters in
     the order `dense_state()` lists them (the contract's core). Local."""
-    names = list(model.dense_state())
-    return dense_spec(root, ckpt_id, step, names,
-                      [n[len("param/"):] for n in names if n.startswith("param/")])
+    state = model.dense_state()
+    return dense_spec(root, ckpt_id, step,
+                      {k: (tuple(t.shape), numpy_dtype(t)) for k, t in state.items()},
+                      [n[len("param/"):] for n in state if n.startswith("param/")])
 
 
 def rng_blobs() -> dict[str, bytes]:

@@ -107,6 +107,11 @@ def _write_hdf5(tmp: str, spec, arrays: dict, reservation: Reservation, align: i
                 payload += _write(groups, name, data, reservation.release, log)
         for name, raw in spec.blobs.items():
             _write(groups, name, np.frombuffer(raw, dtype=np.uint8), reservation.release, log)
+        for name, (entries, size, prefix) in spec.packs.items():
+            from mpickpt.store.dense_file import pack
+
+            payload += _write(groups, name, pack(entries, size, arrays, prefix),
+                              reservation.release, log)
         seal_attributes(f)
         reservation.close()  # the rest covers HDF5's metadata, written at close
     return payload
@@ -121,7 +126,8 @@ def _payload_bytes(spec, arrays: dict, align: int = 0) -> tuple[int, int]:
     """(bytes of the file's datasets, at most how much alignment padding they add: less than
     `align` before each dataset of at least `align` bytes). Local."""
     total = sum(len(raw) for raw in spec.blobs.values())
-    padding = 0
+    total += sum(size for _, size, _ in spec.packs.values())
+    padding = sum(align for _, size, _ in spec.packs.values() if 0 < align <= size)
     for _, source, ranges in spec.datasets:
         a = arrays[source]
         if ranges is None:

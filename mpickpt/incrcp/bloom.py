@@ -40,8 +40,12 @@ class BloomFilter:
             return ((h1[None, :] + i * h2[None, :]) % np.uint64(self.num_bits)).astype(np.int64)
 
     def add(self, keys: np.ndarray) -> None:
+        """Set the keys' bits: through one flag per bit and back (bit j of byte b is position
+        8b + j), several times faster than an unbuffered bitwise_or.at per position. Local."""
         pos = self._positions(np.asarray(keys)).ravel()
-        np.bitwise_or.at(self.bits, pos >> 3, (1 << (pos & 7)).astype(np.uint8))
+        flags = np.unpackbits(self.bits, count=self.num_bits, bitorder="little").view(bool)
+        flags[pos] = True
+        self.bits = np.packbits(flags, bitorder="little")
 
     def contains(self, keys: np.ndarray) -> np.ndarray:
         """Boolean per key: possibly present (no false negatives). Local."""

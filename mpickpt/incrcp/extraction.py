@@ -98,24 +98,37 @@ class ChunkReader:
     files: dict = field(default_factory=dict)
     cache: BlockCache = field(default_factory=BlockCache)
     """Blocks verified by this ingestion: neighbouring chunks of a bundle share them."""
+    arrays: dict = field(default_factory=dict)
+    """(file, group, name) -> its dataset (gids) or StoredRows, looked up once per ingestion: a
+    bundle or a packed column file holds every table's chunks in one group."""
 
     def _file(self, rel: str):
         if rel not in self.files:
             self.files[rel] = open_shard(os.path.join(self.root, rel))
         return self.files[rel]
 
+    def _array(self, ref: ChunkRef, name: str):
+        key = (ref.file, ref.where, name)
+        if key not in self.arrays:
+            group = self._file(ref.file)[ref.where]
+            self.arrays[key] = group[name] if name == "gids" else open_rows(group, name, ref.file)
+        return self.arrays[key]
+
     def gids(self, ref: ChunkRef) -> np.ndarray:
-        group = self._file(ref.file)[ref.where]
-        return read_rows(group["gids"], ref.start, ref.stop, ref.file, cache=self.cache)
+        """A chunk's keys, read for its filters. Local."""
+        return self._gids(ref)
+
+    def _gids(self, ref: ChunkRef) -> np.ndarray:
+        return read_rows(self._array(ref, "gids"), ref.start, ref.stop, ref.file,
+                         cache=self.cache)
 
     def rows(self, ref: ChunkRef, names: list[str]) -> dict[str, np.ndarray]:
-        group = self._file(ref.file)[ref.where]
-        rows = {"gids": read_rows(group["gids"], ref.start, ref.stop, ref.file, cache=self.cache)}
-        rows.update({n: open_rows(group, n, ref.file).raw(ref.start, ref.stop, self.cache)
-                     for n in names})
+        rows = {"gids": self._gids(ref)}
+        rows.update({n: self._array(ref, n).raw(ref.start, ref.stop, self.cache) for n in names})
         return rows
 
     def close(self) -> None:
+        self.arrays = {}
         for f in self.files.values():
             f.close()
         self.files = {}

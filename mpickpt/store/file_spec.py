@@ -78,6 +78,9 @@ class FileSpec:
     """dataset name -> bytes (RNG states), written as uint8 arrays."""
     codecs: dict = field(default_factory=dict)
     """staged array name -> Codec fields (plain dict) it is encoded with."""
+    packs: dict = field(default_factory=dict)
+    """dataset name -> (`dense_file.DenseEntry`s, bytes, staged-name prefix): staged arrays
+    written back to back as one uint8 dataset."""
 
     def __post_init__(self):
         assert self.role in SHARD_ROLES, self.role
@@ -164,13 +167,19 @@ def _rows_within(rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
     return rows[i0:i1]
 
 
-def dense_spec(root: str, ckpt_id: str, step: int, names, param_order) -> FileSpec:
-    """The replicated dense state, written once (by rank 0's last writer). `param_order` numbers
-    the dense optimizer state (``dense/opt/<i>``). Local."""
+def dense_spec(root: str, ckpt_id: str, step: int, arrays: dict, param_order) -> FileSpec:
+    """The replicated dense state, written once (by rank 0's last writer), packed into one
+    dataset (`store.dense_file`). `arrays` maps names under ``dense/`` to (shape, dtype), in the
+    order to pack them; `param_order` numbers the dense optimizer state (``opt/<i>``). Local."""
+    from mpickpt.store import dense_file
+
+    entries, size = dense_file.layout(arrays)
     return FileSpec(root, dense_relpath(ckpt_id), "dense", 0, 0,
                     {"step": step, "kind": "full", "codec": "fp32",
                      "param_order": list(param_order)},
-                    datasets=[(f"dense/{k}", f"dense/{k}", None) for k in names])
+                    group_attrs={dense_file.GROUP: {
+                        dense_file.INDEX_ATTR: dense_file.index_json(entries)}},
+                    packs={dense_file.PACKED: (entries, size, "dense/")})
 
 
 def extra_spec(root: str, ckpt_id: str, rank: int, step: int, kind: str, blobs: dict) -> FileSpec:

@@ -9,7 +9,7 @@ and 2, ``/tables/<t>/{gids, weight, state/<s>}``)::
     /rows/weight           float32 (n, D)
     /rows/state/<s>        optimizer state per row, e.g. adagrad_sum (n,), momentum (n, D)
     /extra/<name>          small per-rank arrays (RNG states)
-    /dense/<name>          replicated dense state (only in the dense file)
+    /dense/packed          replicated dense state, packed (only in the dense file: `dense_file`)
 
 Every dataset is contiguous, written in blocks of `BLOCK_ROWS` rows, and carries the CRC32 of each block in a
 sibling dataset ``<name>.crc`` (uint32), so a reader that needs only some rows verifies only the
@@ -30,7 +30,8 @@ from mpickpt.store.errors import CheckpointCorruptError, CheckpointError
 
 FORMAT_VERSION = 3
 """2: every file ends with /_attrs, the digest of its attributes (`store.attr_digest`); 3: shard
-rows are packed (`store.tables`), which a reader of format 2 would take for a file without rows."""
+rows and dense arrays are packed (`store.tables`, `store.dense_file`), which a reader of format 2
+would take for files without rows or dense state."""
 READABLE_VERSIONS = (1, 2, 3)
 BLOCK_ROWS = 1 << 16
 CRC_SUFFIX = ".crc"

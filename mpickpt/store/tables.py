@@ -169,11 +169,6 @@ def stored_row_arrays(group: h5py.Group, path: str) -> dict:
     return out
 
 
-def dataset_shape(ds: h5py.Dataset) -> tuple[int, ...]:
-    """The logical shape: () for datasets written from 0-d arrays. Local."""
-    return () if ds.attrs.get("scalar", False) else tuple(ds.shape)
-
-
 def shard_index(root: str, manifest: Manifest) -> tuple[dict[int, list[str]], dict[str, str]]:
     """(table -> paths of the shard files holding rows of it, path -> error for unreadable files).
 
