@@ -1,0 +1,28 @@
+"""IncrCP's Bloom filter: bit i of the filter is bit (i & 7) of byte (i >> 3), set for every hash
+position of every key added, and no key added is ever reported absent."""
+import numpy as np
+import pytest
+
+from mpickpt.incrcp.bloom import BloomFilter
+
+
+def reference_bits(f: BloomFilter, batches) -> np.ndarray:
+    """The bits set one position at a time, in plain Python."""
+    bits = np.zeros_like(f.bits)
+    for keys in batches:
+        for p in f._positions(np.asarray(keys)).ravel().tolist():
+            bits[p >> 3] |= 1 << (p & 7)
+    return bits
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 3000])
+def test_bits_are_those_of_each_position_and_added_keys_are_found(n):
+    rng = np.random.default_rng(n)
+    first, more = rng.integers(0, 1 << 40, n), rng.integers(-(1 << 20), 1 << 20, n // 2 + 1)
+    f = BloomFilter.of(first)
+    f.add(more)
+    assert f.bits.dtype == np.uint8 and len(f.bits) == -(-f.num_bits // 8)
+    np.testing.assert_array_equal(f.bits, reference_bits(f, [first, more]))
+    assert f.contains(np.concatenate([first, more])).all()
+    absent = rng.integers(1 << 41, 1 << 42, 2000)
+    assert f.contains(absent).mean() < (0.05 if n >= 3000 else 1.0)  # ~1 % at 10 bits per key
