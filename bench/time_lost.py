@@ -17,7 +17,10 @@ written ≤ 1.5 × the floor: the CPU seconds per GB of a memcpy, a CRC32 (the o
 `mpickpt.store.crc`) and a write + fsync of the same bytes, measured here in this process on a buffer of one checkpoint's median size
 (`floor_cpu_per_gb`). The background's CPU is rank 0's ended children at the run's end (its
 writers and IncrCP extractor: `background_cpu_seconds` of the run report) over the bytes rank 0's
-writers wrote (`write_bytes`). Prints a table, writes bench/results/time_lost.json and .png.
+writers wrote (`write_bytes`): it includes the processes' start-up (interpreter, imports), which a
+job pays once, not per checkpoint. The *jobs'* CPU per GB leaves that out: the CPU the writers and
+the extractor spent on their jobs (`write_cpu_seconds`, `companion_cpu_seconds`) over the same
+bytes. Prints a table, writes bench/results/time_lost.json and .png.
 """
 from __future__ import annotations
 
@@ -103,7 +106,10 @@ def measure(args) -> list[dict]:
                              "bytes_per_ckpt": statistics.median(r["write_bytes"])
                              if r.get("write_bytes") else float("nan"),
                              "background_cpu_per_gb": r.get("background_cpu_seconds",
-                                                            float("nan")) / (written / 1e9)})
+                                                            float("nan")) / (written / 1e9),
+                             "jobs_cpu_per_gb": (sum(r.get("write_cpu_seconds", [])) +
+                                                 r.get("companion_cpu_seconds", float("nan")))
+                             / (written / 1e9)})
     return rows
 
 
@@ -139,6 +145,7 @@ def summarize(rows: list[dict], floors: dict[str, float]) -> list[dict]:
         cpu = statistics.median(r["cpu_s"] for r in mine)
         bound = 2 * stall + 0.1 * cpu
         per_gb = statistics.median(r["background_cpu_per_gb"] for r in mine)
+        jobs_gb = statistics.median(r.get("jobs_cpu_per_gb", float("nan")) for r in mine)
         floor = floors[kind]
         out.append({"ranks": ranks, "kind": kind, "background": background,
                     "snapshot": snapshot,
@@ -147,8 +154,10 @@ def summarize(rows: list[dict], floors: dict[str, float]) -> list[dict]:
                     "stall_ms": stall * 1e3, "cpu_ms": cpu * 1e3, "bound_ms": bound * 1e3,
                     "background_cpu_s_per_gb": per_gb, "floor_cpu_s_per_gb": floor,
                     "cpu_over_floor": per_gb / floor,
+                    "jobs_cpu_s_per_gb": jobs_gb, "jobs_over_floor": jobs_gb / floor,
                     "met": statistics.median(lost) <= bound if ranks == 1
-                    else per_gb <= 1.5 * floor})
+                    else per_gb <= 1.5 * floor,
+                    "jobs_met": None if ranks == 1 else jobs_gb <= 1.5 * floor})
     return out
 
 
@@ -165,16 +174,19 @@ def floors_of(rows: list[dict], directory: str) -> dict[str, float]:
 def print_table(summary: list[dict]) -> None:
     print("\n| ranks | kind | background | snapshot | lost ms / ckpt (min–max) | stall ms | "
           "writer CPU ms / ckpt | bound 2·stall + 0.1·CPU ms | background CPU s/GB | "
-          "floor s/GB | ratio | met |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "floor s/GB | ratio | met | jobs' CPU s/GB | ratio | met |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in summary:
         print(f"| {s['ranks']} | {s['kind']} | {s['background']} | {s['snapshot']} | "
               f"{s['lost_ms']:.0f} "
               f"({s['lost_min_ms']:.0f}–{s['lost_max_ms']:.0f}) | {s['stall_ms']:.1f} | "
               f"{s['cpu_ms']:.0f} | {s['bound_ms']:.0f} | {s['background_cpu_s_per_gb']:.2f} | "
               f"{s['floor_cpu_s_per_gb']:.2f} | {s['cpu_over_floor']:.1f}× | "
-              f"{'yes' if s['met'] else 'no'} |")
-    print("met: 1 rank against the stall bound, 2 ranks against 1.5 × the floor")
+              f"{'yes' if s['met'] else 'no'} | {s['jobs_cpu_s_per_gb']:.2f} | "
+              f"{s['jobs_over_floor']:.1f}× | "
+              f"{'-' if s['jobs_met'] is None else 'yes' if s['jobs_met'] else 'no'} |")
+    print("met: 1 rank against the stall bound, 2 ranks against 1.5 × the floor (the background's "
+          "CPU with its start-up, then the jobs' alone)")
 
 
 def plot(summary: list[dict], path: Path) -> None:

@@ -75,6 +75,7 @@ class RunReport:
             d["write_cpu_seconds"] = trainer.ckpt.write_cpu_seconds
             d["write_bytes"] = trainer.ckpt.write_bytes
             d["background_cpu_seconds"] = children_cpu_seconds()
+            d["companion_cpu_seconds"] = trainer.ckpt.incremental.companion_cpu_seconds
             d["restore_seconds"] = trainer.restorer.seconds
             d["checkpoints"] = trainer.ckpt.counters["saved"]
         tmp = f"{self.path}.tmp-{os.getpid()}"

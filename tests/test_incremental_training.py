@@ -1,5 +1,7 @@
 """Real 2-rank training runs with incremental checkpoint kinds: SIGKILL and resume to the
 uninterrupted digest, a SIGKILLed extractor in the middle of an extraction, exports across kinds."""
+import json
+
 import pytest
 
 from mpickpt.checkpoint.export import export_checkpoint
@@ -28,9 +30,16 @@ def test_incrcp_sigkill_then_resume_is_identical(tmp_path, straight):
     assert killed.returncode != 0
     kinds = {m.step: m.kind for m in list_manifests(str(ckpt))}
     assert "incrcp" in kinds.values(), kinds
-    resumed = run_ranks(2, "mpickpt.train", *_args(ckpt, "incrcp", "--ckpt-keep", "3"), "--digest")
+    report = tmp_path / "report.json"
+    resumed = run_ranks(2, "mpickpt.train", *_args(ckpt, "incrcp", "--ckpt-keep", "3"), "--digest",
+                        "--run-report", str(report))
     assert resumed_step(resumed.stdout) in (20, 24), resumed.stdout
     assert digest_of(resumed) == straight
+    # the background's CPU: its processes' whole lives >= their jobs' (writers, extractor) > 0
+    doc = json.loads(report.read_text())
+    jobs = sum(doc["write_cpu_seconds"]) + doc["companion_cpu_seconds"]
+    assert len(doc["write_cpu_seconds"]) == doc["checkpoints"] > 0
+    assert doc["companion_cpu_seconds"] > 0 and 0 < jobs <= doc["background_cpu_seconds"], doc
 
 
 def test_killed_extractor_leaves_every_checkpoint_restorable(tmp_path, straight):

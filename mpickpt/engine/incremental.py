@@ -34,6 +34,8 @@ class IncrementalSaves:
         if attached:
             say(attached)
         self.companion = kind.companion(root, config, say)
+        self.companion_cpu_seconds = 0.0
+        """CPU the companion's process spent on its answered jobs, kept past `close`."""
 
     def _allreduce(self, op: str):
         topo = self.topo
@@ -69,6 +71,7 @@ class IncrementalSaves:
         """Take the companion's answers (every outstanding one with `drain`). Local."""
         if self.companion is not None:
             self.companion.poll(self.planner.kind, self.topo.rank, drain)
+            self.companion_cpu_seconds = getattr(self.companion, "cpu_seconds", 0.0)
 
     def prioritize(self, background: str) -> None:
         """The companion's background process (the IncrCP extractor) at `background`. Local."""

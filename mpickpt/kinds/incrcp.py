@@ -158,6 +158,8 @@ class Ingestion:
         self.time_restore = time_restore
         self.client = ExtractorClient(root, ratio, say, background)
         self.count = 0
+        self.cpu_seconds = 0.0
+        """CPU the extractor spent on the answered jobs (its start-up excluded)."""
 
     def prioritize(self, background: str) -> None:
         """The extractor at `background` priority. Local."""
@@ -177,6 +179,7 @@ class Ingestion:
         """Take the extractor's answers (all queued ones with `drain`). Local."""
         answers = self.client.drain() if drain else self.client.poll()
         for r in answers:
+            self.cpu_seconds += r.get("cpu_seconds", 0.0)
             if not r["ok"]:
                 print(f"mpickpt: rank {rank}: incrcp {r['error']} (the checkpoint stays "
                       f"restorable from its chunk file)", flush=True)
