@@ -36,6 +36,7 @@ class StoredRows:
     def __init__(self, obj, path: str):
         self.obj, self.path = obj, path
         self.codec: Codec | None = None
+        self._parts: dict | None = None  # the codec's datasets, looked up at the first raw()
         if is_encoded(obj):
             try:
                 self.codec = from_attrs(obj.attrs)
@@ -77,13 +78,20 @@ class StoredRows:
             return EncodedRows(None, self.shape[1:], str(self.dtype),
                                {"values": read_rows(self.obj, start, stop, self.path,
                                                     cache=cache)})
-        arrays = {}
-        for key in self.codec.array_names():
-            if key not in self.obj:
-                raise CheckpointCorruptError(f"{self.path}: encoded array {self.obj.name} lacks "
-                                             f"its dataset {key}")
-            arrays[key] = read_rows(self.obj[key], start, stop, self.path, cache=cache)
+        arrays = {key: read_rows(ds, start, stop, self.path, cache=cache)
+                  for key, ds in self.parts().items()}
         return EncodedRows(self.codec, self.shape[1:], str(self.dtype), arrays)
+
+    def parts(self) -> dict:
+        """The codec's datasets by name, looked up once (a reader of many small row ranges,
+        IncrCP's extraction, asks for them per chunk). Local."""
+        if self._parts is None:
+            missing = [k for k in self.codec.array_names() if k not in self.obj]
+            if missing:
+                raise CheckpointCorruptError(f"{self.path}: encoded array {self.obj.name} lacks "
+                                             f"its dataset {missing[0]}")
+            self._parts = {k: self.obj[k] for k in self.codec.array_names()}
+        return self._parts
 
 
 def open_rows(group: h5py.Group, name: str, path: str) -> StoredRows:
