@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mpickpt.engine.writer_process import write_file
-from mpickpt.model.shard_plan import ShardPlan
+from mpickpt.model.shard_plan import Shard, ShardPlan
 from mpickpt.quant.codecs import Codec
 from mpickpt.store import h5_lowlevel
 from mpickpt.store.file_spec import FileSpec, shard_attrs, shard_specs
@@ -101,6 +101,7 @@ def test_the_per_table_layout_of_format_2_reads_the_same(tmp_path, plan):
         for name in NAMES:
             np.testing.assert_array_equal(old[0][name][old[1] == 7], new[0][name][new[1] == 7])
         np.testing.assert_array_equal(old[1], new[1])
+        assert (new[1] == 7).sum() == (plan.local_rows(1) if sel is None else len(sel))
         with open_shard(str(tmp_path / "per-table-1.h5")) as f_old, \
                 open_shard(str(tmp_path / "packed-1-0.h5")) as f_new:
             a, b = table_pieces(f_old), table_pieces(f_new)
@@ -234,3 +235,86 @@ def test_a_dense_index_outside_the_pack_is_an_error_naming_the_file(tmp_path):
     with h5py.File(spec.path, "r") as f, pytest.raises(ValueError, match=r"dense arrays "
                                                         r"\['param/bot.0.weight'\] lie outside"):
         dense_file.dense_arrays(f, spec.path)
+
+
+def by_gid(gids: np.ndarray, version: int) -> dict:
+    """Row values that name their global id and the step that wrote them."""
+    return {"gids": gids,
+            "weight": (gids[:, None] * 10 + np.arange(DIM) + version * 1e6).astype(np.float32),
+            "state/adagrad_sum": (gids + version * 1e6).astype(np.float32)}
+
+
+def write_plan(root, plan, tag, version, parts=1, every=1) -> list[str]:
+    """Every rank's packed files under `plan`, of every `every`-th local row."""
+    files = []
+    for rank in range(plan.world_size):
+        gids = plan.rank_global_ids(rank)
+        sel = None if every == 1 else np.arange(0, len(gids), every)
+        specs = shard_specs(str(root), plan, rank, gids, NAMES,
+                            lambda j, r=rank: f"{tag}-{r}-{j}.h5", "shard",
+                            lambda j, r=rank: shard_attrs(version, "full", "fp32", r, j, parts,
+                                                          plan.world_size),
+                            selected=sel, parts=parts)
+        for spec in specs:
+            write_file(spec, by_gid(gids, version))
+        files += [spec.relpath for spec in specs]
+    return files
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_any_plan_reads_rows_written_under_another_with_newer_layers_winning(tmp_path, parts):
+    old = ShardPlan.build(SIZES, 2)
+    base = write_plan(tmp_path, old, "base", 7, parts)
+    newer = write_plan(tmp_path, old, "newer", 8, parts, every=3)
+    for plan in (ShardPlan.build(SIZES, 3), ShardPlan.build(SIZES, 1), old,
+                 ShardPlan.from_shards(SIZES, 2, _reversed_shards(old))):
+        for rank in range(plan.world_size):
+            segs = [Segment(rel, order=7) for rel in base] + \
+                [Segment(rel, order=8) for rel in newer]
+            rows, steps = load_rows(str(tmp_path), segs[::-1] if rank % 2 else segs, plan,
+                                    rank, TEMPLATES, 8, with_steps=True)
+            gids = plan.rank_global_ids(rank)
+            _, written_at = old.owner_of(gids)  # the local row each was written from
+            want_steps = np.where(written_at % 3 == 0, 8, 7)
+            np.testing.assert_array_equal(steps, want_steps)
+            for version in (7, 8):
+                mask = want_steps == version
+                want = by_gid(gids[mask], version)
+                for name in NAMES:
+                    np.testing.assert_array_equal(rows[name][mask], want[name])
+
+
+def _reversed_shards(plan: ShardPlan) -> list[Shard]:
+    """The same shards, each rank's tables in reverse local order (a fused module's order)."""
+    out = []
+    for rank in range(plan.world_size):
+        at = 0
+        for s in reversed(plan.shards_of(rank)):
+            out.append(Shard(s.table, s.row_start, s.row_end, rank, at))
+            at += s.rows
+    return out
+
+
+def test_a_file_with_two_shards_of_one_table_verifies_and_exports(tmp_path):
+    from types import SimpleNamespace
+
+    from mpickpt.checkpoint.export import assemble_table
+    from mpickpt.checkpoint.verify import table_gids
+    from mpickpt.checkpoint.verify_session import VerifySession
+
+    sizes = [100, 50]  # rank 0 holds table 0's rows 0..39 and 70..99, apart
+    shards = [Shard(0, 0, 40, 0, 0), Shard(1, 0, 50, 0, 40), Shard(0, 70, 100, 0, 90),
+              Shard(0, 40, 70, 1, 0)]
+    plan = ShardPlan.from_shards(sizes, 2, shards)
+    files = write_plan(tmp_path, plan, "two", 7)
+    with open_shard(str(tmp_path / files[0])) as f:
+        assert [p.table for p in table_pieces(f)] == [0, 1, 0]
+    session = VerifySession()
+    try:
+        gids, problems = table_gids(str(tmp_path / files[0]), 0, 0, 100, session)
+    finally:
+        session.close()
+    assert problems == [] and sorted(gids.tolist()) == list(range(40)) + list(range(70, 100))
+    manifest = SimpleNamespace(plan={"table_sizes": sizes}, step=7)
+    got = assemble_table(manifest, 0, [str(tmp_path / r) for r in files for _ in (0, 1)], NAMES)
+    np.testing.assert_array_equal(got["weight"], by_gid(np.arange(100), 7)["weight"])

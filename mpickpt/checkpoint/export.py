@@ -111,16 +111,15 @@ def assemble_table(manifest: Manifest, table: int, paths: list[str],
     g0, size = int(offsets[table]), int(offsets[table + 1] - offsets[table])
     out: dict[str, np.ndarray] = {}
     filled = np.zeros(size, dtype=bool)
-    for path in paths:
+    for path in dict.fromkeys(paths):
         try:
             with open_shard(path) as f:
-                piece = next(p for p in table_pieces(f) if p.table == table)
-                rows = place_piece(piece, path, g0, size, filled, names, out)
+                for piece in (p for p in table_pieces(f) if p.table == table):
+                    filled[place_piece(piece, path, g0, size, filled, names, out)] = True
         except CheckpointError:
             raise
         except READ_ERRORS as e:
             raise CheckpointError(error_text(path, e)) from None
-        filled[rows] = True
     if not filled.all():
         missing = np.nonzero(~filled)[0]
         raise CheckpointError(f"checkpoint step {manifest.step}: table {table} rows "

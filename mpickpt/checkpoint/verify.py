@@ -87,7 +87,9 @@ def shard_structure(root: str, rel: str, manifest: Manifest, index: dict[int, li
             out += group_problems(path, f[group], manifest)
         for piece in pieces:
             out += piece_problems(path, piece, manifest)
-            index.setdefault(piece.table, []).append(path)
+            listed = index.setdefault(piece.table, [])
+            if path not in listed:  # a file may hold two shards of a table (from_shards plans)
+                listed.append(path)
         return out
     except READ_ERRORS as e:
         return [error_text(path, e)]
@@ -172,12 +174,23 @@ def table_coverage(table: int, g0: int, g1: int, paths: list[str], hint: str,
 
 def table_gids(path: str, table: int, g0: int, g1: int,
                session: VerifySession) -> tuple[np.ndarray | None, list[str]]:
-    """(checksum-verified gids of one table's rows in a file or None, problems with them). Local."""
+    """(checksum-verified gids of one table's rows in a file, every piece of it, or None;
+    problems with them). Local."""
     try:
-        piece = next(p for p in table_pieces(session.open(path)) if p.table == table)
-        gids = session.gids(path, piece.group, piece.start, piece.stop)
-    except (StopIteration, *READ_ERRORS):
+        pieces = [p for p in table_pieces(session.open(path)) if p.table == table]
+        got = [session.gids(path, p.group, p.start, p.stop) for p in pieces]
+    except READ_ERRORS:
         return None, []
+    if not pieces:
+        return None, []
+    out = []
+    for piece, gids in zip(pieces, got):
+        out += _piece_gid_problems(path, piece, gids, table, g0, g1)
+    return np.concatenate(got), out
+
+
+def _piece_gid_problems(path: str, piece: TablePiece, gids: np.ndarray, table: int, g0: int,
+                        g1: int) -> list[str]:
     where = f"{path}: {piece.where}: dataset gids"
     out = []
     if gids.size and np.any(np.diff(gids) <= 0):
@@ -189,7 +202,7 @@ def table_gids(path: str, table: int, g0: int, g1: int,
     if gids.size and (piece.gid_min, piece.gid_max) != (gids[0], gids[-1]):
         out.append(f"{path}: {piece.where}: gid range {piece.gid_min}..{piece.gid_max} in its "
                    f"attributes, the gids run from {gids[0]} to {gids[-1]}")
-    return gids, out
+    return out
 
 
 def dense_structure(path: str, session: VerifySession) -> list[str]:

@@ -25,7 +25,8 @@ ALIGN = 64
 
 @dataclass(frozen=True)
 class DenseEntry:
-    """One array of a packed dense file: its bytes at [offset, offset + nbytes) of the pack."""
+    """One array of a packed dense file: its bytes at [offset, offset + nbytes) of the pack;
+    `dtype` with its byte order (numpy's ``str``, e.g. '<f4'), since the pack's bytes are raw."""
 
     name: str
     dtype: str
@@ -41,7 +42,7 @@ def layout(arrays: dict[str, tuple[tuple, str]]) -> tuple[list[DenseEntry], int]
     """Entries for `arrays` (name -> (shape, dtype)) in their order, and the pack's size. Local."""
     entries, at = [], 0
     for name, (shape, dtype) in arrays.items():
-        entries.append(DenseEntry(name, str(np.dtype(dtype)), tuple(int(s) for s in shape), at))
+        entries.append(DenseEntry(name, np.dtype(dtype).str, tuple(int(s) for s in shape), at))
         at += -(-entries[-1].nbytes // ALIGN) * ALIGN
     return entries, at
 
@@ -56,9 +57,10 @@ def pack(entries: list[DenseEntry], size: int, arrays: dict[str, np.ndarray],
     """The pack of `arrays` (keyed by `prefix` + entry name) laid out as `entries`. Local."""
     out = np.zeros(size, dtype=np.uint8)
     for e in entries:
-        data = np.asarray(arrays[prefix + e.name], dtype=e.dtype, order="C")
-        if data.shape != e.shape:
-            raise ValueError(f"dense array {e.name} is {data.shape}, its entry says {e.shape}")
+        data = np.asarray(arrays[prefix + e.name], order="C")
+        if data.shape != e.shape or data.dtype != np.dtype(e.dtype):
+            raise ValueError(f"dense array {e.name} is {data.dtype} {data.shape}, its entry says "
+                             f"{np.dtype(e.dtype)} {e.shape}")
         out[e.offset:e.offset + e.nbytes] = data.reshape(-1).view(np.uint8)
     return out
 
@@ -71,7 +73,7 @@ def entries_of(f: h5py.File, path: str) -> list[DenseEntry] | None:
         return None
     raw = group.attrs[INDEX_ATTR]
     try:
-        entries = [DenseEntry(str(n), str(np.dtype(d)), tuple(int(s) for s in shape), int(o))
+        entries = [DenseEntry(str(n), np.dtype(d).str, tuple(int(s) for s in shape), int(o))
                    for n, d, shape, o in json.loads(raw)]
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: attribute /{GROUP} {INDEX_ATTR} is not a list of [name, "
@@ -97,7 +99,7 @@ def dense_listing(f: h5py.File, path: str) -> list[tuple[str, tuple, str]]:
     """(name, shape, dtype) of every dense array, without reading the data. Local."""
     entries = entries_of(f, path)
     if entries is not None:
-        return [(e.name, e.shape, e.dtype) for e in entries]
+        return [(e.name, e.shape, str(np.dtype(e.dtype))) for e in entries]
     out = []
     for name in _dataset_names(f[GROUP].id) if GROUP in f else []:
         ds = f[GROUP][name]

@@ -160,16 +160,19 @@ class SegmentReader:
     def path(self, seg: Segment) -> str:
         return os.path.join(self.root, seg.file)
 
-    def groups(self, seg: Segment):
+    def groups(self, seg: Segment, join=None):
         """(table, group, start, stop, gid_min, gid_max) of every table piece in `seg` (table -1: rows
-        of several tables); damaged HDF5 structure raises CheckpointError naming the file. Local."""
+        of several tables); damaged HDF5 structure raises CheckpointError naming the file.
+        `join(pieces)`: whether a whole packed file whose gids ascend across its tables is read
+        as one piece (`load_rows`: when the rank owns rows of every table in it); by default
+        each table is its own piece. Local."""
         try:
-            yield from self._groups(seg)
+            yield from self._groups(seg, join)
         except (RuntimeError, KeyError, ValueError) as e:
             raise CheckpointError(f"{self.path(seg)}: cannot be read (corrupted HDF5 structure): "
                                   f"{e}") from None
 
-    def _groups(self, seg: Segment):
+    def _groups(self, seg: Segment, join=None):
         path = self.path(seg)
         if seg.file not in self.files:
             self.files[seg.file] = (self.opener or open_shard)(path)
@@ -186,7 +189,7 @@ class SegmentReader:
                    seg.gid_max)
             return
         pieces = table_pieces(f)
-        if _ascending(pieces):  # one read of the whole file (`_apply_sorted` joins the ranges)
+        if join is not None and _ascending(pieces) and join(pieces):  # `_apply_sorted` joins
             p = pieces[0]
             yield -1, p.group, 0, pieces[-1].stop, p.gid_min, pieces[-1].gid_max
             return
@@ -245,11 +248,16 @@ def load_rows(root: str, segments: list[Segment], plan, rank: int, templates: di
     out = place(templates, n, into)
     newest = np.full(n, np.iinfo(np.int64).min, dtype=np.int64)
     ranges = owned_ranges(plan, rank, (lo, hi))
+
+    def joinable(pieces) -> bool:  # every table of the file has rows of ours: read it whole
+        return all(any(p.gid_max >= g0 and p.gid_min < g1 for _, g0, g1, _ in ranges)
+                   for p in pieces)
+
     with SegmentReader(root, opener) as reader:
         for seg in segments:
             if not _wanted(seg, ranges):  # another rank's file: not even opened
                 continue
-            for table, group, start, stop, gmin, gmax in reader.groups(seg):
+            for table, group, start, stop, gmin, gmax in reader.groups(seg, joinable):
                 mine = [r for r in ranges if table in (r[0], -1) and gmax >= r[1] and gmin < r[2]]
                 if not mine or stop <= start:
                     continue
