@@ -69,8 +69,9 @@ def test_4bit_checkpoints_stay_within_the_codec_bound_and_resume(root, tmp_path)
     assert killed.returncode != 0
     quant = {m.step: m for m in list_manifests(ckpt)}
     exact = {m.step: m for m in list_manifests(_clean("table_wise", root)[1])}
-    last = max(quant)
-    assert last in (8, 12) and quant[last].codec.startswith("adaptive-4"), quant
+    last = max(quant)  # the kill at 14 follows saves at 4, 8 and 12; a busy 2-core machine can
+    # delay the later ones' background commits past it, so any of them may be the newest
+    assert last in (4, 8, 12) and quant[last].codec.startswith("adaptive-4"), quant
     export_checkpoint(ckpt, quant[last], str(tmp_path / "q.h5"), with_optimizer=True)
     export_checkpoint(_clean("table_wise", root)[1], exact[last], str(tmp_path / "e.h5"),
                       with_optimizer=True)
