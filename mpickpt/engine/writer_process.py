@@ -89,6 +89,7 @@ def write_file(spec, arrays: dict, align: int = 0, codec_threads: int = 1) -> tu
 
 def _write_hdf5(tmp: str, spec, arrays: dict, reservation: Reservation, align: int,
                 log=None, codec_threads: int = 1) -> int:
+    from mpickpt.store.dense_file import pack
     from mpickpt.store.h5_lowlevel import set_attrs
     from mpickpt.store.shard_file import FORMAT_VERSION, alignment, open_hdf5, seal_attributes
 
@@ -108,8 +109,6 @@ def _write_hdf5(tmp: str, spec, arrays: dict, reservation: Reservation, align: i
         for name, raw in spec.blobs.items():
             _write(groups, name, np.frombuffer(raw, dtype=np.uint8), reservation.release, log)
         for name, (entries, size, prefix) in spec.packs.items():
-            from mpickpt.store.dense_file import pack
-
             payload += _write(groups, name, pack(entries, size, arrays, prefix),
                               reservation.release, log)
         seal_attributes(f)

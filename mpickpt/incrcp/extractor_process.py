@@ -29,18 +29,18 @@ def extractor_main(conn, parent_pid: int, root: str, ratio: float) -> None:
 
 def run_ingest(job: dict, state: dict) -> dict:
     """Ingest one column and time a restore of its checkpoint's increments. Local."""
-    root, chain, rank, step = job["root"], job["chain"], job["rank"], job["step"]
     cpu = time.process_time()
-    answer = _ingest(job, state, root, chain, rank, step)
+    answer = _ingest(job, state)
     answer["cpu_seconds"] = time.process_time() - cpu  # this job's own, not the start-up's
     return answer
 
 
-def _ingest(job: dict, state: dict, root: str, chain: str, rank: int, step: int) -> dict:
+def _ingest(job: dict, state: dict) -> dict:
     from mpickpt.incrcp.extraction import remove_orphans
     from mpickpt.store.chunk_index import load_index
     from mpickpt.store.manifest import list_manifests
 
+    root, chain, rank, step = job["root"], job["chain"], job["rank"], job["step"]
     try:
         key = (chain, rank)
         if key not in state["indexes"]:

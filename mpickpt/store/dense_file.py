@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
-from mpickpt.store.shard_file import CRC_SUFFIX, read_all
+from mpickpt.store.shard_file import CRC_SUFFIX, is_scalar, read_all
 
 GROUP = "dense"
 PACKED = "dense/packed"
@@ -103,8 +103,7 @@ def dense_listing(f: h5py.File, path: str) -> list[tuple[str, tuple, str]]:
     out = []
     for name in _dataset_names(f[GROUP].id) if GROUP in f else []:
         ds = f[GROUP][name]
-        scalar = h5py.h5a.exists(ds.id, b"scalar") and bool(ds.attrs["scalar"])
-        out.append((name, () if scalar else tuple(ds.shape), str(ds.dtype)))
+        out.append((name, () if is_scalar(ds) else tuple(ds.shape), str(ds.dtype)))
     return out
 
 

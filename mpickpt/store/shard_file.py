@@ -151,8 +151,12 @@ def _takes_blocks(ds: h5py.Dataset, start: int, stop: int, out: np.ndarray) -> b
 def read_all(ds: h5py.Dataset, path: str) -> np.ndarray:
     """The whole dataset, checksum-verified (0-d arrays come back 0-d). Local."""
     data = read_rows(ds, 0, ds.shape[0], path)
-    scalar = h5py.h5a.exists(ds.id, b"scalar") and bool(ds.attrs["scalar"])
-    return data.reshape(()) if scalar else data
+    return data.reshape(()) if is_scalar(ds) else data
+
+
+def is_scalar(ds: h5py.Dataset) -> bool:
+    """Whether `ds` was written from a 0-d array (one row, marked `scalar`). Local."""
+    return bool(h5py.h5a.exists(ds.id, b"scalar")) and bool(ds.attrs["scalar"])
 
 
 def open_hdf5(path: str, mode: str = "r", **kwargs) -> h5py.File:
