@@ -62,13 +62,14 @@ def run(ranks: int, args, workdir: Path, name: str, extra: tuple) -> dict:
 SNAPSHOTS = {"stop-the-world": "stw", "copy-on-update": "cou"}
 
 
-def cases(args) -> list[tuple[str, str, str]]:
-    return [(k, b, s) for k in args.kinds.split(",") for b in args.backgrounds.split(",")
-            for s in args.snapshots.split(",")]
+def cases(args) -> list[tuple[str, str, str, str]]:
+    """(kind, background, snapshot, io) of every checkpointing run of a round."""
+    return [(k, b, s, io) for k in args.kinds.split(",") for b in args.backgrounds.split(",")
+            for s in args.snapshots.split(",") for io in args.ios.split(",")]
 
 
 def case_name(case) -> str:
-    return f"{case[0]}-{case[1]}-{SNAPSHOTS[case[2]]}"
+    return f"{case[0]}-{case[1]}-{SNAPSHOTS[case[2]]}-{case[3]}"
 
 
 def measure(args) -> list[dict]:
@@ -86,7 +87,7 @@ def measure(args) -> list[dict]:
                     extra = () if case is None else (
                         "--ckpt-dir", str(work / name), "--ckpt-interval", str(args.interval),
                         "--ckpt-background", case[1], "--ckpt-snapshot", case[2],
-                        *KINDS[case[0]])
+                        "--ckpt-io", case[3], *KINDS[case[0]])
                     results[name] = run(ranks, args, work, name, extra)
                     print(f"ranks {ranks} round {rnd}: {name} loop "
                           f"{results[name].get('loop_seconds', float('nan')):.2f} s", flush=True)
@@ -96,7 +97,8 @@ def measure(args) -> list[dict]:
                 n = max(1, r.get("checkpoints", 0))
                 written = sum(r.get("write_bytes", [])) or float("nan")
                 rows.append({"ranks": ranks, "round": rnd, "kind": case[0],
-                             "background": case[1], "snapshot": case[2], "checkpoints": n,
+                             "background": case[1], "snapshot": case[2], "io": case[3],
+                             "checkpoints": n,
                              "lost_s": (r["loop_seconds"] - base) / n,
                              "stall_s": statistics.median(r["save_seconds"]),
                              "cpu_s": statistics.mean(r["write_cpu_seconds"])
@@ -133,13 +135,15 @@ def floor_cpu_per_gb(nbytes: int, directory: str, repeats: int = 7) -> float:
 
 
 def summarize(rows: list[dict], floors: dict[str, float]) -> list[dict]:
-    """Per (ranks, kind, background, snapshot): medians and spread over rounds, and the targets
-    against the stall (1 rank) and against the floor of the kind's bytes (2 ranks). Local."""
-    keys = sorted({(r["ranks"], r["kind"], r["background"], r["snapshot"]) for r in rows})
+    """Per (ranks, kind, background, snapshot, io): medians and spread over rounds, and the
+    targets against the stall (1 rank) and against the floor of the kind's bytes (2 ranks).
+    Local."""
+    fields = ("ranks", "kind", "background", "snapshot", "io")
+    keys = sorted({tuple(r.get(f, "buffered") for f in fields) for r in rows})
     out = []
-    for ranks, kind, background, snapshot in keys:
-        mine = [r for r in rows if (r["ranks"], r["kind"], r["background"], r["snapshot"]) ==
-                (ranks, kind, background, snapshot)]
+    for ranks, kind, background, snapshot, io in keys:
+        mine = [r for r in rows if tuple(r.get(f, "buffered") for f in fields) ==
+                (ranks, kind, background, snapshot, io)]
         lost = [r["lost_s"] for r in mine]
         stall = statistics.median(r["stall_s"] for r in mine)
         cpu = statistics.median(r["cpu_s"] for r in mine)
@@ -148,7 +152,7 @@ def summarize(rows: list[dict], floors: dict[str, float]) -> list[dict]:
         jobs_gb = statistics.median(r.get("jobs_cpu_per_gb", float("nan")) for r in mine)
         floor = floors[kind]
         out.append({"ranks": ranks, "kind": kind, "background": background,
-                    "snapshot": snapshot,
+                    "snapshot": snapshot, "io": io,
                     "lost_ms": statistics.median(lost) * 1e3,
                     "lost_min_ms": min(lost) * 1e3, "lost_max_ms": max(lost) * 1e3,
                     "stall_ms": stall * 1e3, "cpu_ms": cpu * 1e3, "bound_ms": bound * 1e3,
@@ -172,12 +176,12 @@ def floors_of(rows: list[dict], directory: str) -> dict[str, float]:
 
 
 def print_table(summary: list[dict]) -> None:
-    print("\n| ranks | kind | background | snapshot | lost ms / ckpt (min–max) | stall ms | "
+    print("\n| ranks | kind | background | snapshot | io | lost ms / ckpt (min–max) | stall ms | "
           "writer CPU ms / ckpt | bound 2·stall + 0.1·CPU ms | background CPU s/GB | "
           "floor s/GB | ratio | met | jobs' CPU s/GB | ratio | met |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in summary:
-        print(f"| {s['ranks']} | {s['kind']} | {s['background']} | {s['snapshot']} | "
+        print(f"| {s['ranks']} | {s['kind']} | {s['background']} | {s['snapshot']} | {s['io']} | "
               f"{s['lost_ms']:.0f} "
               f"({s['lost_min_ms']:.0f}–{s['lost_max_ms']:.0f}) | {s['stall_ms']:.1f} | "
               f"{s['cpu_ms']:.0f} | {s['bound_ms']:.0f} | {s['background_cpu_s_per_gb']:.2f} | "
@@ -198,7 +202,8 @@ def plot(summary: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(ranks), figsize=(8 * len(ranks), 4.2), squeeze=False)
     for ax, n in zip(axes[0], ranks):
         mine = [s for s in summary if s["ranks"] == n]
-        names = [f"{s['kind']}\n{s['background']}\n{SNAPSHOTS[s['snapshot']]}" for s in mine]
+        names = [f"{s['kind']}\n{s['background']}\n{SNAPSHOTS[s['snapshot']]}\n{s['io']}"
+                 for s in mine]
         ax.bar(names, [s["lost_ms"] for s in mine], label="lost / ckpt",
                yerr=[[s["lost_ms"] - s["lost_min_ms"] for s in mine],
                      [s["lost_max_ms"] - s["lost_ms"] for s in mine]], capsize=3)
@@ -223,6 +228,8 @@ def main() -> None:
     p.add_argument("--kinds", default="full,incrcp-4bit")
     p.add_argument("--backgrounds", default="idle,normal")
     p.add_argument("--snapshots", default="stop-the-world,copy-on-update")
+    p.add_argument("--ios", default="direct,buffered",
+                   help="--ckpt-io values: O_DIRECT writes against the page cache, same rounds")
     p.add_argument("--dir", default=tempfile.gettempdir())
     p.add_argument("--out", default=str(HERE / "results" / "time_lost.json"))
     args = p.parse_args()

@@ -117,7 +117,7 @@ def measure_mpickpt(topo, model, reader, args, mode: str, root: str, log) -> dic
 
     cfg = TrainConfig.from_args(train_flags(args) + [
         "--ckpt-dir", root, "--ckpt-interval", str(args.interval), "--ckpt-keep", "1000",
-        "--resume", "none", *MODES[mode]]).checkpoint
+        "--resume", "none", "--ckpt-io", args.ckpt_io, *MODES[mode]]).checkpoint
     mgr = CheckpointManager(topo, cfg, model, log)
     mgr.resumed_at(0)
     stalls, total = [], args.checkpoints * args.interval
@@ -328,6 +328,10 @@ def main() -> None:
                    help="restores of the newest checkpoint per mode, each from a cold page "
                         "cache; the median is reported")
     p.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "mpickpt-bench-torchrec"))
+    p.add_argument("--ckpt-io", default="buffered", choices=("buffered", "direct"),
+                   help="mpickpt's --ckpt-io: buffered (default here) leaves its files in the "
+                        "page cache for the restores, as DCP's are; direct makes its restores "
+                        "read the disk while DCP's read memory")
     p.add_argument("--out", default=str(HERE / "results" / "torchrec.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -13,6 +13,7 @@ from mpickpt.options import int_at_least, option, positive_float, ratio
 from mpickpt.quant.config import QuantConfig
 
 OVERLAP_POLICIES = ("wait", "skip")
+IO_MODES = ("direct", "buffered")
 DEFAULT_INTERVAL = 100
 AUTO = "auto"
 
@@ -69,6 +70,11 @@ class CheckpointConfig:
     align: int = option(1 << 20, flag="--ckpt-align", parse=_bytes, metavar="BYTES")
     """datasets of at least this size start at a multiple of it in the files, so that no two
     share a parallel filesystem stripe: the stripe size (0: packed)"""
+    io: str = option("direct", flag="--ckpt-io", choices=IO_MODES)
+    """how the writers write shard and dense files' large datasets: direct (O_DIRECT, past the
+    page cache: no copy of the bytes and no writeback work, the least CPU per byte; buffered
+    where the filesystem refuses it) or buffered (through the page cache, which then holds
+    the checkpoint for a restore soon after); see mpickpt/store/direct_io.py"""
     snapshot: str = option("stop-the-world", flag="--ckpt-snapshot",
                            choices=("stop-the-world", "copy-on-update"))
     """how a checkpoint copies the rows: all at once in the stall, or copy-on-update (only the
@@ -134,6 +140,8 @@ class CheckpointConfig:
                              f"{self.save_fraction!r}")
         if self.overlap not in OVERLAP_POLICIES:
             raise ValueError(f"--ckpt-overlap must be 'wait' or 'skip', got {self.overlap!r}")
+        if self.io not in IO_MODES:
+            raise ValueError(f"--ckpt-io must be one of {', '.join(IO_MODES)}, got {self.io!r}")
         if self.kind not in KINDS:
             raise ValueError(f"--ckpt-kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.incrcp_reset not in INCRCP_RESETS:

@@ -372,6 +372,7 @@ class CheckpointManager:
                                  codecs, rng_blobs())
         jobs = [{"step": step, "dir": os.path.join(self.root, ckpt_id), "files": files,
                  "staging": self.snapshots.area.describe(), "align": self.config.align,
+                 "io": self.config.io,
                  "codec_threads": self.codec_threads}
                 for files in groups]
         if self.topo.is_root:

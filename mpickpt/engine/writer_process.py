@@ -8,6 +8,7 @@ writer behind that could finish a stale file later.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -17,6 +18,10 @@ import numpy as np
 
 from mpickpt.background import die_with_parent, ignore_job_signals, serve
 from mpickpt.engine.staging import map_arrays
+from mpickpt.store.dense_file import pack
+from mpickpt.store.direct_io import DirectFile
+from mpickpt.store.h5_lowlevel import set_attrs
+from mpickpt.store.shard_file import FORMAT_VERSION, alignment, open_hdf5, seal_attributes
 
 
 def writer_main(conn, parent_pid: int) -> None:
@@ -41,7 +46,8 @@ def run_job(job: dict, attached: dict) -> dict:
         for spec in job["files"]:
             current = spec.path
             size, payload, crc = write_file(spec, arrays, job.get("align", 0),
-                                            job.get("codec_threads", 1))
+                                            job.get("codec_threads", 1),
+                                            job.get("io", "buffered") == "direct")
             written[spec.relpath] = {**spec.meta, "size": size, "crc32": crc}
             total += payload
         return {"ok": True, "files": written, "bytes": total,
@@ -62,11 +68,19 @@ def _attach(staging: dict, attached: dict) -> dict:
     return attached[path][1]
 
 
-def write_file(spec, arrays: dict, align: int = 0, codec_threads: int = 1) -> tuple[int, int, int]:
+DIRECT_ROLES = ("shard", "dense", "extra")
+"""Files whose large datasets `direct` writes bypass the page cache. An IncrCP column ('chunk')
+is read back by the extractor right away, from the page cache."""
+
+
+def write_file(spec, arrays: dict, align: int = 0, codec_threads: int = 1,
+               direct: bool = False) -> tuple[int, int, int]:
     """Write one shard or dense file atomically and durably; returns (file size, payload, CRC32
     of the whole file, which the manifest keeps so that `mpickpt verify` can check the file at
     the speed of a sequential read). Datasets of at least `align` bytes start at a multiple of
-    `align` (0: packed); quantized ones are encoded on `codec_threads` threads. Local."""
+    `align` (0: packed); quantized ones are encoded on `codec_threads` threads. `direct`: the
+    large datasets of a file of `DIRECT_ROLES` are written with O_DIRECT (`store.direct_io`).
+    Local."""
     from mpickpt.store.crc_combine import BlockLog, file_crc32_from_regions
     from mpickpt.store.durable import fsync_path
 
@@ -76,7 +90,8 @@ def write_file(spec, arrays: dict, align: int = 0, codec_threads: int = 1) -> tu
     reservation = Reservation(spec.path, payload + padding)
     log = BlockLog()
     try:
-        payload = _write_hdf5(tmp, spec, arrays, reservation, align, log, codec_threads)
+        payload = _write_hdf5(tmp, spec, arrays, reservation, align, log, codec_threads,
+                              direct and spec.role in DIRECT_ROLES)
     finally:
         reservation.close()
     fsync_path(tmp)
@@ -88,15 +103,11 @@ def write_file(spec, arrays: dict, align: int = 0, codec_threads: int = 1) -> tu
 
 
 def _write_hdf5(tmp: str, spec, arrays: dict, reservation: Reservation, align: int,
-                log=None, codec_threads: int = 1) -> int:
-    from mpickpt.store.dense_file import pack
-    from mpickpt.store.h5_lowlevel import set_attrs
-    from mpickpt.store.shard_file import FORMAT_VERSION, alignment, open_hdf5, seal_attributes
-
+                log=None, codec_threads: int = 1, direct: bool = False) -> int:
     payload = 0
-    with open_hdf5(tmp, "w", **alignment(align)) as f:
+    with open_hdf5(tmp, "w", **alignment(align)) as f, _direct_file(tmp, direct) as sink:
         set_attrs(f, {"format_version": FORMAT_VERSION, **spec.attrs})
-        codecs, groups = spec.codecs, GroupCache(f)
+        codecs, groups = spec.codecs, GroupCache(f, sink)
         for group, attrs in spec.group_attrs.items():
             set_attrs(groups.group(group), attrs)
         for name, source, ranges in spec.datasets:
@@ -179,12 +190,24 @@ class Reservation:
             _remove_quietly(self.path)
 
 
+@contextlib.contextmanager
+def _direct_file(path: str, wanted: bool):
+    """A `DirectFile` on `path` while HDF5 writes it (None unless `wanted`), closed after."""
+    sink = DirectFile(path) if wanted else None
+    try:
+        yield sink
+    finally:
+        if sink is not None:
+            sink.close()
+
+
 class GroupCache:
     """The groups of one file being written, opened or created once each (h5py's
-    require_group is two lookups per call, and a shard file has a few datasets per group). Local."""
+    require_group is two lookups per call, and a shard file has a few datasets per group), and
+    the file's `DirectFile` (or None) for its datasets' blocks. Local."""
 
-    def __init__(self, f):
-        self.f, self.open = f, {}
+    def __init__(self, f, direct=None):
+        self.f, self.open, self.direct = f, {}, direct
 
     def group(self, folder: str):
         """The group `folder` (a path under the file's root), created if it does not exist."""
@@ -207,7 +230,7 @@ def _write(groups: GroupCache, name: str, data: np.ndarray, before_block, log=No
     from mpickpt.store.shard_file import write_dataset
 
     parent, leaf = groups.parent(name)
-    return write_dataset(parent, leaf, data, before_block, log)
+    return write_dataset(parent, leaf, data, before_block, log, groups.direct)
 
 
 def _write_encoded(groups: GroupCache, name: str, data: np.ndarray, codec: dict, before_block,
@@ -217,7 +240,7 @@ def _write_encoded(groups: GroupCache, name: str, data: np.ndarray, codec: dict,
 
     parent, leaf = groups.parent(name)
     return write_encoded(parent, leaf, data, Codec(**{**codec, "threads": threads}), before_block,
-                         log)
+                         log, groups.direct)
 
 
 def _gather(array: np.ndarray, ranges) -> np.ndarray:

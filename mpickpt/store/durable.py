@@ -7,25 +7,25 @@ import os
 from mpickpt.store.crc import crc32
 
 
-def file_crc32(path: str, block: int = 1 << 22) -> int:
+def file_crc32(path: str) -> int:
     """CRC32 of a whole file, read sequentially (the rate the disk and the CRC allow). Local."""
-    with open(path, "rb") as f:
-        return crc32_read(f, 0, None, block)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return crc32_pread(fd, path, 0, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
 
 
-def crc32_read(f, crc: int, size: int | None, block: int = 1 << 22) -> int:
-    """`crc` continued over the next `size` bytes of the open file `f` (None: to its end);
-    ValueError naming the file when it ends first. Local."""
-    left = size
-    while left is None or left > 0:
-        chunk = f.read(block if left is None else min(block, left))
+def crc32_pread(fd: int, path: str, crc: int, start: int, stop: int,
+                block: int = 1 << 22) -> int:
+    """`crc` continued over bytes [start, stop) of the open file `fd`; ValueError naming `path`
+    when it ends first. Local."""
+    while start < stop:
+        chunk = os.pread(fd, min(block, stop - start), start)
         if not chunk:
-            if left is None:
-                break
-            raise ValueError(f"{f.name}: ended {left} bytes early")
+            raise ValueError(f"{path}: ended {stop - start} bytes early")
         crc = crc32(chunk, crc)
-        if left is not None:
-            left -= len(chunk)
+        start += len(chunk)
     return crc
 
 

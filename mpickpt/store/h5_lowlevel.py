@@ -35,6 +35,9 @@ class Plists:
     def __init__(self):
         self.link = _link_plist()
         self.dataset = _untimed(h5p.DATASET_CREATE)
+        self.early = _untimed(h5p.DATASET_CREATE)  # allocated at creation, never filled
+        self.early.set_alloc_time(h5d.ALLOC_TIME_EARLY)
+        self.early.set_fill_time(h5d.FILL_TIME_NEVER)
         self.group = _untimed(h5p.GROUP_CREATE)
         self.types: dict[str, h5t.TypeID] = {}
 
@@ -57,12 +60,14 @@ def _encode(name: str) -> bytes:
         raise ValueError(f"HDF5 object name {name!r}: expected ASCII") from None
 
 
-def create_dataset(parent, name: str, shape: tuple, dtype) -> h5d.DatasetID:
-    """A new contiguous dataset `name` under the open group or file `parent`, unwritten. Local."""
+def create_dataset(parent, name: str, shape: tuple, dtype, early: bool = False) -> h5d.DatasetID:
+    """A new contiguous dataset `name` under the open group or file `parent`, unwritten. `early`:
+    its file space is allocated now (`get_offset()` says where; nothing fills it), for a writer
+    that puts the bytes there itself (`store.direct_io`). Local."""
     dtype = np.dtype(dtype)
     space = h5s.create_simple(tuple(int(n) for n in shape))
     return h5d.create(parent.id, _encode(name), PLISTS.type_of(dtype), space,
-                      dcpl=PLISTS.dataset, lcpl=PLISTS.link)
+                      dcpl=PLISTS.early if early else PLISTS.dataset, lcpl=PLISTS.link)
 
 
 def write_block(ds: h5d.DatasetID, block: np.ndarray, start: int, rows: int) -> None:

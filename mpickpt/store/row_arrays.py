@@ -126,14 +126,14 @@ class EncodedRows:
 
 
 def write_encoded(parent: h5py.Group, name: str, data: np.ndarray, codec: Codec,
-                  before_block=None, log=None) -> int:
-    """Encode `data` block by block into the group `name`; returns the bytes stored. `log`: as
-    `shard_file.write_dataset`'s. Local."""
+                  before_block=None, log=None, direct=None) -> int:
+    """Encode `data` block by block into the group `name`; returns the bytes stored. `log` and
+    `direct`: as `shard_file.write_dataset`'s. Local."""
     n = data.shape[0]
     rows2d = data.reshape(n, -1)
     group = _encoded_group(parent, name, codec, data.shape, data.dtype)
     probe = codec.encode(rows2d[:0])
-    writers = {k: BlockWriter(group, k, (n, *a.shape[1:]), a.dtype, before_block, log)
+    writers = {k: BlockWriter(group, k, (n, *a.shape[1:]), a.dtype, before_block, log, direct)
                for k, a in probe.items()}
     total = 0
     for a in range(0, n, BLOCK_ROWS):
