@@ -10,6 +10,7 @@ under ``/dense``, which `dense_arrays` and `dense_listing` still read. Local: no
 from __future__ import annotations
 
 import json
+import mmap
 from dataclasses import dataclass
 
 import h5py
@@ -54,8 +55,10 @@ def index_json(entries: list[DenseEntry]) -> str:
 
 def pack(entries: list[DenseEntry], size: int, arrays: dict[str, np.ndarray],
          prefix: str = "") -> np.ndarray:
-    """The pack of `arrays` (keyed by `prefix` + entry name) laid out as `entries`. Local."""
-    out = np.zeros(size, dtype=np.uint8)
+    """The pack of `arrays` (keyed by `prefix` + entry name) laid out as `entries`, in zeroed,
+    page-aligned memory (an O_DIRECT writer takes its pages as they are, `store.direct_io`).
+    Local."""
+    out = np.frombuffer(mmap.mmap(-1, max(size, 1)), dtype=np.uint8)[:size]
     for e in entries:
         data = np.asarray(arrays[prefix + e.name], order="C")
         if data.shape != e.shape or data.dtype != np.dtype(e.dtype):
