@@ -152,14 +152,14 @@ def wait_for_commit(topo, manager, root: str, step: int, lines: list,
 
 
 def measure_mpickpt(topo, model, root: str, repeats: int, writers: int,
-                    snapshot: str = "stop-the-world") -> dict:
+                    snapshot: str = "stop-the-world", io: str = "direct") -> dict:
     """Stall, total time and writer throughput of CheckpointManager.save(). Collective."""
     from mpickpt.engine.config import CheckpointConfig
     from mpickpt.engine.manager import CheckpointManager
     from mpickpt.store.manifest import load_manifest, manifest_path
 
     config = CheckpointConfig(directory=root, interval=1, keep=1, resume="none", writers=writers,
-                              snapshot=snapshot)
+                              snapshot=snapshot, io=io)
     if topo.is_root:
         config.check_directory()
     topo.control.Barrier()
@@ -360,7 +360,7 @@ def worker(args) -> None:
         bw = memcpy_bandwidth(topo, staged)
         tag = f"{size_mb:g}mb"
         mp = measure_mpickpt(topo, model, os.path.join(args.dir, f"mpickpt-{tag}"), args.repeats,
-                             args.writers, args.snapshot)
+                             args.writers, args.snapshot, args.io)
         dc = measure_dcp(topo, model, os.path.join(args.dir, f"dcp-{tag}"), args.repeats)
         disk = measure_disk(topo, os.path.join(args.dir, f"dd-{tag}"), size_mb, args.repeats)
         per_rank = topo.control.gather({"staged_bytes": staged, "memcpy_Bps": bw,
@@ -541,6 +541,8 @@ def main() -> None:
                    choices=("stop-the-world", "copy-on-update"),
                    help="mpickpt's --ckpt-snapshot (copy-on-update: the rows are copied after "
                         "save() returns)")
+    p.add_argument("--io", default="direct", choices=("direct", "buffered"),
+                   help="mpickpt's --ckpt-io (direct: O_DIRECT writes past the page cache)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
                    help="nccl: the model on the GPUs (one per rank), the floor a device-to-host "
                         "copy into page-locked memory")
@@ -562,7 +564,7 @@ def main() -> None:
     cmd = [mpiexec(), "-n", str(args.ranks), sys.executable, __file__, "--worker", "--out", str(tmp),
            "--sizes-mb", args.sizes_mb, "--repeats", str(args.repeats), "--writers",
            str(args.writers), "--dir", os.path.abspath(args.dir), "--snapshot", args.snapshot,
-           "--backend", args.backend]
+           "--backend", args.backend, "--io", args.io]
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // args.ranks)))
     start = time.perf_counter()
     try:
@@ -574,7 +576,7 @@ def main() -> None:
     tmp.unlink()
     meta = {"machine": platform.node(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
             "command": " ".join(sys.argv), "torch": _torch_version(), "dir": os.path.abspath(args.dir),
-            "snapshot": args.snapshot, "backend": args.backend,
+            "snapshot": args.snapshot, "backend": args.backend, "io": args.io,
             "filesystem": fs, "omp_num_threads": env["OMP_NUM_THREADS"],
             "elapsed_s": time.perf_counter() - start,
             "targets": {"stall_vs_memcpy": f"<= {TARGET_STALL_VS_MEMCPY}",
