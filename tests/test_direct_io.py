@@ -47,13 +47,28 @@ def resident_pages(path: str, start: int, stop: int) -> int:
     return sum(v & 1 for v in vec)
 
 
+@pytest.fixture
+def bypass(tmp_path):
+    """Skip unless an O_DIRECT write here leaves the page cache alone (on tmpfs, which takes
+    O_DIRECT on recent kernels, the pages are the page cache)."""
+    path = str(tmp_path / "probe")
+    open(path, "wb").close()
+    out = DirectFile(path)
+    out.write_at(0, page_aligned(MIN_DIRECT))
+    out.close()
+    if out.direct_bytes == 0 or resident_pages(path, 0, MIN_DIRECT):
+        pytest.skip(f"O_DIRECT does not bypass the page cache in {tmp_path}")
+    os.remove(path)
+
+
 @pytest.mark.parametrize("offset,nbytes,shift", [
     (0, 1 << 20, 0),                 # all whole pages, from page-aligned memory
     (1234, (1 << 20) + 777, 0),      # partial pages at both ends
     (PAGE, 5 << 20, 8),              # memory not page-aligned: through the bounce buffer
     (100, 3 * PAGE, 0),              # fewer whole pages than MIN_DIRECT: buffered
 ])
-def test_blocks_land_exactly_and_whole_pages_skip_the_page_cache(tmp_path, offset, nbytes, shift):
+def test_blocks_land_exactly_and_whole_pages_skip_the_page_cache(tmp_path, bypass, offset, nbytes,
+                                                                 shift):
     path = str(tmp_path / "f")
     open(path, "wb").close()
     src = page_aligned(nbytes + shift)[shift:]
@@ -76,17 +91,22 @@ def test_blocks_land_exactly_and_whole_pages_skip_the_page_cache(tmp_path, offse
     assert np.array_equal(data[:offset], np.arange(offset, dtype=np.uint8))
 
 
-def test_a_filesystem_refusing_o_direct_gets_the_same_bytes_buffered(tmp_path, monkeypatch):
-    """Every filesystem here takes O_DIRECT (tmpfs too, on this kernel), so the refusal (EINVAL,
-    as NFS without it or a device with larger sectors answers) is made by the test."""
+def fail_direct_writes(monkeypatch, code: int) -> None:
+    """pwrite on an O_DIRECT descriptor raises OSError(code); others write. Nothing here fails on
+    demand (every filesystem takes O_DIRECT, tmpfs too on this kernel), so the test makes the
+    refusal (EINVAL: NFS without it, a device with larger sectors) or the device error (EIO)."""
     real = os.pwrite
 
-    def refuse_direct(fd, data, offset):
+    def pwrite(fd, data, offset):
         if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
+            raise OSError(code, os.strerror(code))
         return real(fd, data, offset)
 
-    monkeypatch.setattr(os, "pwrite", refuse_direct)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+
+
+def test_a_filesystem_refusing_o_direct_gets_the_same_bytes_buffered(tmp_path, monkeypatch):
+    fail_direct_writes(monkeypatch, errno.EINVAL)
     path = str(tmp_path / "f")
     open(path, "wb").close()
     src = page_aligned(2 << 20)
@@ -97,6 +117,60 @@ def test_a_filesystem_refusing_o_direct_gets_the_same_bytes_buffered(tmp_path, m
     assert not out.direct and out.direct_bytes == 0
     out.close()
     assert np.array_equal(np.fromfile(path, dtype=np.uint8)[PAGE:], np.full(4 << 20, 7, np.uint8))
+
+
+def test_o_direct_refused_at_open_writes_buffered(tmp_path, monkeypatch):
+    real = os.open
+    monkeypatch.setattr(os, "open", lambda p, flags, *a: (_ for _ in ()).throw(
+        OSError(errno.EINVAL, "Invalid argument")) if flags & os.O_DIRECT else real(p, flags, *a))
+    path = str(tmp_path / "f")
+    open(path, "wb").close()
+    out = DirectFile(path)
+    assert not out.direct
+    out.write_at(10, np.arange(1 << 20, dtype=np.uint32))
+    out.close()
+    assert np.array_equal(np.fromfile(path, dtype=np.uint8)[10:].view(np.uint32),
+                          np.arange(1 << 20, dtype=np.uint32))
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("shift", [0, 1])  # staged rows page-aligned, or not (bounce buffer)
+def test_a_failing_direct_write_fails_the_job_with_its_error_and_leaves_nothing(
+        tmp_path, monkeypatch, shift):
+    """EIO from the device (made by the test: nothing here fails on demand) ends the writer's job
+    with an error naming the file and the errno; no temporary, reservation or descriptor stays."""
+    from mpickpt.engine.staging import StagingArea
+    from mpickpt.engine.writer_process import run_job
+
+    plan = ShardPlan.build([70_000, 50_000], 1)
+    gids, arrays = shard_arrays(plan, 0)
+    area = StagingArea({k: (a.shape, a.dtype.str) for k, a in arrays.items()})
+    try:
+        for k, a in arrays.items():
+            area.arrays[k][...] = a
+        [spec] = shard_specs(str(tmp_path), plan, 0, gids, NAMES, lambda j: "s.h5", "shard",
+                             lambda j: shard_attrs(7, "full", "fp32", 0, j, 1, 1))
+        if shift:  # rows from the second on: not page-aligned in memory
+            spec.datasets = [(name, src, [(1, len(gids))]) for name, src, _ in spec.datasets]
+        fail_direct_writes(monkeypatch, errno.EIO)
+        before, attached = open_fds(), {}
+        for _ in range(3):
+            answer = run_job({"step": 7, "files": [spec], "staging": area.describe(),
+                              "io": "direct"}, attached)
+            assert not answer["ok"]
+            assert spec.path in answer["error"] and "Input/output error" in answer["error"]
+        attached.clear()
+        assert open_fds() == before
+        assert os.listdir(tmp_path) == []
+        monkeypatch.undo()
+        assert run_job({"step": 7, "files": [spec], "staging": area.describe(), "io": "direct"},
+                       attached)["ok"]
+        assert verify_file(spec.path) == []
+    finally:
+        area.close()
 
 
 NAMES = ["weight", "state/adagrad_sum"]
@@ -111,7 +185,8 @@ def shard_arrays(plan: ShardPlan, rank: int) -> tuple[np.ndarray, dict]:
 
 @pytest.mark.parametrize("align,codecs", [(1 << 20, None), (0, None),
                                           (1 << 20, {"weight": asdict(Codec("asym", 4))})])
-def test_direct_and_buffered_files_hold_the_same_rows_and_checksums(tmp_path, align, codecs):
+def test_direct_and_buffered_files_hold_the_same_rows_and_checksums(tmp_path, bypass, align,
+                                                                    codecs):
     plan = ShardPlan.build([70_000, 300, 90_000, 1_000, 40_000], 2)
     gids, arrays = shard_arrays(plan, 0)
     read = {}
@@ -142,14 +217,18 @@ def test_direct_and_buffered_files_hold_the_same_rows_and_checksums(tmp_path, al
         assert np.array_equal(read["direct"]["weight"], arrays["weight"])
 
 
-def test_a_dense_file_written_direct_reads_back(tmp_path):
+def test_a_dense_file_written_direct_reads_back(tmp_path, bypass):
     from mpickpt.store import dense_file
 
-    arrays = {"dense/w": np.random.default_rng(1).standard_normal((600, 300), np.float32),
+    arrays = {"dense/w": np.random.default_rng(1).standard_normal((1200, 600), np.float32),
               "dense/b": np.arange(300, dtype=np.float32), "dense/step": np.array(5)}
     spec = dense_spec(str(tmp_path), "ck", 5,
                       {k[6:]: (a.shape, str(a.dtype)) for k, a in arrays.items()}, ["w", "b"])
     write_file(spec, arrays, 1 << 20, direct=True)
+    with open_shard(spec.path) as f:  # the pack (2.9 MB) starts at 1 MiB: its blocks go direct
+        pack = f[dense_file.PACKED].id
+        offset, stop = pack.get_offset(), pack.get_offset() + pack.get_storage_size()
+    assert offset % (1 << 20) == 0 and resident_pages(spec.path, offset, stop) <= 32
     assert verify_file(spec.path) == []
     with open_shard(spec.path) as f:
         back = dense_file.dense_arrays(f, spec.path)
@@ -157,7 +236,7 @@ def test_a_dense_file_written_direct_reads_back(tmp_path):
         assert np.array_equal(back[k[6:]], a)
 
 
-def test_training_writes_shards_past_the_page_cache_by_default(tmp_path):
+def test_training_writes_shards_past_the_page_cache_by_default(tmp_path, bypass):
     """One real 1-rank run (default --ckpt-io): the flag reaches the writers, whose shard rows
     are on disk and not in the page cache; `--ckpt-io` refuses an unknown mode by name."""
     import subprocess
@@ -184,3 +263,25 @@ def test_training_writes_shards_past_the_page_cache_by_default(tmp_path):
         offset, stop = weight.get_offset(), weight.get_offset() + weight.get_storage_size()
     assert (stop - offset) // PAGE > 1000 and resident_pages(path, offset, stop) <= 32
     assert verify_file(path) == []
+
+
+def test_incrcp_bundles_go_past_the_page_cache_when_asked(tmp_path, bypass):
+    """The extractor's bundles follow --ckpt-io (`BundleBuilder.write(direct=True)`)."""
+    from mpickpt.incrcp.extraction import BundleBuilder
+    from mpickpt.store.row_arrays import EncodedRows
+
+    weight = np.random.default_rng(3).standard_normal((80_000, 16), np.float32)
+    for direct in (False, True):
+        bundle = BundleBuilder(f"bundle-{direct}.h5")
+        bundle.add(0, 5, {"gids": np.arange(80_000, dtype=np.int64),
+                          "weight": EncodedRows(None, (16,), "float32", {"values": weight})}, None)
+        bundle.write(str(tmp_path), 5, 1 << 20, direct)
+        path = str(tmp_path / bundle.relpath)
+        with open_shard(path) as f:
+            ds = f["rows/weight"].id
+            offset, stop = ds.get_offset(), ds.get_offset() + ds.get_storage_size()
+        resident = resident_pages(path, offset, stop)
+        assert resident <= 32 if direct else resident >= 0.9 * (stop - offset) // PAGE
+        assert verify_file(path) == []
+        with open_shard(path) as f:
+            assert np.array_equal(open_rows(f["rows"], "weight", path).rows(0, 80_000), weight)

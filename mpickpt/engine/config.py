@@ -71,7 +71,8 @@ class CheckpointConfig:
     """datasets of at least this size start at a multiple of it in the files, so that no two
     share a parallel filesystem stripe: the stripe size (0: packed)"""
     io: str = option("direct", flag="--ckpt-io", choices=IO_MODES)
-    """how the writers write shard and dense files' large datasets: direct (O_DIRECT, past the
+    """how the writers write shard and dense files' large datasets, and the IncrCP extractor its
+    bundles': direct (O_DIRECT, past the
     page cache: no copy of the bytes and no writeback work, the least CPU per byte; buffered
     where the filesystem refuses it) or buffered (through the page cache, which then holds
     the checkpoint for a restore soon after); see mpickpt/store/direct_io.py"""

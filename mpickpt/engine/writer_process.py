@@ -8,7 +8,6 @@ writer behind that could finish a stale file later.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
@@ -19,7 +18,7 @@ import numpy as np
 from mpickpt.background import die_with_parent, ignore_job_signals, serve
 from mpickpt.engine.staging import map_arrays
 from mpickpt.store.dense_file import pack
-from mpickpt.store.direct_io import DirectFile
+from mpickpt.store.direct_io import direct_file
 from mpickpt.store.h5_lowlevel import set_attrs
 from mpickpt.store.shard_file import FORMAT_VERSION, alignment, open_hdf5, seal_attributes
 
@@ -105,7 +104,7 @@ def write_file(spec, arrays: dict, align: int = 0, codec_threads: int = 1,
 def _write_hdf5(tmp: str, spec, arrays: dict, reservation: Reservation, align: int,
                 log=None, codec_threads: int = 1, direct: bool = False) -> int:
     payload = 0
-    with open_hdf5(tmp, "w", **alignment(align)) as f, _direct_file(tmp, direct) as sink:
+    with open_hdf5(tmp, "w", **alignment(align)) as f, direct_file(tmp, direct) as sink:
         set_attrs(f, {"format_version": FORMAT_VERSION, **spec.attrs})
         codecs, groups = spec.codecs, GroupCache(f, sink)
         for group, attrs in spec.group_attrs.items():
@@ -188,17 +187,6 @@ class Reservation:
             os.close(self.fd)
             self.fd = None
             _remove_quietly(self.path)
-
-
-@contextlib.contextmanager
-def _direct_file(path: str, wanted: bool):
-    """A `DirectFile` on `path` while HDF5 writes it (None unless `wanted`), closed after."""
-    sink = DirectFile(path) if wanted else None
-    try:
-        yield sink
-    finally:
-        if sink is not None:
-            sink.close()
 
 
 class GroupCache:

@@ -21,6 +21,7 @@ from mpickpt.incrcp.bloom import BloomFilter
 from mpickpt.store.block_cache import BlockCache
 from mpickpt.store.chunk_index import ChunkIndex, ChunkRef, commit_index, index_dir
 from mpickpt.store.row_arrays import EncodedRows, open_rows, write_raw
+from mpickpt.store.direct_io import direct_file
 from mpickpt.store.durable import fsync_path
 from mpickpt.store.shard_file import (FORMAT_VERSION, alignment, open_hdf5, open_shard,
                                       read_rows, seal_attributes, write_dataset)
@@ -66,24 +67,26 @@ class BundleBuilder:
         return ChunkRef(self.relpath, table, start, start + n, int(rows["gids"][0]),
                         int(rows["gids"][-1]), column, until, self.GROUP)
 
-    def write(self, root: str, step: int, align: int = 0) -> int:
+    def write(self, root: str, step: int, align: int = 0, direct: bool = False) -> int:
         """Write the bundle atomically and durably; returns bytes. Nothing when empty. Datasets of
-        at least `align` bytes start at a multiple of it, as in checkpoint files (0: packed).
-        Local."""
+        at least `align` bytes start at a multiple of it, as in checkpoint files (0: packed);
+        `direct`: the large ones are written with O_DIRECT (`store.direct_io`). Local."""
         if not self.pieces:
             return 0
         path = os.path.join(root, self.relpath)
         tmp = path + ".tmp"
-        with open_hdf5(tmp, "w", **alignment(align)) as f:
+        with open_hdf5(tmp, "w", **alignment(align)) as f, direct_file(tmp, direct) as sink:
             f.attrs.update({"format_version": FORMAT_VERSION, "step": step, "kind": "bundle"})
             group = f.require_group(self.GROUP)
             for name in self.pieces[0]:
                 folder, leaf = os.path.split(name)
                 parent = group.require_group(folder) if folder else group
                 if name == "gids":
-                    write_dataset(parent, leaf, np.concatenate([p[name] for p in self.pieces]))
+                    write_dataset(parent, leaf, np.concatenate([p[name] for p in self.pieces]),
+                                  direct=sink)
                 else:  # stored arrays copied as they are: quantized rows are never re-quantized
-                    write_raw(parent, leaf, EncodedRows.concat([p[name] for p in self.pieces]))
+                    write_raw(parent, leaf, EncodedRows.concat([p[name] for p in self.pieces]),
+                              sink)
             seal_attributes(f)
         fsync_path(tmp)
         os.replace(tmp, path)
@@ -146,7 +149,7 @@ class Extractor:
 
     def ingest(self, index: ChunkIndex, step: int, new_refs: list[ChunkRef], row_names: list[str],
                retained: list[int] | None = None, before_commit=None,
-               align: int = 0) -> ExtractionStats:
+               align: int = 0, direct: bool = False) -> ExtractionStats:
         """Add checkpoint `step`'s chunks, extract duplicates, commit the next index generation,
         then delete files no longer referenced. `before_commit()` is a fault-injection point;
         `align` is the checkpoint's `--ckpt-align` (bundle datasets start at multiples of it)."""
@@ -167,8 +170,8 @@ class Extractor:
                                                      step, row_names, row0, row1, stats, learned)
                     index.push_row1(table, column, kept, moved)
             index.add_column(step, new_refs)
-            stats.bundle_bytes = row0.write(self.root, step, align) + row1.write(self.root, step,
-                                                                                align)
+            stats.bundle_bytes = (row0.write(self.root, step, align, direct) +
+                                  row1.write(self.root, step, align, direct))
             if stats.bundle_bytes:
                 fsync_path(os.path.join(self.root, rel))
             self._remember_blooms(index, learned)

@@ -51,7 +51,7 @@ def _ingest(job: dict, state: dict) -> dict:
         retained = [m.step for m in list_manifests(root) if m.chain == chain]
         hook = _crash if job.get("crash_before_commit") else None
         stats = state["extractor"].ingest(index, step, refs, job["row_names"], retained, hook,
-                                          job.get("align", 0))
+                                          job.get("align", 0), job.get("io") == "direct")
         seconds, timed = restore_seconds(state, job, index)
         return {"ok": True, "step": step, "chain": chain, "stats": stats.as_dict(),
                 "restore_seconds": seconds, "restore_timed": timed}

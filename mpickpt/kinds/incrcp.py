@@ -89,7 +89,7 @@ class Incrcp(Kind):
 
     def companion(self, root, config, say):
         return Ingestion(root, config.incrcp_ratio, config.inject_extract_crash, say, config.align,
-                         config.background, time_restore=self.reset == "cost")
+                         config.background, time_restore=self.reset == "cost", io=config.io)
 
     def shard_location(self, save, ckpt_id, rank, step, part):
         return column_relpath(save.chain, rank, step, part), "chunk"
@@ -151,10 +151,12 @@ class Ingestion:
     logged and fed back into the cost model. Local."""
 
     def __init__(self, root: str, ratio: float, crash_at: int | None, say, align: int = 0,
-                 background: str = "idle", time_restore: bool = True):
+                 background: str = "idle", time_restore: bool = True, io: str = "buffered"):
         """`time_restore`: whether the extractor reports R for the cost model (only baselines by
-        cost read it; `incrcp.restore_probe` decides when it is timed)."""
+        cost read it; `incrcp.restore_probe` decides when it is timed). `io`: --ckpt-io, how
+        the extractor writes its bundles."""
         self.root, self.crash_at, self.say, self.align = root, crash_at, say, align
+        self.io = io
         self.time_restore = time_restore
         self.client = ExtractorClient(root, ratio, say, background)
         self.count = 0
@@ -172,7 +174,7 @@ class Ingestion:
         crash = self.crash_at == self.count and is_root
         self.client.submit({"root": self.root, "chain": chain, "rank": rank, "step": step,
                             "parts": parts, "row_names": sorted(row_names),
-                            "crash_before_commit": crash, "align": self.align,
+                            "crash_before_commit": crash, "align": self.align, "io": self.io,
                             "time_restore": self.time_restore})
 
     def poll(self, kind: Kind, rank: int, drain: bool = False) -> None:

@@ -13,12 +13,15 @@ page-aligned bounce buffer: a copy, which is what the page cache would cost at b
 
 HDF5 keeps writing its metadata and small datasets itself; the large datasets are allocated at
 creation (`h5_lowlevel.create_dataset(early=True)`) so that their place in the file is known, and
-their blocks come here. A filesystem that refuses O_DIRECT (tmpfs; EINVAL at open or at the first
+their blocks come here. A filesystem that refuses O_DIRECT (EINVAL at open or at the first
 write) gets buffered writes of the same bytes instead (`DirectFile.direct` says which). The file's
-fsync, done by the caller, covers both kinds of write. Local: nothing here uses MPI.
+fsync, done by the caller, covers both kinds of write. (tmpfs takes O_DIRECT on recent kernels,
+and its pages are the page cache: nothing is saved there, and nothing is lost.) Local: nothing
+here uses MPI.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -39,13 +42,18 @@ class DirectFile:
     def __init__(self, path: str):
         self.path = path
         self.plain = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-        self.fd = _open_direct(path)
+        try:
+            self.fd = _open_direct(path)
+        except OSError:
+            os.close(self.plain)
+            raise
         self.bounce: mmap.mmap | None = None
         self.direct_bytes = self.buffered_bytes = 0
 
     @property
     def direct(self) -> bool:
-        """Whether the filesystem takes O_DIRECT writes (False after it refused one)."""
+        """Whether O_DIRECT writes go out (False once the filesystem refused one, and after
+        `close`)."""
         return self.fd is not None
 
     def write_at(self, offset: int, block: np.ndarray) -> None:
@@ -68,7 +76,10 @@ class DirectFile:
                 os.close(fd)
                 setattr(self, name, None)
         if self.bounce is not None:
-            self.bounce.close()
+            try:
+                self.bounce.close()
+            except BufferError:  # a failed write's traceback still holds a view: left to GC
+                pass
             self.bounce = None
 
     def _plain(self, data: np.ndarray, offset: int) -> None:
@@ -99,6 +110,18 @@ class DirectFile:
             piece = data[at:at + BOUNCE_BYTES]
             staging[:len(piece)] = piece
             _pwrite_all(self.fd, memoryview(self.bounce)[:len(piece)], offset + at)
+
+
+@contextlib.contextmanager
+def direct_file(path: str, wanted: bool = True):
+    """A `DirectFile` on `path` (which must exist) for the span of the block, None unless
+    `wanted`; closed after. Local."""
+    sink = DirectFile(path) if wanted else None
+    try:
+        yield sink
+    finally:
+        if sink is not None:
+            sink.close()
 
 
 def _open_direct(path: str) -> int | None:

@@ -144,15 +144,16 @@ def write_encoded(parent: h5py.Group, name: str, data: np.ndarray, codec: Codec,
     return total
 
 
-def write_raw(parent: h5py.Group, name: str, rows: EncodedRows) -> int:
-    """Write rows copied with `StoredRows.raw` (no re-encoding); returns bytes stored. Local."""
+def write_raw(parent: h5py.Group, name: str, rows: EncodedRows, direct=None) -> int:
+    """Write rows copied with `StoredRows.raw` (no re-encoding); returns bytes stored. `direct`:
+    as `shard_file.write_dataset`'s. Local."""
     from mpickpt.store.shard_file import write_dataset
 
     if rows.codec is None:
-        return write_dataset(parent, name, rows.arrays["values"])
+        return write_dataset(parent, name, rows.arrays["values"], direct=direct)
     n = len(rows)
     group = _encoded_group(parent, name, rows.codec, (n, *rows.tail), np.dtype(rows.dtype))
-    return sum(write_dataset(group, k, a) for k, a in rows.arrays.items())
+    return sum(write_dataset(group, k, a, direct=direct) for k, a in rows.arrays.items())
 
 
 def _encoded_group(parent, name, codec: Codec, shape, dtype) -> h5py.Group:
