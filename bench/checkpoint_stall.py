@@ -37,6 +37,7 @@ import sys
 import time
 from pathlib import Path
 
+from mpickpt.engine.config import IO_MODES
 from mpickpt.mpiexec import mpiexec
 
 HERE = Path(__file__).resolve().parent
@@ -541,7 +542,7 @@ def main() -> None:
                    choices=("stop-the-world", "copy-on-update"),
                    help="mpickpt's --ckpt-snapshot (copy-on-update: the rows are copied after "
                         "save() returns)")
-    p.add_argument("--io", default="direct", choices=("direct", "buffered"),
+    p.add_argument("--io", default="direct", choices=IO_MODES,
                    help="mpickpt's --ckpt-io (direct: O_DIRECT writes past the page cache)")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
                    help="nccl: the model on the GPUs (one per rank), the floor a device-to-host "

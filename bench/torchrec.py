@@ -48,6 +48,7 @@ HERE = Path(__file__).resolve().parent
 # torchrec package
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
+from mpickpt.engine.config import IO_MODES  # noqa: E402
 from mpickpt.mpiexec import mpiexec  # noqa: E402
 TARGET_STALL = 1 / 3
 TARGET_BYTES = 1 / 10
@@ -328,7 +329,7 @@ def main() -> None:
                    help="restores of the newest checkpoint per mode, each from a cold page "
                         "cache; the median is reported")
     p.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "mpickpt-bench-torchrec"))
-    p.add_argument("--ckpt-io", default="buffered", choices=("buffered", "direct"),
+    p.add_argument("--ckpt-io", default="buffered", choices=IO_MODES,
                    help="mpickpt's --ckpt-io: buffered (default here) leaves its files in the "
                         "page cache for the restores, as DCP's are; direct makes its restores "
                         "read the disk while DCP's read memory")

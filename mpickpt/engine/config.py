@@ -72,10 +72,10 @@ class CheckpointConfig:
     share a parallel filesystem stripe: the stripe size (0: packed)"""
     io: str = option("direct", flag="--ckpt-io", choices=IO_MODES)
     """how the writers write shard and dense files' large datasets, and the IncrCP extractor its
-    bundles': direct (O_DIRECT, past the
-    page cache: no copy of the bytes and no writeback work, the least CPU per byte; buffered
-    where the filesystem refuses it) or buffered (through the page cache, which then holds
-    the checkpoint for a restore soon after); see mpickpt/store/direct_io.py"""
+    bundles': direct (O_DIRECT, past the page cache: no copy of the bytes and no writeback work,
+    the least CPU per byte; buffered where the filesystem refuses it) or buffered (through the
+    page cache, which then holds the checkpoint for a restore soon after); see
+    mpickpt/store/direct_io.py"""
     snapshot: str = option("stop-the-world", flag="--ckpt-snapshot",
                            choices=("stop-the-world", "copy-on-update"))
     """how a checkpoint copies the rows: all at once in the stall, or copy-on-update (only the

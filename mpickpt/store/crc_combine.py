@@ -103,4 +103,3 @@ def file_crc32_from_regions(path: str, regions: list[tuple[int, list[tuple[int, 
         return crc32_pread(fd, path, crc, pos, size)
     finally:
         os.close(fd)
-

@@ -26,6 +26,7 @@ import numpy as np
 
 from mpickpt.store import attr_digest, h5_lowlevel
 from mpickpt.store.crc import crc32
+from mpickpt.store.direct_io import MIN_DIRECT
 from mpickpt.store.errors import CheckpointCorruptError, CheckpointError
 
 FORMAT_VERSION = 3
@@ -79,8 +80,6 @@ class BlockWriter:
 
     def __init__(self, group: h5py.Group, name: str, shape: tuple, dtype, before_block=None,
                  log=None, direct=None):
-        from mpickpt.store.direct_io import MIN_DIRECT
-
         self.group, self.name, self.before_block, self.log = group, name, before_block, log
         self.dtype, self.rows = np.dtype(dtype), shape[0]
         self.row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * self.dtype.itemsize
