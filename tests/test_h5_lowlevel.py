@@ -63,6 +63,11 @@ def test_attributes_set_and_read_as_h5py_does(tmp_path):
             np.testing.assert_array_equal(got[key], value)
             assert np.asarray(low.attrs[key]).dtype == np.asarray(value).dtype, key
         assert got["int"] == 6 and got["text"] == VALUES["text"]
+        for key in VALUES:  # the same HDF5 types on disk (a str: vlen UTF-8), not only values
+            stored, ref_type = low.attrs.get_id(key).get_type(), high.attrs.get_id(key).get_type()
+            assert stored.equal(ref_type), key
+            if isinstance(VALUES[key], str):
+                assert stored.is_variable_str() and stored.get_cset() == h5py.h5t.CSET_UTF8
 
 
 def _reference_digest(f) -> bytes:
@@ -107,3 +112,32 @@ def test_slabs_clamp_like_slices(tmp_path):
         assert h5_lowlevel.read_slab(ds, 12, 20).size == 0
         with pytest.raises(KeyError):
             h5_lowlevel.open_sibling(ds, b"/y")
+
+
+def test_a_digest_from_the_writers_record_is_the_digest_read_back(tmp_path, monkeypatch):
+    """A writer seals a file from the attributes it set (`AttrRecord`), not by reading them
+    back: every value must digest as its read-back does. An object with attributes set outside
+    the record, or with an Empty one, is read."""
+    path, read = str(tmp_path / "r.h5"), []
+    plain = {k: v for k, v in VALUES.items() if not isinstance(v, h5py.Empty)}
+    monkeypatch.setattr(attr_digest, "read_attrs",
+                        lambda obj: read.append(obj) or h5_lowlevel.read_attrs(obj))
+    with open_hdf5(path, "w") as f:
+        record = attr_digest.AttrRecord()
+        record.set(f, {"format_version": shard_file.FORMAT_VERSION, **plain})
+        record.set(h5_lowlevel.create_group(f, "rows"), {"tables": [(0, 0, 5, 0, 9)], **plain})
+        record.set(h5_lowlevel.create_group(f, "rows/empty"), VALUES)
+        g = h5_lowlevel.create_group(f, "rows/state")
+        record.set(g, {"a": 1})
+        g.attrs["b"] = 2.5  # not recorded
+        write_dataset(f, "rows/gids", np.arange(10))
+        shard_file.seal_attributes(f, record)
+    assert len(read) == 2  # rows/empty and rows/state; the root and rows from the record
+    with h5py.File(path, "r") as f:
+        assert attr_digest.attrs_digest(f) == _reference_digest(f)
+        assert f[attr_digest.DIGEST][()].tobytes() == attr_digest.attrs_digest(f)
+    shard_file.open_shard(path).close()
+    with open_hdf5(path, "r+") as f:  # an attribute that disagrees with the digest: damage
+        f.attrs["int"] = 8
+    with pytest.raises(shard_file.CheckpointCorruptError, match="digest"):
+        shard_file.open_shard(path)

@@ -19,7 +19,7 @@ from mpickpt.background import die_with_parent, ignore_job_signals, serve
 from mpickpt.engine.staging import map_arrays
 from mpickpt.store.dense_file import pack
 from mpickpt.store.direct_io import direct_file
-from mpickpt.store.h5_lowlevel import set_attrs
+from mpickpt.store.attr_digest import AttrRecord
 from mpickpt.store.shard_file import FORMAT_VERSION, alignment, open_hdf5, seal_attributes
 
 
@@ -105,10 +105,11 @@ def _write_hdf5(tmp: str, spec, arrays: dict, reservation: Reservation, align: i
                 log=None, codec_threads: int = 1, direct: bool = False) -> int:
     payload = 0
     with open_hdf5(tmp, "w", **alignment(align)) as f, direct_file(tmp, direct) as sink:
-        set_attrs(f, {"format_version": FORMAT_VERSION, **spec.attrs})
+        record = AttrRecord()
+        record.set(f, {"format_version": FORMAT_VERSION, **spec.attrs})
         codecs, groups = spec.codecs, GroupCache(f, sink)
         for group, attrs in spec.group_attrs.items():
-            set_attrs(groups.group(group), attrs)
+            record.set(groups.group(group), attrs)
         for name, source, ranges in spec.datasets:
             data = _gather(arrays[source], ranges)
             if source in codecs:  # quantized here, block by block, in the background
@@ -121,7 +122,7 @@ def _write_hdf5(tmp: str, spec, arrays: dict, reservation: Reservation, align: i
         for name, (entries, size, prefix) in spec.packs.items():
             payload += _write(groups, name, pack(entries, size, arrays, prefix),
                               reservation.release, log)
-        seal_attributes(f)
+        seal_attributes(f, record)
         reservation.close()  # the rest covers HDF5's metadata, written at close
     return payload
 

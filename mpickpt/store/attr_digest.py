@@ -16,18 +16,42 @@ import h5py
 import numpy as np
 
 from mpickpt.store.errors import CheckpointCorruptError
-from mpickpt.store.h5_lowlevel import read_attrs
+from mpickpt.store.h5_lowlevel import read_attrs, set_attrs
 
 DIGEST = "_attrs"
 """Name of the digest dataset at the root of the file."""
 
 
-def attrs_digest(f) -> bytes:
+class AttrRecord:
+    """The attributes a writer set on the objects of the file it is writing, by object path, so
+    that sealing the file takes their values from here instead of reading them back (HDF5's
+    per-attribute calls were a quarter of a small file's CPU). Local."""
+
+    def __init__(self):
+        self.values: dict[str, dict] = {}
+        self.unread: set[str] = set()  # objects whose values do not digest as read back
+
+    def set(self, obj, attrs: dict) -> None:
+        """`h5_lowlevel.set_attrs(obj, attrs)`, remembered."""
+        set_attrs(obj, attrs)
+        path = obj.name.lstrip("/") or "/"
+        self.values.setdefault(path, {}).update(attrs)
+        if any(isinstance(v, h5py.Empty) for v in attrs.values()):  # its dtype reads back
+            self.unread.add(path)                                   # spelled differently
+
+    def known(self) -> dict[str, dict]:
+        """{object path: {name: value}} for `attrs_digest`'s `written`."""
+        return {p: v for p, v in self.values.items() if p not in self.unread}
+
+
+def attrs_digest(f, written: dict | None = None) -> bytes:
     """SHA-256 over every attribute of every object of the open file `f`. Local.
 
     Objects are listed with HDF5's own visit, which reports each one's attribute count: only
     objects that have attributes are opened (most datasets have none; opening every object
-    through h5py was most of a restore's time)."""
+    through h5py was most of a restore's time). `written` (an `AttrRecord`'s values): an
+    object whose attribute count is that of its entry there is digested from the entry; any
+    other is read. The entry's values digest as their read-back would (`_canonical`)."""
     found = [("/", f.attrs.__len__())]
     h5py.h5o.visit(f.id, lambda name, info: found.append((name.decode(), info.num_attrs)),
                    info=True)
@@ -38,8 +62,12 @@ def attrs_digest(f) -> bytes:
         h.update(f"{name}\0".encode())
         if not count:
             continue
-        obj = f.id if name == "/" else h5py.h5o.open(f.id, name.encode())
-        for key, value in sorted(read_attrs(obj), key=lambda kv: kv[0]):
+        known = (written or {}).get(name)
+        if known is not None and len(known) == count:
+            items = list(known.items())
+        else:
+            items = read_attrs(f.id if name == "/" else h5py.h5o.open(f.id, name.encode()))
+        for key, value in sorted(items, key=lambda kv: kv[0]):
             value = _canonical(value)
             h.update(f"{key}\0{value.dtype.str}\0{value.shape}\0".encode())
             h.update(value.tobytes())
@@ -53,10 +81,12 @@ def _canonical(value) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
-def seal(f, write_dataset) -> None:
+def seal(f, write_dataset, record: AttrRecord | None = None) -> None:
     """Write the digest of `f`'s attributes as /_attrs; call last, once every attribute is set.
-    `write_dataset(group, name, array)` writes a CRC-checked dataset. Local."""
-    write_dataset(f, DIGEST, np.frombuffer(attrs_digest(f), dtype=np.uint8).copy())
+    `write_dataset(group, name, array)` writes a CRC-checked dataset; `record`: the attributes
+    the caller set through it (the others are read back). Local."""
+    digest = attrs_digest(f, record.known() if record is not None else None)
+    write_dataset(f, DIGEST, np.frombuffer(digest, dtype=np.uint8).copy())
 
 
 def check(f, path: str, read_all) -> None:

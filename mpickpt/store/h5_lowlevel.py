@@ -40,6 +40,9 @@ class Plists:
         self.early.set_fill_time(h5d.FILL_TIME_NEVER)
         self.group = _untimed(h5p.GROUP_CREATE)
         self.types: dict[str, h5t.TypeID] = {}
+        self.read_types: dict[str, h5t.TypeID] = {}
+        self.text = h5t.py_create(h5t.string_dtype(), logical=True)  # vlen UTF-8, as h5py's str
+        self.text_memory = h5t.py_create(h5t.string_dtype())  # Python objects, converted to it
 
     def type_of(self, dtype: np.dtype) -> h5t.TypeID:
         """HDF5's (logical) type for a numpy dtype, cached per dtype."""
@@ -47,6 +50,16 @@ class Plists:
         if key not in self.types:
             self.types[key] = h5t.py_create(dtype, logical=True)
         return self.types[key]
+
+    def read_type_of(self, dtype: np.dtype) -> h5t.TypeID:
+        """The memory type h5py reads an attribute of `dtype` with; cached for plain numbers
+        and booleans (strings, enums and compound types are converted per call, as h5py does)."""
+        if dtype.kind not in "iufb" or dtype.metadata or dtype.subdtype is not None:
+            return h5t.py_create(dtype)
+        key = dtype.str
+        if key not in self.read_types:
+            self.read_types[key] = h5t.py_create(dtype)
+        return self.read_types[key]
 
 
 PLISTS = Plists()
@@ -109,21 +122,29 @@ def _numeric(value) -> np.ndarray | None:
 
 def set_attrs(obj, attrs: dict) -> None:
     """Set every attribute of `attrs` on the open h5py object `obj` (replacing any of the same
-    name), numeric ones through the low-level API. Local."""
+    name), numeric ones and strings through the low-level API. Local."""
     for key, value in attrs.items():
+        if isinstance(value, str):  # a scalar vlen UTF-8 string, as h5py stores a str
+            _create_attr(obj, key, np.array(value, dtype=h5t.string_dtype()), PLISTS.text,
+                         PLISTS.text_memory)
+            continue
         array = _numeric(value)
         if array is None:
             obj.attrs[key] = value
             continue
-        name = _encode(key)
-        if h5a.exists(obj.id, name):
-            h5a.delete(obj.id, name)
-        space = h5s.create_simple(array.shape) if array.ndim else h5s.create(h5s.SCALAR)
-        attr = h5a.create(obj.id, name, PLISTS.type_of(array.dtype), space)
-        try:
-            attr.write(array)
-        finally:
-            attr.close()
+        _create_attr(obj, key, array, PLISTS.type_of(array.dtype))
+
+
+def _create_attr(obj, key: str, array: np.ndarray, htype, mtype=None) -> None:
+    name = _encode(key)
+    if h5a.exists(obj.id, name):
+        h5a.delete(obj.id, name)
+    space = h5s.create_simple(array.shape) if array.ndim else h5s.create(h5s.SCALAR)
+    attr = h5a.create(obj.id, name, htype, space)
+    try:
+        attr.write(array, mtype=mtype)
+    finally:
+        attr.close()
 
 
 def read_attrs(obj_id) -> list[tuple[str, object]]:
@@ -147,13 +168,14 @@ def _attr_value(attr):
     shape, dtype = attr.shape, attr.dtype
     if shape is None:
         return h5py.Empty(dtype)
-    htype = h5t.py_create(dtype)
+    htype = PLISTS.read_type_of(dtype)
     if dtype.subdtype is not None:
         dtype, sub = dtype.subdtype
         shape = shape + sub
-    array = np.zeros(shape, dtype=dtype, order="C")
+    array = np.zeros(shape, dtype=dtype, order="C") if dtype.kind in "OSUV" else \
+        np.empty(shape, dtype=dtype)
     attr.read(array, mtype=htype)
-    info = h5t.check_string_dtype(dtype)
+    info = h5t.check_string_dtype(dtype) if dtype.kind == "O" else None
     if info and info.length is None:
         array = np.array([b.decode("utf-8", "surrogateescape") for b in array.flat],
                          dtype=dtype).reshape(array.shape)

@@ -267,9 +267,10 @@ def alignment(align: int) -> dict:
     return {"alignment_threshold": align, "alignment_interval": align} if align > 0 else {}
 
 
-def seal_attributes(f: h5py.File) -> None:
-    """End a file being written with the digest of its attributes. Local."""
-    attr_digest.seal(f, write_dataset)
+def seal_attributes(f: h5py.File, record: attr_digest.AttrRecord | None = None) -> None:
+    """End a file being written with the digest of its attributes (`record`: those the writer
+    set through it, not read back). Local."""
+    attr_digest.seal(f, write_dataset, record)
 
 
 def verify_file(path: str, opener=None) -> list[str]:
