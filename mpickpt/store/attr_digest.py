@@ -52,7 +52,7 @@ def attrs_digest(f, written: dict | None = None) -> bytes:
     through h5py was most of a restore's time). `written` (an `AttrRecord`'s values): an
     object whose attribute count is that of its entry there is digested from the entry; any
     other is read. The entry's values digest as their read-back would (`_canonical`)."""
-    found = [("/", f.attrs.__len__())]
+    found = [("/", h5py.h5a.get_num_attrs(f.id))]
     h5py.h5o.visit(f.id, lambda name, info: found.append((name.decode(), info.num_attrs)),
                    info=True)
     h = hashlib.sha256()
@@ -89,13 +89,13 @@ def seal(f, write_dataset, record: AttrRecord | None = None) -> None:
     write_dataset(f, DIGEST, np.frombuffer(digest, dtype=np.uint8).copy())
 
 
-def check(f, path: str, read_all) -> None:
+def check(f, path: str, read_checked) -> None:
     """CheckpointCorruptError naming `path` unless /_attrs matches the attributes of `f`; a file
     without /_attrs passes (it predates digests; the caller decides by its format version).
-    `read_all(dataset, path)` reads a CRC-checked dataset. Local."""
-    if DIGEST not in f:
+    `read_checked(f, name, path)` reads a CRC-checked dataset. Local."""
+    if not f.id.links.exists(DIGEST.encode()):
         return
-    stored = read_all(f[DIGEST], path).tobytes()
+    stored = read_checked(f, "/" + DIGEST, path).tobytes()
     if stored != attrs_digest(f):
         raise CheckpointCorruptError(f"{path}: HDF5 attributes do not match their digest /{DIGEST} "
                                      f"(an attribute was damaged)")

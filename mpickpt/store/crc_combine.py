@@ -4,13 +4,14 @@ A writer that already knows the CRC32 of each block it wrote (the per-block chec
 files) gets the whole file's CRC by reading only the bytes between those blocks (HDF5's metadata)
 and combining: crc(A + B) = shift(crc(A), len(B)) ^ crc(B), where shift appends len(B) zero bytes
 to A's CRC register, a linear map over GF(2) (zlib's crc32_combine, which Python's zlib does not
-expose). The map for a length is built from cached maps for 2^k zero bytes and kept per length, so
-a file whose blocks share a few sizes pays a 32-step product per block.
+expose). The maps for 2^k zero bytes are built once per process; shifting a CRC by a length applies
+one of them per set bit of the length (a 4 MB block: one), with no map built per length (the blocks
+of incremental files end in lengths that never repeat).
 """
 from __future__ import annotations
 
 import os
-from functools import lru_cache
+from functools import cache
 
 from mpickpt.store.durable import crc32_pread
 
@@ -33,7 +34,7 @@ def _compose(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(_apply(a, col) for col in b)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _zero_bytes(k: int) -> tuple[int, ...]:
     """The map that appends 2^k zero bytes to a CRC register."""
     if k == 0:
@@ -46,24 +47,22 @@ def _zero_bytes(k: int) -> tuple[int, ...]:
     return _compose(half, half)
 
 
-@lru_cache(maxsize=4096)
-def _shift(length: int) -> tuple[int, ...]:
-    """The map that appends `length` zero bytes to a CRC register."""
-    m, k = None, 0
+def _shifted(crc: int, length: int) -> int:
+    """`crc` with `length` zero bytes appended to its register."""
+    k = 0
     while length:
         if length & 1:
-            z = _zero_bytes(k)
-            m = z if m is None else _compose(z, m)
+            crc = _apply(_zero_bytes(k), crc)
         length >>= 1
         k += 1
-    return m
+    return crc
 
 
 def crc32_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """CRC32 of A followed by B from crc32(A), crc32(B) and len(B)."""
     if len_b <= 0:
         return crc_a
-    return _apply(_shift(len_b), crc_a) ^ crc_b
+    return _shifted(crc_a, len_b) ^ crc_b
 
 
 class BlockLog:

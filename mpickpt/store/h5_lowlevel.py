@@ -162,6 +162,19 @@ def read_attrs(obj_id) -> list[tuple[str, object]]:
     return out
 
 
+def read_attr(obj_id, name: str, default=None):
+    """One attribute of the object `obj_id` (a low-level id) as `read_attrs` reads it; `default`
+    when it has none of that name. Local."""
+    key = _encode(name)
+    if not h5a.exists(obj_id, key):
+        return default
+    attr = h5a.open(obj_id, key)
+    try:
+        return _attr_value(attr)
+    finally:
+        attr.close()
+
+
 def _attr_value(attr):
     import h5py
 

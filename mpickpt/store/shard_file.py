@@ -164,6 +164,23 @@ def read_all(ds: h5py.Dataset, path: str) -> np.ndarray:
     return data.reshape(()) if is_scalar(ds) else data
 
 
+def read_checked(f: h5py.File, name: str, path: str) -> np.ndarray:
+    """The whole dataset at absolute path `name` of the open file `f`, checksum-verified, through
+    the low-level API (a small dataset such as /_attrs, read at every open); KeyError when it is
+    absent. Local."""
+    ds = h5py.h5d.open(f.id, name.encode())
+    try:
+        data = h5_lowlevel.read_slab(ds, 0, ds.shape[0])
+        crc_ds = h5py.h5d.open(f.id, (name + CRC_SUFFIX).encode())
+        crcs = h5_lowlevel.read_slab(crc_ds, 0, crc_ds.shape[0])
+    except (OSError, KeyError, ValueError) as e:
+        raise CheckpointCorruptError(f"{path}: dataset {name} cannot be read: {e}") from None
+    if not np.array_equal(block_crcs(data), crcs):
+        raise CheckpointCorruptError(f"{path}: dataset {name} fails its checksum in rows "
+                                     f"0..{max(0, data.shape[0] - 1)}")
+    return data
+
+
 def is_scalar(ds: h5py.Dataset) -> bool:
     """Whether `ds` was written from a 0-d array (one row, marked `scalar`). Local."""
     return bool(h5py.h5a.exists(ds.id, b"scalar")) and bool(ds.attrs["scalar"])
@@ -219,15 +236,15 @@ def open_shard(path: str, check_attrs: bool = True) -> h5py.File:
         raise CheckpointCorruptError(f"{path}: not a readable HDF5 file (truncated or corrupted): "
                                      f"{e}") from None
     try:
-        version = f.attrs.get("format_version")
+        version = h5_lowlevel.read_attr(f.id, "format_version")
         if version not in READABLE_VERSIONS:
             raise CheckpointError(f"{path}: format_version {version!r}, expected one of "
                                   f"{list(READABLE_VERSIONS)}")
-        if version >= 2 and attr_digest.DIGEST not in f:
+        if version >= 2 and not f.id.links.exists(attr_digest.DIGEST.encode()):
             raise CheckpointCorruptError(f"{path}: the digest of its attributes "
                                          f"/{attr_digest.DIGEST} is missing (damaged)")
         if check_attrs:
-            attr_digest.check(f, path, read_all)
+            attr_digest.check(f, path, read_checked)
     except CheckpointError:
         f.close()
         raise
