@@ -26,3 +26,26 @@ def test_bits_are_those_of_each_position_and_added_keys_are_found(n):
     assert f.contains(np.concatenate([first, more])).all()
     absent = rng.integers(1 << 41, 1 << 42, 2000)
     assert f.contains(absent).mean() < (0.05 if n >= 3000 else 1.0)  # ~1 % at 10 bits per key
+
+
+def test_keys_hashed_once_test_as_keys_hashed_per_filter():
+    from mpickpt.incrcp.bloom import key_hashes
+
+    rng = np.random.default_rng(5)
+    keys = np.unique(rng.integers(0, 1 << 40, 5000))
+    hashed = key_hashes(keys)
+    for n in (10, 700, 4000):
+        f = BloomFilter.of(rng.choice(keys, n, replace=False))
+        assert np.array_equal(f.contains(keys, hashed), f.contains(keys))
+        assert np.array_equal(f.contains(keys[100:900], (hashed[0][100:900], hashed[1][100:900])),
+                              f.contains(keys[100:900]))
+
+
+def test_split_membership_is_isin():
+    from mpickpt.incrcp.extraction import _members
+
+    rng = np.random.default_rng(6)
+    for n, m in ((0, 5), (5, 0), (300, 40), (40, 300), (1000, 1000)):
+        keys = np.unique(rng.integers(0, 500, n))
+        gids = rng.permutation(np.unique(rng.integers(0, 500, m)))
+        assert np.array_equal(_members(gids, keys), np.isin(gids, keys))

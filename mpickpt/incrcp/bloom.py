@@ -19,6 +19,11 @@ def _mix(keys: np.ndarray, salt: np.uint64) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
+def key_hashes(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The two base hashes of each key (double hashing), the same for every filter. Local."""
+    return _mix(keys, np.uint64(1)), _mix(keys, np.uint64(2)) | np.uint64(1)
+
+
 class BloomFilter:
     """`bits_per_key` bits per expected key and the optimal number of hashes (double hashing)."""
 
@@ -33,8 +38,8 @@ class BloomFilter:
         f.add(keys)
         return f
 
-    def _positions(self, keys: np.ndarray) -> np.ndarray:
-        h1, h2 = _mix(keys, np.uint64(1)), _mix(keys, np.uint64(2)) | np.uint64(1)
+    def _positions(self, keys: np.ndarray, hashed: tuple | None = None) -> np.ndarray:
+        h1, h2 = hashed if hashed is not None else key_hashes(keys)
         i = np.arange(self.num_hashes, dtype=np.uint64)[:, None]
         with np.errstate(over="ignore"):
             return ((h1[None, :] + i * h2[None, :]) % np.uint64(self.num_bits)).astype(np.int64)
@@ -47,11 +52,12 @@ class BloomFilter:
         flags[pos] = True
         self.bits = np.packbits(flags, bitorder="little")
 
-    def contains(self, keys: np.ndarray) -> np.ndarray:
-        """Boolean per key: possibly present (no false negatives). Local."""
+    def contains(self, keys: np.ndarray, hashed: tuple | None = None) -> np.ndarray:
+        """Boolean per key: possibly present (no false negatives). `hashed`: the keys'
+        `key_hashes`, when the caller tests the same keys against many filters. Local."""
         keys = np.asarray(keys)
         if keys.size == 0:
             return np.zeros(0, dtype=bool)
-        pos = self._positions(keys)
+        pos = self._positions(keys, hashed)
         hit = (self.bits[pos >> 3] >> (pos & 7).astype(np.uint8)) & 1
         return hit.all(axis=0)

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpickpt.incrcp.bloom import BloomFilter
+from mpickpt.incrcp.bloom import BloomFilter, key_hashes
+from mpickpt.store.attr_digest import AttrRecord
 from mpickpt.store.block_cache import BlockCache
 from mpickpt.store.chunk_index import ChunkIndex, ChunkRef, commit_index, index_dir
 from mpickpt.store.row_arrays import EncodedRows, open_rows, write_raw
@@ -76,7 +77,8 @@ class BundleBuilder:
         path = os.path.join(root, self.relpath)
         tmp = path + ".tmp"
         with open_hdf5(tmp, "w", **alignment(align)) as f, direct_file(tmp, direct) as sink:
-            f.attrs.update({"format_version": FORMAT_VERSION, "step": step, "kind": "bundle"})
+            record = AttrRecord()  # sealed from what is set here, not read back
+            record.set(f, {"format_version": FORMAT_VERSION, "step": step, "kind": "bundle"})
             group = f.require_group(self.GROUP)
             for name in self.pieces[0]:
                 folder, leaf = os.path.split(name)
@@ -87,7 +89,7 @@ class BundleBuilder:
                 else:  # stored arrays copied as they are: quantized rows are never re-quantized
                     write_raw(parent, leaf, EncodedRows.concat([p[name] for p in self.pieces]),
                               sink)
-            seal_attributes(f)
+            seal_attributes(f, record)
         fsync_path(tmp)
         os.replace(tmp, path)
         return os.path.getsize(path)
@@ -105,7 +107,9 @@ class ChunkReader:
     """(file, group, name) -> its dataset (gids) or StoredRows, looked up once per ingestion: a
     bundle or a packed column file holds every table's chunks in one group."""
 
-    def _file(self, rel: str):
+    def file(self, rel: str):
+        """The file at `rel` (under the root), opened with its attributes checked, once per
+        ingestion. Local."""
         if rel not in self.files:
             self.files[rel] = open_shard(os.path.join(self.root, rel))
         return self.files[rel]
@@ -113,7 +117,7 @@ class ChunkReader:
     def _array(self, ref: ChunkRef, name: str):
         key = (ref.file, ref.where, name)
         if key not in self.arrays:
-            group = self._file(ref.file)[ref.where]
+            group = self.file(ref.file)[ref.where]
             self.arrays[key] = group[name] if name == "gids" else open_rows(group, name, ref.file)
         return self.arrays[key]
 
@@ -121,12 +125,18 @@ class ChunkReader:
         """A chunk's keys, read for its filters. Local."""
         return self._gids(ref)
 
+    def split_keys(self, ref: ChunkRef) -> np.ndarray:
+        """A chunk's keys, read to count and split its duplicates (stage 3). Local."""
+        return self._gids(ref)
+
     def _gids(self, ref: ChunkRef) -> np.ndarray:
         return read_rows(self._array(ref, "gids"), ref.start, ref.stop, ref.file,
                          cache=self.cache)
 
-    def rows(self, ref: ChunkRef, names: list[str]) -> dict[str, np.ndarray]:
-        rows = {"gids": self._gids(ref)}
+    def rows(self, ref: ChunkRef, names: list[str], gids: np.ndarray | None = None
+             ) -> dict[str, np.ndarray]:
+        """A chunk's keys (`gids`, when the caller read them already) and row arrays. Local."""
+        rows = {"gids": self._gids(ref) if gids is None else gids}
         rows.update({n: self._array(ref, n).raw(ref.start, ref.stop, self.cache) for n in names})
         return rows
 
@@ -149,22 +159,28 @@ class Extractor:
 
     def ingest(self, index: ChunkIndex, step: int, new_refs: list[ChunkRef], row_names: list[str],
                retained: list[int] | None = None, before_commit=None,
-               align: int = 0, direct: bool = False) -> ExtractionStats:
+               align: int = 0, direct: bool = False,
+               reader: ChunkReader | None = None) -> ExtractionStats:
         """Add checkpoint `step`'s chunks, extract duplicates, commit the next index generation,
         then delete files no longer referenced. `before_commit()` is a fault-injection point;
-        `align` is the checkpoint's `--ckpt-align` (bundle datasets start at multiples of it)."""
+        `align` is the checkpoint's `--ckpt-align` (bundle datasets start at multiples of it);
+        `reader`: a ChunkReader holding files the caller opened already (the new columns, see
+        `extractor_process.column_refs`), closed here."""
         start = time.perf_counter()
         stats = ExtractionStats(step)
+        reader = reader or ChunkReader(self.root)
         if step in index.columns:
+            reader.close()
             return stats
         old_files = set(index.refcounts())
         rel = os.path.relpath(index_dir(self.root, index.chain, index.rank), self.root)
         row0 = BundleBuilder(f"{rel}/bundle-{step:012d}-row0.h5")
         row1 = BundleBuilder(f"{rel}/bundle-{step:012d}-row1.h5")
-        reader, learned = ChunkReader(self.root), {}
+        learned = {}
         try:
             for table in sorted({r.table for r in new_refs} | set(index.cells)):
                 keys = self._keys(reader, [r for r in new_refs if r.table == table], learned)
+                keys = (keys, key_hashes(keys))  # hashed once, tested against many filters
                 for column in sorted(index.cells.get(table, {})):
                     kept, moved = self._extract_cell(reader, index.row0(table, column), keys,
                                                      step, row_names, row0, row1, stats, learned)
@@ -198,8 +214,8 @@ class Extractor:
             learned[_bloom_key(ref)] = BloomFilter.of(pieces[-1], self.bits_per_key)
         return np.concatenate(pieces)
 
-    def _extract_cell(self, reader, refs, keys, step, names, row0, row1, stats, learned):
-        kept, moved = [], []
+    def _extract_cell(self, reader, refs, hashed_keys, step, names, row0, row1, stats, learned):
+        (keys, (h1, h2)), kept, moved = hashed_keys, [], []
         for ref in refs:
             stats.compared += 1
             lo, hi = np.searchsorted(keys, [ref.gid_min, ref.gid_max + 1])
@@ -207,18 +223,19 @@ class Extractor:
                 stats.skipped_range += 1
                 kept.append(ref)
                 continue
-            hits = int(self._bloom(reader, ref).contains(keys[lo:hi]).sum())
+            hits = int(self._bloom(reader, ref).contains(keys[lo:hi], (h1[lo:hi], h2[lo:hi])).sum())
             if hits < self.ratio * ref.rows or hits == 0:  # stage 2: Bloom hit ratio below R
                 stats.skipped_bloom += 1
                 kept.append(ref)
                 continue
-            rows = reader.rows(ref, names)
-            dup = np.isin(rows["gids"], keys[lo:hi], assume_unique=True)
+            gids = reader.split_keys(ref)
+            dup = _members(gids, keys[lo:hi])
             ndup = int(dup.sum())
             if ndup < self.ratio * ref.rows or ndup == 0:  # stage 3: actual duplicate ratio below R
                 stats.skipped_ratio += 1
                 kept.append(ref)
                 continue
+            rows = reader.rows(ref, names, gids)
             stats.extracted_chunks += 1
             stats.extracted_rows += ndup
             stay = row0.add(ref.table, ref.column, {k: v[~dup] for k, v in rows.items()}, None)
@@ -251,6 +268,15 @@ class Extractor:
                 except FileNotFoundError:
                     pass
         return deleted
+
+
+def _members(gids: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Which of a chunk's `gids` are among the ascending, unique `keys` (np.isin without its
+    sort: both are ascending). Local."""
+    if not len(keys):
+        return np.zeros(len(gids), dtype=bool)
+    at = np.minimum(np.searchsorted(keys, gids), len(keys) - 1)
+    return keys[at] == gids
 
 
 def _bloom_key(ref: ChunkRef) -> tuple:

@@ -7,6 +7,7 @@ Ingestion is idempotent, so a restarted extractor can be handed the same jobs ag
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -36,26 +37,30 @@ def run_ingest(job: dict, state: dict) -> dict:
 
 
 def _ingest(job: dict, state: dict) -> dict:
-    from mpickpt.incrcp.extraction import remove_orphans
+    from mpickpt.incrcp.extraction import ChunkReader, remove_orphans
     from mpickpt.store.chunk_index import load_index
     from mpickpt.store.manifest import list_manifests
 
     root, chain, rank, step = job["root"], job["chain"], job["rank"], job["step"]
+    reader = None
     try:
         key = (chain, rank)
         if key not in state["indexes"]:
             state["indexes"] = {key: load_index(root, chain, rank)}  # one chain at a time
             remove_orphans(root, state["indexes"][key])
         index = state["indexes"][key]
-        refs = column_refs(root, chain, rank, step, job["parts"])
+        reader = ChunkReader(root)  # the column files stay open from column_refs to ingest
+        refs = column_refs(root, chain, rank, step, job["parts"], reader.file)
         retained = [m.step for m in list_manifests(root) if m.chain == chain]
         hook = _crash if job.get("crash_before_commit") else None
         stats = state["extractor"].ingest(index, step, refs, job["row_names"], retained, hook,
-                                          job.get("align", 0), job.get("io") == "direct")
+                                          job.get("align", 0), job.get("io") == "direct", reader)
         seconds, timed = restore_seconds(state, job, index)
         return {"ok": True, "step": step, "chain": chain, "stats": stats.as_dict(),
                 "restore_seconds": seconds, "restore_timed": timed}
     except Exception as e:  # reported to the trainer, never raised there
+        if reader is not None:
+            reader.close()
         state["indexes"].pop((chain, rank), None)  # reload the committed index next time
         detail = traceback.format_exception_only(type(e), e)[-1].strip()
         return {"ok": False, "step": step, "chain": chain, "error": f"ingesting step {step}: {detail}"}
@@ -71,8 +76,9 @@ def restore_seconds(state: dict, job: dict, index) -> tuple[float | None, bool]:
         job["root"], index, job["step"], job["row_names"]))
 
 
-def column_refs(root: str, chain: str, rank: int, step: int, parts: int) -> list:
-    """ChunkRefs of every table's rows in the column files of checkpoint `step`. Local."""
+def column_refs(root: str, chain: str, rank: int, step: int, parts: int, opener=None) -> list:
+    """ChunkRefs of every table's rows in the column files of checkpoint `step`. `opener(rel)`:
+    opens a file under `root` and keeps it open (default: opened and closed here). Local."""
     from mpickpt.store.chunk_index import ChunkRef
     from mpickpt.store.file_spec import column_relpath
     from mpickpt.store.shard_file import open_shard
@@ -81,7 +87,8 @@ def column_refs(root: str, chain: str, rank: int, step: int, parts: int) -> list
     refs = []
     for j in range(parts):
         rel = column_relpath(chain, rank, step, j)
-        with open_shard(os.path.join(root, rel)) as f:
+        f = opener(rel) if opener else open_shard(os.path.join(root, rel))
+        with contextlib.nullcontext(f) if opener else f:
             for p in table_pieces(f):
                 if p.rows:  # a packed file's pieces share its group; per-table groups are implied
                     refs.append(ChunkRef(rel, p.table, p.start, p.stop, p.gid_min, p.gid_max,
