@@ -127,12 +127,16 @@ def test_a_digest_from_the_writers_record_is_the_digest_read_back(tmp_path, monk
         record.set(f, {"format_version": shard_file.FORMAT_VERSION, **plain})
         record.set(h5_lowlevel.create_group(f, "rows"), {"tables": [(0, 0, 5, 0, 9)], **plain})
         record.set(h5_lowlevel.create_group(f, "rows/empty"), VALUES)
+        record.set(h5_lowlevel.create_group(f, "rows/bytes"), {"b": b"xyz"})  # reads back as str
+        vector = np.arange(4)
+        record.set(h5_lowlevel.create_group(f, "rows/vector"), {"v": vector})
+        vector[0] = 9  # changed after it was set: the file holds the old value
         g = h5_lowlevel.create_group(f, "rows/state")
         record.set(g, {"a": 1})
         g.attrs["b"] = 2.5  # not recorded
         write_dataset(f, "rows/gids", np.arange(10))
         shard_file.seal_attributes(f, record)
-    assert len(read) == 2  # rows/empty and rows/state; the root and rows from the record
+    assert len(read) == 3  # rows/empty, rows/bytes, rows/state; the others from the record
     with h5py.File(path, "r") as f:
         assert attr_digest.attrs_digest(f) == _reference_digest(f)
         assert f[attr_digest.DIGEST][()].tobytes() == attr_digest.attrs_digest(f)
@@ -140,4 +144,14 @@ def test_a_digest_from_the_writers_record_is_the_digest_read_back(tmp_path, monk
     with open_hdf5(path, "r+") as f:  # an attribute that disagrees with the digest: damage
         f.attrs["int"] = 8
     with pytest.raises(shard_file.CheckpointCorruptError, match="digest"):
+        shard_file.open_shard(path)
+
+
+def test_a_digest_dataset_of_the_wrong_shape_is_damage(tmp_path):
+    path = str(tmp_path / "z.h5")
+    with open_hdf5(path, "w") as f:
+        f.attrs["format_version"] = shard_file.FORMAT_VERSION
+        f.create_dataset(attr_digest.DIGEST, data=np.uint8(1))  # 0-d, not the 32-byte digest
+        f.create_dataset(attr_digest.DIGEST + CRC_SUFFIX, data=np.uint32(0))
+    with pytest.raises(shard_file.CheckpointCorruptError, match="_attrs"):
         shard_file.open_shard(path)

@@ -32,12 +32,13 @@ class AttrRecord:
         self.unread: set[str] = set()  # objects whose values do not digest as read back
 
     def set(self, obj, attrs: dict) -> None:
-        """`h5_lowlevel.set_attrs(obj, attrs)`, remembered."""
+        """`h5_lowlevel.set_attrs(obj, attrs)`, remembered as the values were when set."""
         set_attrs(obj, attrs)
         path = obj.name.lstrip("/") or "/"
-        self.values.setdefault(path, {}).update(attrs)
-        if any(isinstance(v, h5py.Empty) for v in attrs.values()):  # its dtype reads back
-            self.unread.add(path)                                   # spelled differently
+        self.values.setdefault(path, {}).update(
+            {k: _canonical(v).copy() for k, v in attrs.items() if not _reads_back_changed(v)})
+        if any(_reads_back_changed(v) for v in attrs.values()):
+            self.unread.add(path)
 
     def known(self) -> dict[str, dict]:
         """{object path: {name: value}} for `attrs_digest`'s `written`."""
@@ -72,6 +73,12 @@ def attrs_digest(f, written: dict | None = None) -> bytes:
             h.update(f"{key}\0{value.dtype.str}\0{value.shape}\0".encode())
             h.update(value.tobytes())
     return h.digest()
+
+
+def _reads_back_changed(value) -> bool:
+    """Whether h5py reads `value` back as another type: an Empty's dtype is spelled
+    differently, and a Python `bytes` (variable-length ASCII) comes back as str."""
+    return isinstance(value, h5py.Empty) or type(value) is bytes
 
 
 def _canonical(value) -> np.ndarray:

@@ -173,7 +173,7 @@ def read_checked(f: h5py.File, name: str, path: str) -> np.ndarray:
         data = h5_lowlevel.read_slab(ds, 0, ds.shape[0])
         crc_ds = h5py.h5d.open(f.id, (name + CRC_SUFFIX).encode())
         crcs = h5_lowlevel.read_slab(crc_ds, 0, crc_ds.shape[0])
-    except (OSError, KeyError, ValueError) as e:
+    except (OSError, KeyError, ValueError, IndexError) as e:  # IndexError: a 0-d dataset
         raise CheckpointCorruptError(f"{path}: dataset {name} cannot be read: {e}") from None
     if not np.array_equal(block_crcs(data), crcs):
         raise CheckpointCorruptError(f"{path}: dataset {name} fails its checksum in rows "
