@@ -16,7 +16,7 @@ import torch
 
 from mpickpt.checkpoint.load import load_checkpoint
 from mpickpt.engine.writer_process import write_file
-from mpickpt.incrcp.extraction import ChunkReader, Extractor
+from mpickpt.incrcp.extraction import Extractor
 from mpickpt.incrcp.extractor_process import column_refs, time_restore
 from mpickpt.kinds.base import SavePlan
 from mpickpt.engine.config import CheckpointConfig
@@ -169,7 +169,7 @@ class LocalChain:
             key = (save.chain, rank)
             if key not in self.indexes:
                 self.indexes[key] = load_index(self.root, save.chain, rank)
-            reader = ChunkReader(self.root)  # as the extractor process: columns opened once
+            reader = extractor.reader()  # as the extractor process: columns opened once
             refs = column_refs(self.root, save.chain, rank, step, self.parts, reader.file)
             extractor.ingest(self.indexes[key], step, refs, ["state/sum", "weight"], retained,
                              reader=reader)

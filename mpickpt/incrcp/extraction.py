@@ -23,8 +23,9 @@ from mpickpt.store.block_cache import BlockCache
 from mpickpt.store.chunk_index import ChunkIndex, ChunkRef, commit_index, index_dir
 from mpickpt.store.row_arrays import EncodedRows, open_rows, write_raw
 from mpickpt.store.direct_io import direct_file
+from mpickpt.store.open_files import VerifiedFiles
 from mpickpt.store.durable import fsync_path
-from mpickpt.store.shard_file import (FORMAT_VERSION, alignment, open_hdf5, open_shard,
+from mpickpt.store.shard_file import (FORMAT_VERSION, alignment, open_hdf5,
                                       read_rows, seal_attributes, write_dataset)
 
 
@@ -97,29 +98,42 @@ class BundleBuilder:
 
 @dataclass
 class ChunkReader:
-    """Open files of one ingestion (each opened once). Local."""
+    """Files and verified blocks of one ingestion. Files come from `opened` (the extractor's
+    `VerifiedFiles`, kept open across ingestions; without one, the reader's own, closed with
+    it), each checked by its identity once per ingestion. Local."""
 
     root: str
-    files: dict = field(default_factory=dict)
+    opened: VerifiedFiles | None = None
     cache: BlockCache = field(default_factory=BlockCache)
-    """Blocks verified by this ingestion: neighbouring chunks of a bundle share them."""
-    arrays: dict = field(default_factory=dict)
-    """(file, group, name) -> its dataset (gids) or StoredRows, looked up once per ingestion: a
-    bundle or a packed column file holds every table's chunks in one group."""
+    """Verified blocks: neighbouring chunks of a bundle share them (the extractor's outlive
+    the ingestion, dropped with their file)."""
+    seen: dict = field(default_factory=dict)
+    """rel -> (file, lookups) for the files this ingestion visited: each a (group, name) ->
+    dataset (gids) or StoredRows map, looked up once while the file stays open (a bundle or
+    a packed column file holds every table's chunks in one group)."""
+
+    def __post_init__(self):
+        self.owns = self.opened is None
+        if self.owns:
+            self.opened = VerifiedFiles(self.root, limit=0)
 
     def file(self, rel: str):
-        """The file at `rel` (under the root), opened with its attributes checked, once per
-        ingestion. Local."""
-        if rel not in self.files:
-            self.files[rel] = open_shard(os.path.join(self.root, rel))
-        return self.files[rel]
+        """The file at `rel` (under the root), opened with its attributes checked, unless the
+        same file is open already. Local."""
+        return self._visit(rel)[0]
+
+    def _visit(self, rel: str):
+        if rel not in self.seen:
+            self.seen[rel] = self.opened.get(rel)
+        return self.seen[rel]
 
     def _array(self, ref: ChunkRef, name: str):
-        key = (ref.file, ref.where, name)
-        if key not in self.arrays:
-            group = self.file(ref.file)[ref.where]
-            self.arrays[key] = group[name] if name == "gids" else open_rows(group, name, ref.file)
-        return self.arrays[key]
+        f, lookups = self._visit(ref.file)
+        key = (ref.where, name)
+        if key not in lookups:
+            group = f[ref.where]
+            lookups[key] = group[name] if name == "gids" else open_rows(group, name, ref.file)
+        return lookups[key]
 
     def gids(self, ref: ChunkRef) -> np.ndarray:
         """A chunk's keys, read for its filters. Local."""
@@ -141,11 +155,14 @@ class ChunkReader:
         return rows
 
     def close(self) -> None:
-        self.arrays = {}
-        for f in self.files.values():
-            f.close()
-        self.files = {}
-        self.cache.clear()
+        """End the ingestion: close the files and drop their blocks when they are the reader's
+        own (a shared `VerifiedFiles` keeps them, closing only those past its limit). Local."""
+        self.seen = {}
+        if self.owns:
+            self.opened.close()
+            self.cache.clear()
+        else:
+            self.opened.trim()
 
 
 class Extractor:
@@ -156,6 +173,19 @@ class Extractor:
             raise ValueError(f"extraction ratio R must lie in [0, 1], got {ratio!r}")
         self.root, self.ratio, self.bits_per_key = root, ratio, bits_per_key
         self.blooms: dict[tuple, BloomFilter] = {}
+        # chunk files stay open between ingestions, and their verified blocks in memory
+        self.blocks = BlockCache()
+        self.opened = VerifiedFiles(root, blocks=self.blocks)
+
+    def reader(self) -> ChunkReader:
+        """A reader for one ingestion, on the files and blocks this extractor keeps. Local."""
+        return ChunkReader(self.root, self.opened, self.blocks)
+
+    def forget_files(self) -> None:
+        """Close every file kept open and drop their blocks (after a failed ingestion: the
+        next opens, checks and reads them again). Local."""
+        self.opened.close()
+        self.blocks.clear()
 
     def ingest(self, index: ChunkIndex, step: int, new_refs: list[ChunkRef], row_names: list[str],
                retained: list[int] | None = None, before_commit=None,
@@ -164,11 +194,20 @@ class Extractor:
         """Add checkpoint `step`'s chunks, extract duplicates, commit the next index generation,
         then delete files no longer referenced. `before_commit()` is a fault-injection point;
         `align` is the checkpoint's `--ckpt-align` (bundle datasets start at multiples of it);
-        `reader`: a ChunkReader holding files the caller opened already (the new columns, see
-        `extractor_process.column_refs`), closed here."""
+        `reader`: this extractor's `reader()`, holding files the caller opened already (the new
+        columns, see `extractor_process.column_refs`), closed here. A failure anywhere forgets
+        the files kept open (`forget_files`)."""
+        try:
+            return self._ingest(index, step, new_refs, row_names, retained, before_commit, align,
+                                direct, reader or self.reader())
+        except BaseException:
+            self.forget_files()
+            raise
+
+    def _ingest(self, index, step, new_refs, row_names, retained, before_commit, align, direct,
+                reader) -> ExtractionStats:
         start = time.perf_counter()
         stats = ExtractionStats(step)
-        reader = reader or ChunkReader(self.root)
         if step in index.columns:
             reader.close()
             return stats
@@ -199,7 +238,9 @@ class Extractor:
             before_commit()
         index.stats = {"last": stats.as_dict()}
         commit_index(self.root, index)
-        stats.deleted_files = self._delete_unreferenced(old_files - set(index.refcounts()))
+        live = set(index.refcounts())
+        self.opened.keep_only(live)  # closed before they are deleted
+        stats.deleted_files = self._delete_unreferenced(old_files - live)
         stats.seconds = time.perf_counter() - start
         return stats
 

@@ -37,7 +37,7 @@ def run_ingest(job: dict, state: dict) -> dict:
 
 
 def _ingest(job: dict, state: dict) -> dict:
-    from mpickpt.incrcp.extraction import ChunkReader, remove_orphans
+    from mpickpt.incrcp.extraction import remove_orphans
     from mpickpt.store.chunk_index import load_index
     from mpickpt.store.manifest import list_manifests
 
@@ -46,10 +46,11 @@ def _ingest(job: dict, state: dict) -> dict:
     try:
         key = (chain, rank)
         if key not in state["indexes"]:
+            state["extractor"].forget_files()  # the old chain's files, which retention deletes
             state["indexes"] = {key: load_index(root, chain, rank)}  # one chain at a time
             remove_orphans(root, state["indexes"][key])
         index = state["indexes"][key]
-        reader = ChunkReader(root)  # the column files stay open from column_refs to ingest
+        reader = state["extractor"].reader()  # column files open from column_refs to ingest
         refs = column_refs(root, chain, rank, step, job["parts"], reader.file)
         retained = [m.step for m in list_manifests(root) if m.chain == chain]
         hook = _crash if job.get("crash_before_commit") else None
@@ -61,6 +62,7 @@ def _ingest(job: dict, state: dict) -> dict:
     except Exception as e:  # reported to the trainer, never raised there
         if reader is not None:
             reader.close()
+        state["extractor"].forget_files()  # reopened and checked again next time
         state["indexes"].pop((chain, rank), None)  # reload the committed index next time
         detail = traceback.format_exception_only(type(e), e)[-1].strip()
         return {"ok": False, "step": step, "chain": chain, "error": f"ingesting step {step}: {detail}"}

@@ -59,6 +59,11 @@ class BlockCache:
             _, old = self.blocks.popitem(last=False)
             self.bytes -= old.nbytes
 
+    def drop_file(self, path: str) -> None:
+        """Drop the blocks of the file at `path` (closed, changed or about to go). Local."""
+        for key in [k for k in self.blocks if k[0] == path]:
+            self.bytes -= self.blocks.pop(key).nbytes
+
     def clear(self) -> None:
         """Drop every block (the files they came from may change or go). Local."""
         self.blocks.clear()
