@@ -49,3 +49,17 @@ def test_split_membership_is_isin():
         keys = np.unique(rng.integers(0, 500, n))
         gids = rng.permutation(np.unique(rng.integers(0, 500, m)))
         assert np.array_equal(_members(gids, keys), np.isin(gids, keys))
+
+
+def test_the_gc_rule_keeps_a_chunk_while_a_retained_step_lies_in_its_span():
+    from mpickpt.incrcp.extraction import keeps
+    from mpickpt.store.chunk_index import ChunkRef
+
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        retained = sorted(set(rng.integers(0, 40, rng.integers(0, 6)).tolist()))
+        column = int(rng.integers(0, 40))
+        until = None if rng.random() < 0.2 else column + int(rng.integers(1, 10))
+        ref = ChunkRef("b.h5", 0, 0, 5, 0, 9, column, until)
+        want = until is None or any(column <= s < until for s in retained)
+        assert keeps(ref, retained) == want, (retained, column, until)

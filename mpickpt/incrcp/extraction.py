@@ -11,6 +11,7 @@ that reaches zero, *after* the index generation that drops it is committed.
 """
 from __future__ import annotations
 
+import bisect
 import os
 import time
 from dataclasses import dataclass, field
@@ -233,7 +234,8 @@ class Extractor:
         finally:
             reader.close()
         if retained is not None:
-            stats.dropped_refs = index.drop(lambda r: keeps(r, retained))
+            ascending = sorted(retained)
+            stats.dropped_refs = index.drop(lambda r: keeps(r, ascending))
         if before_commit is not None:
             before_commit()
         index.stats = {"last": stats.as_dict()}
@@ -325,10 +327,12 @@ def _bloom_key(ref: ChunkRef) -> tuple:
 
 
 def keeps(ref: ChunkRef, retained: list[int]) -> bool:
-    """Garbage-collection rule: a chunk stays while some retained checkpoint needs it. Local."""
+    """Garbage-collection rule: a chunk stays while some retained checkpoint needs it, i.e. one
+    lies in [column, until). `retained`: ascending steps. Local."""
     if ref.until is None:
         return True
-    return any(ref.column <= s < ref.until for s in retained)
+    at = bisect.bisect_left(retained, ref.column)
+    return at < len(retained) and retained[at] < ref.until
 
 
 def remove_orphans(root: str, index: ChunkIndex) -> int:

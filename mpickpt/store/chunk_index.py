@@ -125,9 +125,10 @@ class ChunkIndex:
         for table in self.cells.values():
             for rows in table.values():
                 for k, row in enumerate(rows):
-                    kept = [r for r in row if keep(r)]
-                    dropped += len(row) - len(kept)
-                    rows[k] = kept
+                    if row:
+                        kept = [r for r in row if keep(r)]
+                        dropped += len(row) - len(kept)
+                        rows[k] = kept
         return dropped
 
     # ---- persistence -------------------------------------------------------------------------
