@@ -14,6 +14,11 @@ QUANT_CPU = Extension("mpickpt._quant_cpu", sources=["kernels/quant_rows_cpu.c"]
 PARITY_CPU = Extension("mpickpt._parity_cpu", sources=["kernels/parity_fold_cpu.c"],
                        extra_compile_args=["-O3", "-std=c11"], optional=True)
 
+# The Bloom filter bits of IncrCP's extractor (mpickpt._bloom_cpu), optional too:
+# mpickpt.incrcp.bloom falls back to numpy.
+BLOOM_CPU = Extension("mpickpt._bloom_cpu", sources=["kernels/bloom_cpu.c"],
+                      extra_compile_args=["-O3", "-std=c11"], optional=True)
+
 setup(
     name="mpickpt",
     version="0.1.0",
@@ -22,7 +27,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["mpickpt", "mpickpt.*"]),
-    ext_modules=[QUANT_CPU, PARITY_CPU],
+    ext_modules=[QUANT_CPU, PARITY_CPU, BLOOM_CPU],
     package_data={"mpickpt": ["../kernels/*.cu"]},
     # torch is deliberately unpinned here so clusters keep their own CUDA build; on CPU-only machines
     # install with `-c constraints-cpu.txt`, which pins the local CPU build torch==2.13.0.

@@ -3,6 +3,7 @@ position of every key added, and no key added is ever reported absent."""
 import numpy as np
 import pytest
 
+from mpickpt.incrcp import bloom
 from mpickpt.incrcp.bloom import BloomFilter
 
 
@@ -63,3 +64,27 @@ def test_the_gc_rule_keeps_a_chunk_while_a_retained_step_lies_in_its_span():
         ref = ChunkRef("b.h5", 0, 0, 5, 0, 9, column, until)
         want = until is None or any(column <= s < until for s in retained)
         assert keeps(ref, retained) == want, (retained, column, until)
+
+
+@pytest.mark.skipif(bloom.KERNEL is None, reason="mpickpt._bloom_cpu was not built")
+def test_the_c_kernel_sets_and_counts_the_bits_numpy_does(monkeypatch):
+    rng = np.random.default_rng(8)
+    for n, probes in ((1, 50), (257, 3000), (5000, 20000)):
+        keys = rng.integers(-(1 << 40), 1 << 40, n)
+        probe = np.concatenate([keys[: n // 2], rng.integers(0, 1 << 41, probes)])
+        with_kernel = BloomFilter.of(keys)
+        counted = with_kernel.count(probe)
+        hashed = bloom.key_hashes(probe[10:])
+        counted_hashed = with_kernel.count(probe[10:], hashed)
+        monkeypatch.setattr(bloom, "KERNEL", None)
+        plain = BloomFilter.of(keys)
+        assert np.array_equal(with_kernel.bits, plain.bits)
+        assert counted == plain.count(probe) == int(plain.contains(probe).sum())
+        assert counted_hashed == int(plain.contains(probe[10:]).sum())
+        monkeypatch.undo()
+    with pytest.raises(ValueError, match="count_present: inconsistent"):
+        bloom.KERNEL.count_present(with_kernel.bits, with_kernel.num_bits, 7,
+                                   np.zeros(3, np.uint64), np.zeros(2, np.uint64))
+    with pytest.raises(ValueError, match="set_bits: inconsistent"):
+        bloom.KERNEL.set_bits(with_kernel.bits, len(with_kernel.bits) * 8 + 1, 7,
+                              np.zeros(3, np.uint64), np.zeros(3, np.uint64))

@@ -1,9 +1,16 @@
-"""Bloom filter over int64 keys (global row ids), vectorized with numpy. Local."""
+"""Bloom filter over int64 keys (global row ids): positions by double hashing, vectorized with
+numpy, and counted and set by a C kernel (`kernels/bloom_cpu.c`, `mpickpt._bloom_cpu`: the same
+bits, stopping at a key's first clear bit) where it was built. Local."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
+
+try:
+    from mpickpt import _bloom_cpu as KERNEL
+except ImportError:  # built without a C compiler: numpy only
+    KERNEL = None
 
 _MUL1 = np.uint64(0x9E3779B97F4A7C15)
 _MUL2 = np.uint64(0xBF58476D1CE4E5B9)
@@ -45,12 +52,27 @@ class BloomFilter:
             return ((h1[None, :] + i * h2[None, :]) % np.uint64(self.num_bits)).astype(np.int64)
 
     def add(self, keys: np.ndarray) -> None:
-        """Set the keys' bits: through one flag per bit and back (bit j of byte b is position
-        8b + j), several times faster than an unbuffered bitwise_or.at per position. Local."""
-        pos = self._positions(np.asarray(keys)).ravel()
+        """Set the keys' bits (the kernel's, or through one flag per bit and back: bit j of byte
+        b is position 8b + j, several times faster than an unbuffered bitwise_or.at). Local."""
+        keys = np.asarray(keys)
+        if KERNEL is not None:
+            if keys.size:
+                KERNEL.set_bits(self.bits, self.num_bits, self.num_hashes, *key_hashes(keys))
+            return
+        pos = self._positions(keys).ravel()
         flags = np.unpackbits(self.bits, count=self.num_bits, bitorder="little").view(bool)
         flags[pos] = True
         self.bits = np.packbits(flags, bitorder="little")
+
+    def count(self, keys: np.ndarray, hashed: tuple | None = None) -> int:
+        """How many of `keys` are possibly present (`contains(...).sum()`, without the
+        per-key array where the kernel was built). `hashed`: as `contains`'. Local."""
+        keys = np.asarray(keys)
+        if KERNEL is None or keys.size == 0:
+            return int(self.contains(keys, hashed).sum())
+        h1, h2 = hashed if hashed is not None else key_hashes(keys)
+        return KERNEL.count_present(self.bits, self.num_bits, self.num_hashes,
+                                    np.ascontiguousarray(h1), np.ascontiguousarray(h2))
 
     def contains(self, keys: np.ndarray, hashed: tuple | None = None) -> np.ndarray:
         """Boolean per key: possibly present (no false negatives). `hashed`: the keys'

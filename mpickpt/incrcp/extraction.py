@@ -266,7 +266,7 @@ class Extractor:
                 stats.skipped_range += 1
                 kept.append(ref)
                 continue
-            hits = int(self._bloom(reader, ref).contains(keys[lo:hi], (h1[lo:hi], h2[lo:hi])).sum())
+            hits = self._bloom(reader, ref).count(keys[lo:hi], (h1[lo:hi], h2[lo:hi]))
             if hits < self.ratio * ref.rows or hits == 0:  # stage 2: Bloom hit ratio below R
                 stats.skipped_bloom += 1
                 kept.append(ref)

@@ -1,0 +1,93 @@
+/* Bloom filter bits for IncrCP's extractor (mpickpt._bloom_cpu), the same filter as
+ * mpickpt.incrcp.bloom's numpy path: key j's positions are (h1[j] + i * h2[j]) mod num_bits for
+ * i < num_hashes (uint64 arithmetic, wrapping), and position p is bit p & 7 of byte p >> 3.
+ * count_present stops at a key's first clear bit, where numpy computes every position of every
+ * key. The GIL is released while they run. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+static Py_ssize_t count(const uint8_t *bits, uint64_t nbits, Py_ssize_t k, const uint64_t *h1,
+                        const uint64_t *h2, Py_ssize_t n) {
+    Py_ssize_t found = 0;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        const uint64_t a = h1[j], b = h2[j];
+        Py_ssize_t i = 0;
+        for (; i < k; i++) {
+            const uint64_t p = (a + (uint64_t)i * b) % nbits;
+            if (!((bits[p >> 3] >> (p & 7)) & 1)) break;
+        }
+        found += (i == k);
+    }
+    return found;
+}
+
+static void set(uint8_t *bits, uint64_t nbits, Py_ssize_t k, const uint64_t *h1,
+                const uint64_t *h2, Py_ssize_t n) {
+    for (Py_ssize_t j = 0; j < n; j++) {
+        const uint64_t a = h1[j], b = h2[j];
+        for (Py_ssize_t i = 0; i < k; i++) {
+            const uint64_t p = (a + (uint64_t)i * b) % nbits;
+            bits[p >> 3] |= (uint8_t)(1u << (p & 7));
+        }
+    }
+}
+
+/* Checks shared by both calls: ValueError naming the call and the sizes unless consistent. */
+static int consistent(const char *name, Py_ssize_t bits_len, Py_ssize_t nbits, Py_ssize_t k,
+                      Py_ssize_t h1_len, Py_ssize_t h2_len) {
+    if (nbits <= 0 || k <= 0 || bits_len * 8 < nbits || h1_len % 8 || h1_len != h2_len) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: inconsistent arguments (%zd bits in %zd bytes, %zd hashes, hash "
+                     "buffers of %zd and %zd bytes, expected equal multiples of 8)",
+                     name, nbits, bits_len, k, h1_len, h2_len);
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *count_present(PyObject *self, PyObject *args) {
+    Py_buffer bb, ab, cb;
+    Py_ssize_t nbits, k, found = 0;
+    if (!PyArg_ParseTuple(args, "y*nny*y*", &bb, &nbits, &k, &ab, &cb)) return NULL;
+    PyObject *result = NULL;
+    if (consistent("count_present", bb.len, nbits, k, ab.len, cb.len)) {
+        Py_BEGIN_ALLOW_THREADS
+        found = count((const uint8_t *)bb.buf, (uint64_t)nbits, k, (const uint64_t *)ab.buf,
+                      (const uint64_t *)cb.buf, ab.len / 8);
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromSsize_t(found);
+    }
+    PyBuffer_Release(&bb); PyBuffer_Release(&ab); PyBuffer_Release(&cb);
+    return result;
+}
+
+static PyObject *set_bits(PyObject *self, PyObject *args) {
+    Py_buffer bb, ab, cb;
+    Py_ssize_t nbits, k;
+    if (!PyArg_ParseTuple(args, "w*nny*y*", &bb, &nbits, &k, &ab, &cb)) return NULL;
+    PyObject *result = NULL;
+    if (consistent("set_bits", bb.len, nbits, k, ab.len, cb.len)) {
+        Py_BEGIN_ALLOW_THREADS
+        set((uint8_t *)bb.buf, (uint64_t)nbits, k, (const uint64_t *)ab.buf,
+            (const uint64_t *)cb.buf, ab.len / 8);
+        Py_END_ALLOW_THREADS
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&bb); PyBuffer_Release(&ab); PyBuffer_Release(&cb);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"count_present", count_present, METH_VARARGS,
+     "count_present(bits_uint8, num_bits, num_hashes, h1_uint64, h2_uint64): how many keys "
+     "have every one of their positions set"},
+    {"set_bits", set_bits, METH_VARARGS,
+     "set_bits(bits_uint8 (written), num_bits, num_hashes, h1_uint64, h2_uint64): set every "
+     "position of every key"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bloom_cpu", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__bloom_cpu(void) { return PyModule_Create(&module); }
