@@ -140,13 +140,21 @@ def read_rows(ds: h5py.Dataset, start: int, stop: int, path: str,
         crcs = h5_lowlevel.read_slab(crc_id, first, last + 1)
     except (OSError, KeyError, ValueError) as e:
         raise CheckpointCorruptError(f"{path}: dataset {ds.name} cannot be read: {e}") from None
+    _check_blocks(data, crcs, first, ds.shape[0], path, ds.name)
+    return data[start - a:stop - a]
+
+
+def _check_blocks(data: np.ndarray, crcs: np.ndarray, first: int, rows: int, path: str,
+                  name: str) -> None:
+    """CheckpointCorruptError naming the first bad block's rows unless the blocks of `data`
+    (whole blocks from block `first` of dataset `name`, `rows` rows long) have the CRCs
+    `crcs`. Local."""
     got = block_crcs(data)
     if len(got) != len(crcs) or not np.array_equal(got, crcs):
         bad = first + (int(np.argmax(got != crcs)) if len(got) == len(crcs) else 0)
         raise CheckpointCorruptError(
-            f"{path}: dataset {ds.name} fails its checksum in rows "
-            f"{bad * BLOCK_ROWS}..{min(ds.shape[0], (bad + 1) * BLOCK_ROWS) - 1}")
-    return data[start - a:stop - a]
+            f"{path}: dataset {name} fails its checksum in rows "
+            f"{bad * BLOCK_ROWS}..{min(rows, (bad + 1) * BLOCK_ROWS) - 1}")
 
 
 def _takes_blocks(ds: h5py.Dataset, start: int, stop: int, out: np.ndarray) -> bool:
@@ -175,9 +183,7 @@ def read_checked(f: h5py.File, name: str, path: str) -> np.ndarray:
         crcs = h5_lowlevel.read_slab(crc_ds, 0, crc_ds.shape[0])
     except (OSError, KeyError, ValueError, IndexError) as e:  # IndexError: a 0-d dataset
         raise CheckpointCorruptError(f"{path}: dataset {name} cannot be read: {e}") from None
-    if not np.array_equal(block_crcs(data), crcs):
-        raise CheckpointCorruptError(f"{path}: dataset {name} fails its checksum in rows "
-                                     f"0..{max(0, data.shape[0] - 1)}")
+    _check_blocks(data, crcs, 0, data.shape[0], path, name)
     return data
 
 
