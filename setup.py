@@ -19,6 +19,11 @@ PARITY_CPU = Extension("mpickpt._parity_cpu", sources=["kernels/parity_fold_cpu.
 BLOOM_CPU = Extension("mpickpt._bloom_cpu", sources=["kernels/bloom_cpu.c"],
                       extra_compile_args=["-O3", "-std=c11"], optional=True)
 
+# Row gathers of the writers and the extractor (mpickpt._rows_cpu), optional too:
+# mpickpt.store.row_gather falls back to numpy's take.
+ROWS_CPU = Extension("mpickpt._rows_cpu", sources=["kernels/rows_cpu.c"],
+                     extra_compile_args=["-O3", "-std=c11"], optional=True)
+
 setup(
     name="mpickpt",
     version="0.1.0",
@@ -27,7 +32,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["mpickpt", "mpickpt.*"]),
-    ext_modules=[QUANT_CPU, PARITY_CPU, BLOOM_CPU],
+    ext_modules=[QUANT_CPU, PARITY_CPU, BLOOM_CPU, ROWS_CPU],
     package_data={"mpickpt": ["../kernels/*.cu"]},
     # torch is deliberately unpinned here so clusters keep their own CUDA build; on CPU-only machines
     # install with `-c constraints-cpu.txt`, which pins the local CPU build torch==2.13.0.

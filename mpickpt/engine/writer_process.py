@@ -20,6 +20,7 @@ from mpickpt.engine.staging import map_arrays
 from mpickpt.store.dense_file import pack
 from mpickpt.store.direct_io import direct_file
 from mpickpt.store.attr_digest import AttrRecord
+from mpickpt.store.row_gather import take_rows
 from mpickpt.store.shard_file import FORMAT_VERSION, alignment, open_hdf5, seal_attributes
 
 
@@ -237,7 +238,7 @@ def _gather(array: np.ndarray, ranges) -> np.ndarray:
     if ranges is None:
         return array
     if isinstance(ranges, np.ndarray):  # selected rows of an incremental checkpoint
-        return array[ranges]
+        return take_rows(array, ranges)
     if len(ranges) == 1:
         a, b = ranges[0]
         return array[a:b]

@@ -22,6 +22,7 @@ import numpy as np
 from mpickpt.quant.codecs import Codec, from_attrs
 from mpickpt.store import h5_lowlevel
 from mpickpt.store.errors import CheckpointCorruptError
+from mpickpt.store.row_gather import take_rows
 from mpickpt.store.shard_file import BLOCK_ROWS, BlockWriter, read_rows
 
 
@@ -122,7 +123,7 @@ class EncodedRows:
     def __getitem__(self, rows) -> "EncodedRows":
         """The selected rows (a mask or index array). Local."""
         return EncodedRows(self.codec, self.tail, self.dtype,
-                           {k: a[rows] for k, a in self.arrays.items()})
+                           {k: take_rows(a, rows) for k, a in self.arrays.items()})
 
 
 def write_encoded(parent: h5py.Group, name: str, data: np.ndarray, codec: Codec,

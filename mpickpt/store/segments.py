@@ -15,6 +15,7 @@ import numpy as np
 from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import Manifest
 from mpickpt.store.row_arrays import open_rows
+from mpickpt.store.row_gather import put_rows, take_rows
 from mpickpt.store.shard_file import open_shard, read_rows
 from mpickpt.store.tables import table_pieces
 
@@ -299,7 +300,8 @@ def _apply_sorted(reader, seg, group, start, gids, mine, out, newest) -> None:
             if keep is None:  # into place, no copy where the blocks allow
                 reader.rows(seg, group, name, start + i0, start + i1, out[name][where])
             else:
-                out[name][where] = reader.rows(seg, group, name, start + i0, start + i1)[keep]
+                put_rows(out[name], where,
+                         take_rows(reader.rows(seg, group, name, start + i0, start + i1), keep))
         newest[where] = seg.order
 
 
@@ -341,5 +343,6 @@ def _apply_merged(reader, seg, group, start, gids, mine, out, newest) -> None:
     if pos.size == 0:
         return
     for name in out:
-        out[name][local[pos]] = reader.rows(seg, group, name, start, start + len(gids))[pos]
+        put_rows(out[name], local[pos],
+                 take_rows(reader.rows(seg, group, name, start, start + len(gids)), pos))
     newest[local[pos]] = orders[pos]

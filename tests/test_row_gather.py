@@ -1,0 +1,102 @@
+"""Row gathers and scatters (mpickpt.store.row_gather, kernels/rows_cpu.c) against numpy's
+indexing, with the kernel and with its numpy fallback."""
+import numpy as np
+import pytest
+
+from mpickpt.store import row_gather
+from mpickpt.store.row_gather import put_rows, take_rows
+
+
+@pytest.fixture(params=["kernel", "numpy"])
+def path(request, monkeypatch):
+    if request.param == "kernel":
+        if row_gather.KERNEL is None:
+            pytest.skip("mpickpt._rows_cpu was not built (no C compiler)")
+    else:
+        monkeypatch.setattr(row_gather, "KERNEL", None)
+    return request.param
+
+
+def _arrays(rng):
+    rows = 1000
+    structured = np.zeros(rows, dtype=[("x", "<f4"), ("y", "<i8")])
+    structured["y"] = rng.integers(0, 1 << 40, rows)
+    return {"f32 rows of 16": rng.standard_normal((rows, 16)).astype(np.float32),
+            "f16 scales": rng.standard_normal((rows, 2)).astype(np.float16),
+            "u8 codes": rng.integers(0, 256, (rows, 9), dtype=np.uint8),
+            "i64 gids": rng.integers(0, 1 << 50, rows),
+            "f32 state": rng.random(rows).astype(np.float32),
+            "3-d": rng.standard_normal((rows, 3, 5)),
+            "structured": structured}
+
+
+def test_take_rows_equals_numpy_for_every_dtype_index_and_mask(path):
+    rng = np.random.default_rng(0)
+    for name, a in _arrays(rng).items():
+        index = rng.integers(0, len(a), 300)  # unsorted, with repeats
+        mask = rng.random(len(a)) < 0.3
+        for which in (index, np.unique(index), mask, index.astype(np.int32), index[:0]):
+            got = take_rows(a, which)
+            np.testing.assert_array_equal(got, a[which], err_msg=name)
+            assert got.dtype == a.dtype and got.flags.c_contiguous and got.flags.writeable
+            assert not np.shares_memory(got, a)
+
+
+def test_take_rows_reads_read_only_and_falls_back_on_strided_sources(path):
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((500, 8)).astype(np.float32)
+    a.flags.writeable = False  # a BlockCache block
+    index = rng.integers(0, 500, 100)
+    np.testing.assert_array_equal(take_rows(a, index), a[index])
+    strided = rng.standard_normal((500, 16)).astype(np.float32)[:, ::2]
+    np.testing.assert_array_equal(take_rows(strided, index), strided[index])
+
+
+def test_put_rows_equals_numpy_and_the_last_of_repeated_rows_wins(path):
+    rng = np.random.default_rng(2)
+    for name, a in _arrays(rng).items():
+        index = rng.permutation(len(a))[:400]
+        rows = a[rng.integers(0, len(a), 400)]
+        mine, want = np.zeros_like(a), np.zeros_like(a)
+        put_rows(mine, index, rows)
+        want[index] = rows
+        np.testing.assert_array_equal(mine, want, err_msg=name)
+    out = np.zeros((4, 3), np.float32)
+    put_rows(out, np.array([1, 2, 1]), np.arange(9, dtype=np.float32).reshape(3, 3))
+    np.testing.assert_array_equal(out[1], [6, 7, 8])
+    np.testing.assert_array_equal(out[2], [3, 4, 5])
+
+
+def test_put_rows_casts_like_numpy_where_dtypes_differ(path):
+    out = np.zeros((5, 2), np.float64)
+    put_rows(out, np.array([4, 0]), np.array([[1, 2], [3, 4]], dtype=np.float32))
+    np.testing.assert_array_equal(out[[4, 0]], [[1, 2], [3, 4]])
+    mask = np.array([True, False, True, False, False])
+    put_rows(out, mask, np.full((2, 2), 7.0))
+    np.testing.assert_array_equal(out[[0, 2]], np.full((2, 2), 7.0))
+
+
+def test_bad_indices_and_masks_are_refused_naming_the_value_and_nothing_is_written(path):
+    a = np.arange(20, dtype=np.float32).reshape(10, 2)
+    with pytest.raises(IndexError, match="10"):
+        take_rows(a, np.array([3, 10]))
+    with pytest.raises(IndexError, match="-1"):
+        take_rows(a, np.array([-1, 2]))
+    with pytest.raises(IndexError, match="mask of shape"):
+        take_rows(a, np.ones(9, dtype=bool))
+    with pytest.raises(IndexError, match="float64"):
+        take_rows(a, np.array([1.0]))
+    out = np.zeros_like(a)
+    with pytest.raises(IndexError, match="12"):
+        put_rows(out, np.array([0, 12]), np.ones((2, 2), np.float32))
+    assert not out.any()
+
+
+def test_the_kernel_refuses_inconsistent_buffers():
+    if row_gather.KERNEL is None:
+        pytest.skip("mpickpt._rows_cpu was not built")
+    src = np.zeros(64, np.uint8)
+    with pytest.raises(ValueError, match="inconsistent buffers"):
+        row_gather.KERNEL.gather(src, np.zeros(2, np.int64), np.zeros(8, np.uint8), 6)
+    with pytest.raises(ValueError, match="inconsistent buffers"):
+        row_gather.KERNEL.scatter(src[:8], np.zeros(2, np.int64), np.zeros(64, np.uint8), 8)
