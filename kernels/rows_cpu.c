@@ -45,7 +45,8 @@ static PyObject *run(PyObject *args, const char *name, int scatter) {
     PyObject *result = NULL;
     const Py_ssize_t n = ib.len / 8;
     const Py_ssize_t dense = scatter ? sb.len : ob.len, picked = scatter ? ob.len : sb.len;
-    if (row_bytes <= 0 || picked % row_bytes || ib.len % 8 || dense != n * row_bytes) {
+    if (row_bytes <= 0 || row_bytes > PY_SSIZE_T_MAX / (n > 0 ? n : 1) || picked % row_bytes ||
+        ib.len % 8 || dense != n * row_bytes) {
         PyErr_Format(PyExc_ValueError,
                      "%s: inconsistent buffers (source %zd bytes, index %zd bytes, out %zd "
                      "bytes, rows of %zd bytes; expected whole rows, 8-byte indices and one "

@@ -67,6 +67,43 @@ def test_put_rows_equals_numpy_and_the_last_of_repeated_rows_wins(path):
     np.testing.assert_array_equal(out[2], [3, 4, 5])
 
 
+def test_put_rows_with_overlapping_rows_equals_numpy(path):
+    want = np.arange(20, dtype=np.float32).reshape(10, 2)
+    mine = want.copy()
+    want[[1, 2, 3]] = want[0:3]
+    put_rows(mine, [1, 2, 3], mine[0:3])
+    np.testing.assert_array_equal(mine, want)
+
+
+def test_put_rows_into_strided_or_from_scalars_and_lists_equals_numpy(path):
+    base = np.zeros((6, 4), np.float32)
+    put_rows(base[:, ::2], [0, 5], np.ones((2, 2), np.float32))
+    assert base[[0, 5]][:, ::2].all() and not base[:, 1::2].any()
+    out = np.zeros((4, 2), np.int64)
+    put_rows(out, [3], 5)
+    put_rows(out, [0, 1], [[1, 2], [3, 4]])
+    np.testing.assert_array_equal(out, [[1, 2], [3, 4], [0, 0], [5, 5]])
+    read_only = np.zeros((3, 2))
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        put_rows(read_only, [0], np.ones((1, 2)))
+
+
+def test_encoded_rows_select_rows_by_mask_and_index_as_numpy(path):
+    from mpickpt.store.row_arrays import EncodedRows
+
+    rng = np.random.default_rng(3)
+    rows = EncodedRows(None, (16,), "float32",
+                       {"codes": rng.integers(0, 256, (50, 8), dtype=np.uint8),
+                        "scale": rng.standard_normal((50, 2)).astype(np.float16)})
+    mask = rng.random(50) < 0.5
+    for which in (mask, ~mask, np.flatnonzero(mask)[::-1]):
+        got = rows[which]
+        assert len(got) == len(rows.arrays["codes"][which])
+        for k, a in rows.arrays.items():
+            np.testing.assert_array_equal(got.arrays[k], a[which])
+
+
 def test_put_rows_casts_like_numpy_where_dtypes_differ(path):
     out = np.zeros((5, 2), np.float64)
     put_rows(out, np.array([4, 0]), np.array([[1, 2], [3, 4]], dtype=np.float32))
@@ -86,6 +123,13 @@ def test_bad_indices_and_masks_are_refused_naming_the_value_and_nothing_is_writt
         take_rows(a, np.ones(9, dtype=bool))
     with pytest.raises(IndexError, match="float64"):
         take_rows(a, np.array([1.0]))
+    strided = np.zeros((10, 4), np.float32)[:, ::2]  # numpy's path: negatives refused too
+    with pytest.raises(IndexError, match="-1"):
+        take_rows(strided, [-1])
+    with pytest.raises(IndexError, match="10"):
+        take_rows(np.zeros((5, 0)), [10])  # zero-width rows: still checked
+    with pytest.raises(IndexError, match="-2"):
+        put_rows(np.zeros((5, 2)), [-2], np.ones((1, 2), np.float32))  # a cast, numpy's path
     out = np.zeros_like(a)
     with pytest.raises(IndexError, match="12"):
         put_rows(out, np.array([0, 12]), np.ones((2, 2), np.float32))

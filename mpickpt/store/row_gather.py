@@ -32,23 +32,29 @@ def take_rows(array: np.ndarray, which: np.ndarray) -> np.ndarray:
     return out
 
 
-def put_rows(out: np.ndarray, which: np.ndarray, rows: np.ndarray) -> None:
+def put_rows(out: np.ndarray, which: np.ndarray, rows) -> None:
     """`out[which] = rows` along the first axis, in place: `which` as for `take_rows`. Rows of
     `out`'s dtype and row shape, one per index, go through the kernel; anything else (a cast, a
-    broadcast) through numpy's assignment. Repeated indices: the last row wins. Local."""
+    broadcast, a scalar) through numpy's assignment. Repeated indices: the last row wins; rows
+    that overlap `out` are copied first, as numpy does. Local."""
     which = _index(which, out)
+    rows = np.asarray(rows)
     if (KERNEL is None or out.ndim == 0 or not (out.flags.c_contiguous and out.flags.writeable)
             or rows.dtype != out.dtype or rows.shape != (len(which),) + out.shape[1:]):
         out[which] = rows
         return
     if rows.size:
+        if np.may_share_memory(rows, out):
+            rows = rows.copy()
         KERNEL.scatter(_bytes_of(np.ascontiguousarray(rows)), which, _bytes_of(out),
                        _row_bytes(out))
 
 
 def _index(which, array: np.ndarray) -> np.ndarray:
-    """`which` as contiguous int64 row indices of `array`: IndexError for a mask of another
-    length, a negative index, or anything but a 1-d integer index or boolean mask."""
+    """`which` as a new contiguous int64 array of row indices of `array` (the kernels run
+    without the GIL, so they get an array nobody else holds): IndexError for a mask of another
+    length, an index outside [0, len(array)), or anything but a 1-d integer index or boolean
+    mask."""
     which = np.asarray(which)
     if which.dtype == np.bool_:
         if which.shape != array.shape[:1]:
@@ -58,10 +64,13 @@ def _index(which, array: np.ndarray) -> np.ndarray:
     if which.ndim != 1 or not (np.issubdtype(which.dtype, np.integer) or which.size == 0):
         raise IndexError(f"rows must be picked by a 1-d integer index or a boolean mask, "
                          f"got {which.dtype} of shape {which.shape}")
-    which = np.ascontiguousarray(which, dtype=np.int64)
-    if KERNEL is None and len(which) and int(which.min()) < 0:  # the kernel refuses them itself
-        raise IndexError(f"negative row index {int(which.min())}")
-    return which
+    if len(which) == 0:
+        return np.empty(0, dtype=np.int64)
+    low, high = int(which.min()), int(which.max())
+    if low < 0 or high >= len(array):
+        bad = low if low < 0 else high
+        raise IndexError(f"row index {bad} is outside the {len(array)} rows of the array")
+    return np.array(which, dtype=np.int64, copy=True)
 
 
 def _row_bytes(array: np.ndarray) -> int:
