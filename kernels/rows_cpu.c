@@ -4,8 +4,10 @@
  * arrays whose rows are row_bytes bytes each, one memcpy per row.
  * numpy's fancy indexing walks every element of a row through its generic inner loop, which costs
  * 10-35x a memcpy of the same bytes for rows of 16 floats; this is a memcpy per row. Every index is
- * checked against the source's row count first (IndexError naming the first bad one and its
- * position), so nothing is written unless all are valid. The GIL is released while it copies. */
+ * checked against the picked array's row count (IndexError naming the first bad one and its
+ * position): a scatter checks them all before it writes anything. The GIL is released while it
+ * copies, so each index is read once, checked and used as read: an index array that another
+ * thread changes meanwhile can stop the copy but never make it reach outside the arrays. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -13,20 +15,28 @@
 
 #define AHEAD 8 /* rows prefetched ahead of the copy */
 
-static void gather_rows(char *out, const char *src, const int64_t *index, Py_ssize_t n,
-                        size_t row_bytes) {
+/* Copies rows until an index outside [0, rows) and returns its position, or -1 when all were
+ * copied. */
+static Py_ssize_t gather_rows(char *out, const char *src, const int64_t *index, Py_ssize_t n,
+                              int64_t rows, size_t row_bytes) {
     for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t at = index[i];
+        if ((uint64_t)at >= (uint64_t)rows) return i;
         if (i + AHEAD < n) __builtin_prefetch(src + (size_t)index[i + AHEAD] * row_bytes);
-        memcpy(out + (size_t)i * row_bytes, src + (size_t)index[i] * row_bytes, row_bytes);
+        memcpy(out + (size_t)i * row_bytes, src + (size_t)at * row_bytes, row_bytes);
     }
+    return -1;
 }
 
-static void scatter_rows(char *out, const char *src, const int64_t *index, Py_ssize_t n,
-                         size_t row_bytes) {
+static Py_ssize_t scatter_rows(char *out, const char *src, const int64_t *index, Py_ssize_t n,
+                               int64_t rows, size_t row_bytes) {
     for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t at = index[i];
+        if ((uint64_t)at >= (uint64_t)rows) return i;
         if (i + AHEAD < n) __builtin_prefetch(out + (size_t)index[i + AHEAD] * row_bytes, 1);
-        memcpy(out + (size_t)index[i] * row_bytes, src + (size_t)i * row_bytes, row_bytes);
+        memcpy(out + (size_t)at * row_bytes, src + (size_t)i * row_bytes, row_bytes);
     }
+    return -1;
 }
 
 /* The position of the first index outside [0, rows), or -1. */
@@ -57,14 +67,18 @@ static PyObject *run(PyObject *args, const char *name, int scatter) {
         const int64_t *index = (const int64_t *)ib.buf;
         Py_ssize_t bad;
         Py_BEGIN_ALLOW_THREADS
-        bad = first_bad(index, n, rows);
-        if (bad < 0 && scatter)
-            scatter_rows((char *)ob.buf, (const char *)sb.buf, index, n, (size_t)row_bytes);
-        else if (bad < 0)
-            gather_rows((char *)ob.buf, (const char *)sb.buf, index, n, (size_t)row_bytes);
+        if (scatter) {
+            bad = first_bad(index, n, rows);
+            if (bad < 0)
+                bad = scatter_rows((char *)ob.buf, (const char *)sb.buf, index, n, rows,
+                                   (size_t)row_bytes);
+        } else {
+            bad = gather_rows((char *)ob.buf, (const char *)sb.buf, index, n, rows,
+                              (size_t)row_bytes);
+        }
         Py_END_ALLOW_THREADS
         if (bad >= 0) {
-            PyErr_Format(PyExc_IndexError, "%s: index %lld at position %zd is outside the "
+            PyErr_Format(PyExc_IndexError, "%s: row index %lld at position %zd is outside the "
                          "%s's %lld rows", name, (long long)index[bad], bad,
                          scatter ? "destination" : "source", (long long)rows);
         } else {

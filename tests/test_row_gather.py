@@ -12,6 +12,7 @@ def path(request, monkeypatch):
     if request.param == "kernel":
         if row_gather.KERNEL is None:
             pytest.skip("mpickpt._rows_cpu was not built (no C compiler)")
+        monkeypatch.setattr(row_gather, "KERNEL_MIN_ROWS", 1)  # small cases through it too
     else:
         monkeypatch.setattr(row_gather, "KERNEL", None)
     return request.param
@@ -144,3 +145,31 @@ def test_the_kernel_refuses_inconsistent_buffers():
         row_gather.KERNEL.gather(src, np.zeros(2, np.int64), np.zeros(8, np.uint8), 6)
     with pytest.raises(ValueError, match="inconsistent buffers"):
         row_gather.KERNEL.scatter(src[:8], np.zeros(2, np.int64), np.zeros(64, np.uint8), 8)
+
+
+def test_the_kernel_takes_large_selections_of_rows_and_numpy_the_rest(monkeypatch):
+    if row_gather.KERNEL is None:
+        pytest.skip("mpickpt._rows_cpu was not built")
+    calls = []
+    real = row_gather.KERNEL
+
+    class Counting:
+        def gather(self, *args):
+            calls.append("gather")
+            return real.gather(*args)
+
+        def scatter(self, *args):
+            calls.append("scatter")
+            return real.scatter(*args)
+
+    monkeypatch.setattr(row_gather, "KERNEL", Counting())
+    a = np.arange(4000, dtype=np.float32).reshape(1000, 4)
+    take_rows(a, np.arange(0, 1000, 3))
+    take_rows(a, np.arange(1000) % 2 == 0)
+    put_rows(a, np.arange(100), np.zeros((100, 4), np.float32))
+    assert calls == ["gather", "gather", "scatter"]
+    take_rows(a, np.arange(5))  # few rows
+    take_rows(a[:, 0].copy(), np.arange(500))  # 1-d
+    with pytest.raises(IndexError, match="1000"):
+        take_rows(a, np.r_[np.arange(100), 1000])  # the kernel's own check
+    assert calls == ["gather", "gather", "scatter", "gather"]

@@ -11,6 +11,8 @@ assignment. Same values either way. Local.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 try:
@@ -24,12 +26,14 @@ def take_rows(array: np.ndarray, which: np.ndarray) -> np.ndarray:
     (indices in [0, len(array)); negative ones are refused) or a boolean mask of len(array).
     Local."""
     which = _index(which, array)
-    if KERNEL is None or array.ndim == 0 or not array.flags.c_contiguous:
-        return np.take(array, which, axis=0)
-    out = np.empty((len(which),) + array.shape[1:], dtype=array.dtype)
-    if out.size:
+    if _kernel_takes(array, which):
+        out = np.empty((len(which),) + array.shape[1:], dtype=array.dtype)
         KERNEL.gather(_bytes_of(array), which, _bytes_of(out), _row_bytes(array))
-    return out
+        return out
+    if which.dtype.kind == "b":
+        return array[which]
+    _check_bounds(which, len(array))
+    return np.take(array, which, axis=0)
 
 
 def put_rows(out: np.ndarray, which: np.ndarray, rows) -> None:
@@ -39,42 +43,63 @@ def put_rows(out: np.ndarray, which: np.ndarray, rows) -> None:
     that overlap `out` are copied first, as numpy does. Local."""
     which = _index(which, out)
     rows = np.asarray(rows)
-    if (KERNEL is None or out.ndim == 0 or not (out.flags.c_contiguous and out.flags.writeable)
-            or rows.dtype != out.dtype or rows.shape != (len(which),) + out.shape[1:]):
-        out[which] = rows
-        return
-    if rows.size:
+    if (_kernel_takes(out, which) and out.flags.writeable and rows.dtype == out.dtype
+            and rows.shape == (len(which),) + out.shape[1:]):
         if np.may_share_memory(rows, out):
             rows = rows.copy()
         KERNEL.scatter(_bytes_of(np.ascontiguousarray(rows)), which, _bytes_of(out),
                        _row_bytes(out))
+        return
+    if which.dtype.kind != "b":
+        _check_bounds(which, len(out))
+    out[which] = rows
+
+
+KERNEL_MIN_ROWS = 512
+"""Fewer rows, or 1-d arrays: numpy's indexing costs no more than the call into the kernel."""
+
+
+def _kernel_takes(array: np.ndarray, which: np.ndarray) -> bool:
+    """Whether the kernel copies `which` (an index array; a mask is numpy's) of `array`."""
+    return (KERNEL is not None and which.dtype.kind != "b" and len(which) >= KERNEL_MIN_ROWS
+            and array.ndim >= 2 and array.flags.c_contiguous and _row_bytes(array) > 0)
 
 
 def _index(which, array: np.ndarray) -> np.ndarray:
-    """`which` as a new contiguous int64 array of row indices of `array` (the kernels run
-    without the GIL, so they get an array nobody else holds): IndexError for a mask of another
-    length, an index outside [0, len(array)), or anything but a 1-d integer index or boolean
-    mask."""
+    """`which` as int64 row indices of `array`, or a mask of its rows when it is one and too few
+    rows are picked for the kernel; IndexError for a mask of another length or anything but a
+    1-d integer index or boolean mask. The bounds are checked by the kernel or `_check_bounds`.
+    """
     which = np.asarray(which)
-    if which.dtype == np.bool_:
+    kind = which.dtype.kind
+    if kind == "b":
         if which.shape != array.shape[:1]:
             raise IndexError(f"a row mask of shape {which.shape} for an array of "
                              f"{len(array)} rows")
+        if array.ndim < 2 or len(which) < KERNEL_MIN_ROWS:
+            return which
         return np.flatnonzero(which)
-    if which.ndim != 1 or not (np.issubdtype(which.dtype, np.integer) or which.size == 0):
+    if which.ndim != 1 or (kind not in "iu" and which.size):
         raise IndexError(f"rows must be picked by a 1-d integer index or a boolean mask, "
                          f"got {which.dtype} of shape {which.shape}")
-    if len(which) == 0:
-        return np.empty(0, dtype=np.int64)
-    low, high = int(which.min()), int(which.max())
-    if low < 0 or high >= len(array):
-        bad = low if low < 0 else high
-        raise IndexError(f"row index {bad} is outside the {len(array)} rows of the array")
-    return np.array(which, dtype=np.int64, copy=True)
+    if kind == "u" and which.size and int(which.max()) >= 1 << 63:
+        raise IndexError(f"row index {int(which.max())} is outside the {len(array)} rows of "
+                         f"the array")
+    return np.ascontiguousarray(which, dtype=np.int64)
+
+
+def _check_bounds(which: np.ndarray, rows: int) -> None:
+    """IndexError naming the first index of `which` outside [0, rows) (numpy's own paths wrap
+    negative indices, which these calls refuse)."""
+    if len(which):
+        low, high = int(which.min()), int(which.max())
+        if low < 0 or high >= rows:
+            raise IndexError(f"row index {low if low < 0 else high} is outside the {rows} rows "
+                             f"of the array")
 
 
 def _row_bytes(array: np.ndarray) -> int:
-    return array.dtype.itemsize * int(np.prod(array.shape[1:], dtype=np.int64))
+    return array.dtype.itemsize * math.prod(array.shape[1:])
 
 
 def _bytes_of(array: np.ndarray) -> np.ndarray:
