@@ -15,12 +15,14 @@ import numpy as np
 import torch
 
 from mpickpt.checkpoint.load import load_checkpoint
+from mpickpt.engine.snapshot import codec_fields
 from mpickpt.engine.writer_process import write_file
 from mpickpt.incrcp.extraction import Extractor
 from mpickpt.incrcp.extractor_process import column_refs, time_restore
 from mpickpt.kinds.base import SavePlan
 from mpickpt.engine.config import CheckpointConfig
 from mpickpt.kinds.planner import KindPlanner
+from mpickpt.quant.codecs import Codec
 from mpickpt.kinds.registry import kind_named
 from mpickpt.store.chunk_index import load_index
 from mpickpt.store.file_spec import FileSpec, dense_relpath, extra_spec, shard_attrs, shard_specs
@@ -54,8 +56,11 @@ class LocalChain:
 
     def __init__(self, root: str, plan, dim: int, policy: str, keep: int = 1000,
                  ratio: float = 0.02, seed: int = 0, parts: int = 1, incrcp_reset: str = "cost",
-                 priority: str | None = None, save_fraction: float = 0.125):
+                 priority: str | None = None, save_fraction: float = 0.125, bits: int = 32):
+        """`bits` < 32: the weights are stored with the adaptive codec at that width, as
+        `--ckpt-bits` has the trainer's writers do (the optimizer state stays fp32)."""
         self.root, self.plan, self.dim, self.policy = root, plan, dim, policy
+        self.codecs = {} if bits == 32 else {"weight": Codec(name="adaptive", bits=bits)}
         self.keep, self.parts = keep, parts
         self.ranks = [RankState(plan, r, dim, seed) for r in range(plan.world_size)]
         self.changed = [set() for _ in self.ranks]
@@ -75,6 +80,7 @@ class LocalChain:
         self.extractors = [Extractor(root, ratio) for _ in self.ranks]
         self.indexes: dict = {}
         self.history: list[dict] = []
+        self.extracted_rows = 0  # rows the extractors moved between chunks, all ingestions
         os.makedirs(root, exist_ok=True)
 
     # The planners of all ranks see global sums: each rank contributes in turn.
@@ -146,12 +152,14 @@ class LocalChain:
     def _specs(self, state: RankState, step: int, save: SavePlan) -> list[FileSpec]:
         """The files a trainer rank writes for `save` (the same functions it uses). Local."""
         ckpt_id, fmt, rank = _ckpt_id(step), save.format, state.rank
+        label = self.codecs["weight"].label() if self.codecs else "fp32"
         located = [fmt.shard_location(save, ckpt_id, rank, step, j) for j in range(self.parts)]
         specs = shard_specs(self.root, self.plan, rank, state.gids, list(state.arrays),
                             relpath_of=lambda j: located[j][0], role=located[0][1],
-                            attrs_of=lambda j: shard_attrs(step, save.kind, "fp32", rank, j,
+                            attrs_of=lambda j: shard_attrs(step, save.kind, label, rank, j,
                                                            self.parts, self.plan.world_size),
-                            selected=save.rows, parts=self.parts)
+                            selected=save.rows, parts=self.parts,
+                            codecs={k: codec_fields(c) for k, c in self.codecs.items()})
         if fmt.rng_in_extra_file:
             specs.insert(0, extra_spec(self.root, ckpt_id, rank, step, save.kind, {}))
         return specs
@@ -171,8 +179,9 @@ class LocalChain:
                 self.indexes[key] = load_index(self.root, save.chain, rank)
             reader = extractor.reader()  # as the extractor process: columns opened once
             refs = column_refs(self.root, save.chain, rank, step, self.parts, reader.file)
-            extractor.ingest(self.indexes[key], step, refs, ["state/sum", "weight"], retained,
-                             reader=reader)
+            stats = extractor.ingest(self.indexes[key], step, refs, ["state/sum", "weight"],
+                                     retained, reader=reader)
+            self.extracted_rows += stats.extracted_rows
         seconds = time.perf_counter() - start
         restore = max(time_restore(self.root, self.indexes[(save.chain, r)], step,
                                    ["state/sum", "weight"]) for r in range(len(self.ranks)))
