@@ -95,7 +95,8 @@ def test_the_cycle_finder_finds_cycles():
 def test_format_layer_imports_no_policy_and_no_mpi():
     """store/ is the on-disk format: it depends on nothing that plans, trains or talks MPI."""
     graph = unit_graph()
-    assert set(graph["store"]) <= {"quant", "options"}, graph["store"]
+    # _rows_cpu: the C kernel of the row gathers (no Python imports of its own)
+    assert set(graph["store"]) <= {"quant", "options", "_rows_cpu"}, graph["store"]
     for path in PACKAGE.joinpath("store").rglob("*.py"):
         text = path.read_text()
         assert "mpi4py" not in text and "import torch" not in text, path

@@ -163,13 +163,14 @@ def test_the_kernel_takes_large_selections_of_rows_and_numpy_the_rest(monkeypatc
             return real.scatter(*args)
 
     monkeypatch.setattr(row_gather, "KERNEL", Counting())
-    a = np.arange(4000, dtype=np.float32).reshape(1000, 4)
-    take_rows(a, np.arange(0, 1000, 3))
-    take_rows(a, np.arange(1000) % 2 == 0)
-    put_rows(a, np.arange(100), np.zeros((100, 4), np.float32))
+    n = 4 * row_gather.KERNEL_MIN_ROWS
+    a = np.arange(4 * n, dtype=np.float32).reshape(n, 4)
+    take_rows(a, np.arange(0, n, 2))
+    take_rows(a, np.arange(n) % 2 == 0)
+    put_rows(a, np.arange(n // 2), np.zeros((n // 2, 4), np.float32))
     assert calls == ["gather", "gather", "scatter"]
-    take_rows(a, np.arange(5))  # few rows
-    take_rows(a[:, 0].copy(), np.arange(500))  # 1-d
-    with pytest.raises(IndexError, match="1000"):
-        take_rows(a, np.r_[np.arange(100), 1000])  # the kernel's own check
+    take_rows(a, np.arange(row_gather.KERNEL_MIN_ROWS - 1))  # too few rows
+    take_rows(a[:, 0].copy(), np.arange(n))  # 1-d
+    with pytest.raises(IndexError, match=str(n)):
+        take_rows(a, np.r_[np.arange(n // 2), n])  # the kernel's own check
     assert calls == ["gather", "gather", "scatter", "gather"]
