@@ -342,7 +342,8 @@ def _apply_merged(reader, seg, group, start, gids, mine, out, newest) -> None:
     pos = pos[orders[pos] >= newest[local[pos]]]
     if pos.size == 0:
         return
+    where = local[pos]
     for name in out:
-        put_rows(out[name], local[pos],
+        put_rows(out[name], where,
                  take_rows(reader.rows(seg, group, name, start, start + len(gids)), pos))
-    newest[local[pos]] = orders[pos]
+    newest[where] = orders[pos]
