@@ -1,7 +1,10 @@
 /* CPU fold of parity deltas (mpickpt._parity_cpu): parity[prow[i]] ^= coef[i] * delta[i] over
  * GF(2^8), bytewise, for n rows of W int32 words. Rows may repeat (deltas of several sources for
  * one stripe): the loop is sequential, so every delta lands. coef 1 is a plain XOR (r = 1, and
- * row 0 of the Cauchy matrix); coef 0 adds nothing. The GIL is released while it runs. */
+ * row 0 of the Cauchy matrix); coef 0 adds nothing. The GIL is released while it runs.
+ *
+ * xor_rows: the r = 1 decode of a rebuild, dest[i] = XOR of sources' row i, for strided rows
+ * given by address (the caller checks every extent; see mpickpt.parity.xor_rows). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -65,7 +68,64 @@ done:
     return result;
 }
 
+typedef struct { const uint8_t *base; int64_t stride, count; } source_t;
+
+static void xor_strided(uint8_t *dest, int64_t stride, int64_t n, int64_t width,
+                        const source_t *src, int64_t m) {
+    const uint8_t *p[256];
+    for (int64_t i = 0; i < n; i++) {
+        uint8_t *d = dest + i * stride;
+        int64_t k = 0;
+        for (int64_t s = 0; s < m; s++)
+            if (i < src[s].count) p[k++] = src[s].base + i * src[s].stride;
+        if (k == 0) { memset(d, 0, (size_t)width); continue; }
+        memcpy(d, p[0], (size_t)width);
+        for (int64_t s = 1; s < k; s++) {
+            const uint8_t *q = p[s];
+            int64_t b = 0;
+            for (; b + 8 <= width; b += 8) {
+                uint64_t a, x;
+                memcpy(&a, d + b, 8);
+                memcpy(&x, q + b, 8);
+                a ^= x;
+                memcpy(d + b, &a, 8);
+            }
+            for (; b < width; b++) d[b] ^= q[b];
+        }
+    }
+}
+
+static PyObject *xor_rows(PyObject *self, PyObject *args) {
+    unsigned long long dest;
+    long long stride, n, width;
+    Py_buffer sb;
+    if (!PyArg_ParseTuple(args, "KLLLy*", &dest, &stride, &n, &width, &sb)) return NULL;
+    const int64_t m = sb.len / (3 * 8);
+    if (sb.len != m * 3 * 8 || n < 0 || width <= 0 || m > 256) {
+        PyErr_Format(PyExc_ValueError, "xor_rows: sources must be (address, stride, count) int64 "
+                     "triples (at most 256), got %zd bytes; rows %lld, width %lld",
+                     sb.len, n, width);
+        PyBuffer_Release(&sb);
+        return NULL;
+    }
+    source_t src[256];
+    const int64_t *t = (const int64_t *)sb.buf;
+    for (int64_t s = 0; s < m; s++) {
+        src[s].base = (const uint8_t *)(uintptr_t)t[3 * s];
+        src[s].stride = t[3 * s + 1];
+        src[s].count = t[3 * s + 2];
+    }
+    Py_BEGIN_ALLOW_THREADS
+    xor_strided((uint8_t *)(uintptr_t)dest, stride, n, width, src, m);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&sb);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"xor_rows", xor_rows, METH_VARARGS,
+     "xor_rows(dest_address, dest_stride, rows, width, sources_int64_triples): dest row i = XOR "
+     "of row i of the sources (address, stride, count) that have more than i rows; bytes"},
     {"fold_rows", fold_rows, METH_VARARGS,
      "fold_rows(parity, width, prow_int64, coef_uint8, delta_int32, mul_256x256): "
      "parity[prow[i]] ^= coef[i] * delta[i] over GF(2^8), rows may repeat"},
