@@ -103,6 +103,7 @@ BAD_INPUTS = [
     (2, ["--ckpt-dir", "{tmp}", "--ckpt-priority", "mfu", "--ckpt-kind", "incrcp"],
      r"--ckpt-priority mfu .* cannot go with --ckpt-kind incrcp"),
     (2, ["--ckpt-dir", "{tmp}", "--ckpt-priority", "lru"], r"--ckpt-priority: invalid choice"),
+    (2, ["--parity-k", "1", "--rebuild-transport", "shm"], r"--rebuild-transport: invalid choice"),
     (2, ["--mtbf", "0h"], r"--mtbf must be a positive number"),
     (2, ["--mtbf=-3h"], r"--mtbf must be a positive number"),
     (2, ["--ckpt-dir", "{tmp}", "--ckpt-interval", "often"], r"--ckpt-interval: expected an "
@@ -130,6 +131,8 @@ def test_good_flags_build_every_config(tmp_path):
     assert config.checkpoint.kind == "incrcp" and config.checkpoint.quant.bits == "4"
     assert config.parity == ParityConfig(k=3) and config.faults.inject_failure.events[0].ranks == (1,)
     assert config.table_sizes == (50, 40) and config.arch.dim == 8 and config.global_batch == 64
+    network = TrainConfig.from_args(["--parity-k", "1", "--rebuild-transport", "network"])
+    assert network.parity.transport == "network" and config.parity.transport == "auto"
     assert TrainConfig.from_args([]).checkpoint is None and TrainConfig.from_args([]).parity is None
 
 

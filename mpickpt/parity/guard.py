@@ -17,7 +17,7 @@ import torch
 from mpickpt.model.contract import PARITY, require
 from mpickpt.options import int_at_least, option, positive_float
 from mpickpt.parity.layout import check_parity_shape
-from mpickpt.parity.rebuild import Rebuild
+from mpickpt.parity.rebuild import TRANSPORTS, Rebuild
 from mpickpt.parity.upkeep import ParityStore
 
 NAN_BITS = 0x7FC00000
@@ -38,12 +38,19 @@ class ParityConfig:
     budget: float = option(0.1, flag="--rebuild-budget", parse=positive_float, metavar="F")
     """fraction of a step's time each rebuild round may spend on its chunk (degraded reads
     extra)"""
+    transport: str = option("auto", flag="--rebuild-transport", choices=TRANSPORTS)
+    """how a lost rank gets its survivors' units: auto (read their memory directly, with
+    process_vm_readv, where the whole group shares a host and the kernel allows it; else the
+    network) or network (the process group)"""
 
     def __post_init__(self):
         if self.k is None:
             raise ValueError("parity needs --parity-k (data ranks per parity group)")
         if self.k < 1 or self.r < 1:
             raise ValueError(f"--parity-k and --parity-r must be >= 1, got k={self.k}, r={self.r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"--rebuild-transport must be one of {', '.join(TRANSPORTS)}, got "
+                             f"{self.transport!r}")
         if not 0 < self.budget <= 10:
             raise ValueError(f"--rebuild-budget must be in (0, 10], got {self.budget!r}")
 
@@ -160,7 +167,8 @@ class ParityGuard:
 
     def start_rebuild(self, ranks, step: int) -> None:
         """Begin rebuilding `ranks` (their failure is covered). Local; rounds run in lookups."""
-        self.rebuild = Rebuild(self.store, set(ranks), self.config.budget)
+        self.rebuild = Rebuild(self.store, set(ranks), self.config.budget,
+                               self.config.transport, self.say)
         self.interrupted = []
         self.rebuild_step = step
         self.say(f"parity: ranks {sorted(ranks)} lost their shards after step {step}; rebuilding "
@@ -178,6 +186,14 @@ class ParityGuard:
             self.rebuild.finish()
             self._report()
 
+    @staticmethod
+    def _transport_note(rb: Rebuild) -> str:
+        if rb.memory_rounds == 0:
+            return ""
+        if rb.memory_rounds == rb.rounds:
+            return " reading the group's memory"
+        return f" ({rb.memory_rounds} reading the group's memory)"
+
     def _report(self) -> None:
         rb = self.rebuild
         totals = self.topo.control.allreduce(
@@ -185,12 +201,12 @@ class ParityGuard:
         wall = rb.finished_at - rb.started
         record = {"ranks": sorted(rb.failed), "after_step": self.rebuild_step,
                   "units": totals[0], "degraded_rows": totals[1], "received_bytes": totals[2],
-                  "rounds": rb.rounds, "seconds": wall,
+                  "rounds": rb.rounds, "memory_rounds": rb.memory_rounds, "seconds": wall,
                   "round_seconds": max(self.topo.control.allgather(rb.seconds))}
         self.history.append(record)
         self.say(f"parity: rebuilt ranks {record['ranks']} ({record['units']} units, "
                  f"{record['degraded_rows']} rows by degraded reads, "
                  f"{record['received_bytes'] / 1e6:.1f} MB received, "
                  f"{record['received_bytes'] / 1e6 / max(wall, 1e-9):.0f} MB/s) in "
-                 f"{rb.rounds} rounds, {wall:.2f} s while training went on "
-                 f"({record['round_seconds']:.2f} s of round work, slowest rank)")
+                 f"{rb.rounds} rounds{self._transport_note(rb)}, {wall:.2f} s while training "
+                 f"went on ({record['round_seconds']:.2f} s of round work, slowest rank)")

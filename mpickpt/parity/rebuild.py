@@ -26,10 +26,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mpickpt.parity import peer_rows
+from mpickpt.parity.cross_memory import CrossMemoryError
 from mpickpt.parity.exchange import exchange_counts, exchange_rows
+from mpickpt.parity.memory_reads import MemoryReads
+from mpickpt.parity.peer_rows import Peer
+from mpickpt.parity.period_slots import move_range
 
 FIRST_CHUNK_STRIPES = 4096
 MAX_CHUNK_STRIPES = 1 << 22
+TRANSPORTS = ("auto", "network")
+ASSUMED_READ_BYTES_PER_S = 1e9
+"""The first chunk read from memory is sized as if each survivor's units came at this rate (half
+what the kernel reads at here); later chunks follow the measured cost."""
 
 
 class Rebuild:
@@ -37,8 +46,16 @@ class Rebuild:
 
     Every rank holds one; `round` and `finish` are collective until `active` is False."""
 
-    def __init__(self, store, failed: set[int], budget: float):
+    def __init__(self, store, failed: set[int], budget: float, transport: str = "auto",
+                 say=None):
+        """`transport`: "auto" reads the survivors' memory where the whole group shares a host
+        and the kernel allows it (`peer_rows`), else uses the process group; "network" always
+        uses the process group. `say`: the log, for a refused memory read."""
+        if transport not in TRANSPORTS:
+            raise ValueError(f"rebuild transport must be one of {', '.join(TRANSPORTS)}, got "
+                             f"{transport!r}")
         self.store, self.failed, self.budget = store, set(failed), budget
+        self.transport, self.say = transport, say or (lambda line: None)
         L, me = store.layout, store.topo.rank
         self.mine = me in self.failed
         self.group_failed = {f - L.base for f in self.failed if L.base <= f < L.base + L.g}
@@ -55,6 +72,11 @@ class Rebuild:
         self.sizes: list[tuple[int, float]] = []  # (stripes, seconds) of this rank's rounds
         self.started = time.perf_counter()
         self.finished_at = None
+        self.reads = MemoryReads(store) if self.mine else None
+        self.probed = False  # this lost rank has read each of its survivors' memory once
+        self.memory_rounds = 0
+        self.pulls: list[tuple[int, float]] = []  # (stripes, seconds) of memory reads
+        self._step_seconds: float | None = None
 
     def remaining(self) -> int:
         return int(self.lost.sum())
@@ -64,16 +86,46 @@ class Rebuild:
         """One exchange: degraded reads of `needed_rows` (local rows this step reads) and the next
         chunk. Collective over the training process group."""
         start = time.perf_counter()
+        self._step_seconds = step_seconds
         st = self.store
         degraded, (p0, p1) = self._request(needed_rows, everything)
-        g = st.layout.g
-        request = np.concatenate([degraded, np.arange(p0 * g, p1 * g, dtype=np.int64)])
         left = int(self.mine and p1 < st.layout.periods)  # the sweep has periods to go
         world = st.topo.world_size
         survivors = [st.layout.base + p for p in range(st.layout.g) if p not in self.group_failed]
-        counts = [[len(degraded), p0, p1, left] if (self.mine and d in survivors)
-                  else [0, 0, 0, left] for d in range(world)]
+        info = peer_rows.describe(st, self.transport == "auto", self.probed)
+        counts = [([len(degraded), p0, p1, left] if (self.mine and d in survivors)
+                   else [0, 0, 0, left]) + info for d in range(world)]
         got = exchange_counts(st.topo, st.words.device, counts)
+        lefts = [c[3] for c in got]
+        peers = self._memory_peers(got, survivors)
+        if peers is not None and self._probing(got):
+            p1, lefts = self._agree_probe(peers, p0, p1, everything)
+            peers = peers if lefts is not None else None
+            lefts = lefts if lefts is not None else [c[3] for c in got]
+        g = st.layout.g
+        request = np.concatenate([degraded, np.arange(p0 * g, p1 * g, dtype=np.int64)])
+        if peers is not None:
+            if self.mine and len(request):
+                self._pull(request, peers, len(degraded), p0, p1)
+            self.memory_rounds += 1
+        else:
+            self._over_network(counts, request, degraded, got, survivors)
+        self.rounds += 1
+        self.active = any(lefts)
+        took = time.perf_counter() - start
+        self.seconds += took
+        if peers is None:
+            self._resize(len(request), took, step_seconds)
+        if not self.active and self.finished_at is None:
+            self.finished_at = time.perf_counter()
+            if self.reads is not None:
+                self.reads.close()
+
+    def _over_network(self, counts, request, degraded, got, survivors) -> None:
+        """The round's units travel over the process group: requests, then the survivors' units
+        (XOR-reduced onto the lost rank, or all sent there). Collective over the training
+        process group."""
+        st, world = self.store, self.store.topo.world_size
         req = torch.as_tensor(degraded, dtype=torch.int64, device=st.words.device).view(-1, 1)
         asked = exchange_rows(st.topo, st.words.device,
                               [req if c[0] else req[:0] for c in counts],
@@ -89,18 +141,124 @@ class Rebuild:
                 self._decode(request, {s - st.layout.base: replies[s] for s in survivors},
                              len(degraded))
                 self.received_bytes += len(request) * len(survivors) * st.words.width * 4
-        self.rounds += 1
-        self.active = any(c[3] for c in got)
-        took = time.perf_counter() - start
-        self.seconds += took
-        self._resize(len(request), took, step_seconds)
-        if not self.active and self.finished_at is None:
-            self.finished_at = time.perf_counter()
+
+    # ---- units read from the survivors' memory (peer_rows) ----------------------------------
+
+    def _memory_peers(self, got, survivors) -> dict[int, Peer] | None:
+        """Whether this round may read memory instead of the network, decided alike on every
+        rank from what all ranks published in it: every group with a lost rank shares one host
+        and its survivors' rows can be read (`_agree_probe` then checks that the kernel lets the
+        lost ranks read them, once). Returns this rank's survivors by world rank ({} on other
+        ranks), or None for the network. Local."""
+        if self.transport != "auto":
+            return None
+        g = self.store.layout.g
+        info = [Peer.parse(c[4:]) for c in got]
+        for f in self.failed:
+            members = range(f - f % g, f - f % g + g)
+            if not info[f].key or any(info[m].key != info[f].key for m in members) or \
+                    not all(info[m].serves for m in members if m not in self.failed):
+                return None
+        return {s: info[s] for s in survivors} if self.mine else {}
+
+    def _probing(self, got) -> bool:
+        """Some lost rank has not read its survivors' memory yet (the same on every rank)."""
+        return not all(Peer.parse(got[f][4:]).probed for f in self.failed)
+
+    def _agree_probe(self, peers: dict[int, Peer], p0: int, p1: int,
+                     everything: bool) -> tuple[int, list[int] | None]:
+        """The lost ranks read one word of each survivor; one more exchange agrees on whether
+        all could. If so, a lost rank sizes this round's chunk for memory reads (the chunk asked
+        for was sized for the network) and everyone learns whether it leaves periods for later.
+        Returns (p1, every rank's 'periods left' flag), or (p1, None) for the network.
+        Collective over the training process group."""
+        st, asked = self.store, p1
+        ok = self._probe(peers) if self.mine else True
+        if self.mine and ok and not everything and self.chunk > 0:  # chunk 0: degraded only
+            self._resize_pull()
+            p1 = self.cursor = self._chunk_end(p0)
+        left = int(self.mine and p1 < st.layout.periods)
+        agreed = exchange_counts(st.topo, st.words.device, [[int(ok), left]] * st.topo.world_size)
+        if not all(c[0] for c in agreed):  # some group's lost rank may not read: the network,
+            self.cursor = asked              # with the chunk its survivors were asked for
+            return asked, None
+        return p1, [c[1] for c in agreed]
+
+    def _probe(self, peers: dict[int, Peer]) -> bool:
+        """Read one word of each survivor (once per rebuild); False, and said, where the kernel
+        refuses: this rebuild then stays on the network. Local."""
+        if self.probed:
+            return True
+        try:
+            self.reads.probe(peers)
+        except CrossMemoryError as e:
+            self.transport = "network"
+            self.say(f"parity: rank {self.store.topo.rank} cannot read its group's memory "
+                     f"({e}); the rebuild goes over the network")
+            return False
+        self.probed = True
+        return True
+
+    def _pull(self, request: np.ndarray, peers: dict[int, Peer], degraded: int, p0: int,
+              p1: int) -> None:
+        """Decode this rank's units of `request` (the first `degraded` by stripe, then the
+        periods [p0, p1)) from its survivors' memory and write them back. Local."""
+        st, L = self.store, self.store.layout
+        before = self.reads.bytes_read
+        if degraded:
+            stripes = request[:degraded]
+            self._decode(stripes, self.reads.units(peers, stripes), degraded)
+        sweep = time.perf_counter()
+        if L.r == 1:
+            with st.lock:  # the readers' threads write rows: held here, for all of them
+                self.reads.xor_into_rows(p0, p1, peers)
+            self.lost[p0 * L.g:p1 * L.g] = False
+        else:
+            for a, b in self.reads.pieces(p0, p1):
+                self._decode(np.arange(a * L.g, b * L.g, dtype=np.int64),
+                             self.reads.period_units(a, b, peers), 0)
+        self.received_bytes += self.reads.bytes_read - before
+        if p1 > p0:
+            self.pulls.append(((p1 - p0) * L.g, time.perf_counter() - sweep))
+        self._resize_pull()
+
+    def _resize_pull(self) -> None:
+        """Chunk for the next memory round: what `budget` of a step buys at the measured cost
+        per stripe of the reads so far (at the assumed rate before any); at most 8x the last
+        and at least 64 stripes. Local."""
+        st = self.store
+        step = self._step_seconds
+        if not self.mine or step is None:
+            return
+        if self.pulls:
+            per_stripe = self.pulls[-1][1] / self.pulls[-1][0]
+            cap = 8 * max(self.chunk, 64)
+        else:
+            per_stripe = (st.layout.k * st.words.width * 4) / ASSUMED_READ_BYTES_PER_S
+            cap = MAX_CHUNK_STRIPES
+        target = self.budget * step / max(per_stripe, 1e-12)
+        self.chunk = int(min(max(64, target), cap, MAX_CHUNK_STRIPES))
 
     def finish(self) -> None:
-        """Rebuild everything that is left now. Collective."""
+        """Rebuild everything that is left now. Collective. When it read the survivors' memory,
+        they wait here until the lost ranks are done (a round in a lookup needs no such wait:
+        a survivor changes no row before the lost rank's lookup has ended)."""
+        reads = self.memory_rounds
         while self.active:
             self.round(None, None, everything=True)
+        if self.memory_rounds > reads:
+            st = self.store
+            exchange_counts(st.topo, st.words.device, [[0]] * st.topo.world_size)
+
+    def _chunk_end(self, p0: int) -> int:
+        """End of the chunk from period p0: `chunk` stripes of whole periods, and the rest too
+        when less than half a chunk would be left (a round of its own would add a step to the
+        rebuild for a sliver of work). Chunk 0: none (degraded reads only). Local."""
+        L = self.store.layout
+        if self.chunk <= 0:
+            return p0
+        step = max(1, self.chunk // L.g)
+        return L.periods if L.periods - (p0 + step) < step // 2 else p0 + step
 
     def _request(self, needed_rows, everything: bool) -> tuple[np.ndarray, tuple[int, int]]:
         """What this round decodes: the sorted lost stripes among `needed_rows` (degraded reads)
@@ -109,13 +267,14 @@ class Rebuild:
         if not self.mine:
             return np.empty(0, dtype=np.int64), (0, 0)
         p0 = self.cursor
-        step = max(1, self.chunk // L.g) if self.chunk > 0 else 0  # chunk 0: degraded reads only
-        p1 = L.periods if everything else min(L.periods, p0 + step)
+        p1 = L.periods if everything else self._chunk_end(p0)
         self.cursor = p1
         degraded = np.empty(0, dtype=np.int64)
         if needed_rows is not None and len(needed_rows):
-            s = np.unique(L.stripe_of_row(self.store.pos, needed_rows.cpu().numpy()))
-            s = s[self.lost[s] & ((s < p0 * L.g) | (s >= p1 * L.g))]
+            wanted = np.zeros(L.stripes, dtype=bool)  # sorted and unique without a sort
+            wanted[L.stripe_of_row(self.store.pos, needed_rows.cpu().numpy())] = True
+            wanted[p0 * L.g:p1 * L.g] = False
+            s = np.flatnonzero(wanted & self.lost)
             self.degraded_rows += len(s)
             degraded = s
         return degraded, (p0, p1)
@@ -179,25 +338,9 @@ class Rebuild:
 
     def _move_range(self, p0: int, units: torch.Tensor, to_units: bool) -> None:
         """Copy between this member's rows and parity of the periods [p0, p0 + n) and `units`
-        ((n, g, W), stripe order within a period), in the direction `to_units`. Data slot j of a
-        period is local row period * k + j; parity q is parity row period * r + q. Local."""
-        st, L = self.store, self.store.layout
-        n, rows = len(units), L.rows[st.pos]
-        for j, o in enumerate(L.data_offsets(st.pos)):
-            first = p0 * L.k + j
-            real = min(n, max(0, -(-(rows - first) // L.k)))  # rows of slot j short of padding
-            if to_units:
-                st.words.read_every(first, L.k, units[:real, o])
-                units[real:, o] = 0
-            else:
-                st.words.write_every(first, L.k, units[:real, o])
-        for q in range(L.r):
-            o = (st.pos - q) % L.g
-            held = st.parity[p0 * L.r + q:(p0 + n) * L.r:L.r]
-            if to_units:
-                units[:, o] = held
-            else:
-                held.copy_(units[:, o])
+        ((n, g, W), stripe order within a period), in the direction `to_units`. Local."""
+        st = self.store
+        move_range(st.layout, st.pos, st.words, st.parity, 0, p0, units, to_units)
 
     def _decode(self, stripes: np.ndarray, units: dict[int, torch.Tensor],
                 degraded: int) -> None:

@@ -9,6 +9,7 @@ from mpickpt.model.dense import DenseArch
 from mpickpt.model.hybrid import HybridDLRM
 from mpickpt.model.optimizers import OptimizerConfig
 from mpickpt.model.shard_plan import ShardPlanOptions
+from mpickpt.parity import peer_rows
 from mpickpt.parity.guard import ParityConfig, ParityGuard
 
 SIZES = (3000, 700, 90, 5)
@@ -70,14 +71,16 @@ def test_propagated_parity_equals_a_fresh_encode(topology, optimizer):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("xor_reduce", [True, False], ids=["bxor-reduce", "all-to-lost"])
-def test_degraded_reads_and_rebuild_are_exact(topology, xor_reduce):
+@pytest.mark.parametrize("path", ["memory", "bxor-reduce", "all-to-lost"])
+def test_degraded_reads_and_rebuild_are_exact(topology, path):
     rank = topology.rank
     for k, r, failed in _shapes(topology.world_size):
         model = _model(topology, "adagrad")
-        guard = ParityGuard(topology, model, ParityConfig(k=k, r=r), say=lambda line: None)
+        transport = "auto" if path == "memory" else "network"
+        guard = ParityGuard(topology, model, ParityConfig(k=k, r=r, transport=transport),
+                            say=lambda line: None)
         assert (guard.store.group_pg is not None) == (r == 1 and topology.backend == "gloo")
-        if not xor_reduce:  # the path NCCL takes: every survivor's units travel to the lost rank
+        if path == "all-to-lost":  # NCCL's path: every survivor's units go to the lost rank
             guard.store._xor_reduce = False
         guard.encode()
         state = _train(topology, model, 4)
@@ -104,6 +107,10 @@ def test_degraded_reads_and_rebuild_are_exact(topology, xor_reduce):
         _train(topology, model, 3, state)
         guard.settle()
         assert not rb.active and rb.remaining() == 0
+        # every round read the survivors' memory (all ranks share this host), or none did
+        assert rb.memory_rounds == (rb.rounds if path == "memory" else 0), (path, rb.rounds)
+        assert (rb.probed and rb.received_bytes > 0) if path == "memory" and rank in failed \
+            else not rb.probed
         # the rebuilt state trains on exactly like a model that never failed
         ref = _model(topology, "adagrad")
         ref_guard = ParityGuard(topology, ref, ParityConfig(k=k, r=r), say=lambda line: None)
@@ -115,3 +122,29 @@ def test_degraded_reads_and_rebuild_are_exact(topology, xor_reduce):
         ok = ok and torch.equal(guard.store.parity, ref_guard.store.parity)
         assert _all_ok(topology, ok), (k, r, "rebuilt state")
         assert _all_ok(topology, parity.shape == guard.store.parity.shape)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_refused_memory_read_falls_back_to_the_network(topology, monkeypatch):
+    """Survivors publish a parity address the kernel cannot read (page 0): the lost rank's probe
+    fails with EFAULT, it says so, and the whole rebuild goes over the network, exact."""
+    k, r, failed = _shapes(topology.world_size)[0]
+    if topology.rank not in failed:
+        real = peer_rows.describe
+        monkeypatch.setattr(peer_rows, "describe", lambda store, enabled, probed: (
+            lambda f: f[:4] + [8] + f[5:])(real(store, enabled, probed)))
+    said = []
+    model = _model(topology, "adagrad")
+    guard = ParityGuard(topology, model, ParityConfig(k=k, r=r), say=said.append)
+    guard.encode()
+    _train(topology, model, 3)
+    truth = guard.store.words.gather(torch.arange(guard.store.words.rows))
+    guard.fail(failed)
+    guard.start_rebuild(failed, step=3)
+    guard.settle()
+    rb = guard.rebuild
+    now = guard.store.words.gather(torch.arange(guard.store.words.rows))
+    refused = [line for line in said if "cannot read its group's memory" in line]
+    ok = torch.equal(now, truth) and rb.memory_rounds == 0 and rb.rounds >= 1
+    ok = ok and (("EFAULT" in refused[0]) if topology.rank in failed else not refused)
+    assert _all_ok(topology, ok), (rb.memory_rounds, said)

@@ -1,0 +1,161 @@
+"""A survivor's units read straight from its memory by a lost rank of its group on the same host
+(`cross_memory`), instead of the survivor gathering and sending them.
+
+Every rank publishes where its rows live in each rebuild round (`describe`: fields appended to the
+round's counts); a lost rank reads whole spans of a survivor's rows and parity for a range of
+periods (`PeerReader.span`, into scratch buffers it reuses) and single units for degraded reads
+(`PeerReader.units`, one iovec per row). The survivor does nothing: the round's counts exchange
+is the point where its rows are consistent, and it changes none of them before the lost rank's
+lookup has finished (its sparse update needs the lost rank's backward). Local.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mpickpt.parity import cross_memory
+from mpickpt.parity.row_words import RowWords
+
+IOVEC_S = 0.75e-6
+READ_BYTES_PER_S = 4e9
+"""What a row read costs the kernel here: ~0.75 us per iovec (it pins the page) and ~4 GB/s
+(measured on the 2-core VM); they decide between one iovec per row and one read of a span."""
+
+FIXED_FIELDS = 5
+"""host key, pid, serves (its rows can be read), probed (as a lost rank it has read its survivors),
+parity address; then (address, row stride) per row tensor."""
+
+
+def field_count(store) -> int:
+    """Length of `describe`'s list for this model (the same on every rank). Local."""
+    return FIXED_FIELDS + 2 * len(store.words.tensors)
+
+
+def describe(store, enabled: bool, probed: bool) -> list[int]:
+    """This rank's fields of a rebuild round's counts. `enabled`: the transport may use memory
+    reads at all (else all zeros but the pid). Local."""
+    mem = store.words.memory() if enabled and cross_memory.available() else None
+    serves = mem is not None and store.parity.device.type == "cpu"
+    key = _host_key() if serves else 0
+    fields = [key, os.getpid(), int(serves), int(probed and serves),
+              store.parity.data_ptr() if serves else 0]
+    for address, stride, _ in mem if serves else [(0, 0, 0)] * len(store.words.tensors):
+        fields += [address, stride]
+    return fields
+
+
+_KEY: list[int] = []
+
+
+def _host_key() -> int:
+    if not _KEY:
+        _KEY.append(cross_memory.host_key())
+        cross_memory.allow_readers()
+    return _KEY[0]
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Where one survivor's rows are, as it published them in a round."""
+
+    key: int
+    pid: int
+    serves: bool
+    probed: bool
+    parity: int
+    tensors: tuple[tuple[int, int], ...]  # (address, row stride in bytes)
+
+    @classmethod
+    def parse(cls, fields) -> "Peer":
+        f = [int(x) for x in fields]
+        return cls(f[0], f[1], bool(f[2]), bool(f[3]), f[4],
+                   tuple(zip(f[FIXED_FIELDS::2], f[FIXED_FIELDS + 1::2])))
+
+
+class PeerReader:
+    """The lost rank's reads of its survivors' rows and parity. Local."""
+
+    def __init__(self, store):
+        self.store = store
+        self.widths = store.words.widths
+        self.bytes_read = 0
+        self._scratch: dict[tuple, np.ndarray] = {}
+
+    def probe(self, peer: Peer) -> None:
+        """Read one word of `peer` (CrossMemoryError when the kernel refuses)."""
+        if self.store.layout.parity_rows:  # else the group holds no rows: nothing to rebuild
+            cross_memory.read_span(peer.pid, peer.parity, np.empty(1, dtype=np.int32), "a word")
+
+    def span(self, peer: Peer, pos: int, p0: int, p1: int) -> tuple[RowWords, torch.Tensor]:
+        """Position `pos`'s data rows and parity rows of periods [p0, p1), read into scratch:
+        a RowWords span (shard row numbers) and its parity rows p0 r ... (p1 r - 1)."""
+        L = self.store.layout
+        a, b = p0 * L.k, max(p0 * L.k, min(p1 * L.k, L.rows[pos]))
+        tensors = []
+        for i, ((address, stride), w) in enumerate(zip(peer.tensors, self.widths)):
+            n = b - a
+            buf = self._buffer((pos, i), n * stride)
+            if n:
+                cross_memory.read_span(peer.pid, address + a * stride,
+                                       buf[:(n - 1) * stride + 4 * w], "rows")
+                self.bytes_read += n * 4 * w
+            tensors.append(torch.from_numpy(buf[:n * stride]).view(torch.int32)
+                           .view(n, stride // 4)[:, :w])
+        W = self.store.words.width
+        m = (p1 - p0) * L.r
+        pbuf = self._buffer((pos, "parity"), m * W * 4)
+        if m:
+            cross_memory.read_span(peer.pid, peer.parity + p0 * L.r * W * 4, pbuf[:m * W * 4],
+                                   "parity rows")
+            self.bytes_read += m * W * 4
+        parity = torch.from_numpy(pbuf[:m * W * 4]).view(torch.int32).view(m, W)
+        return RowWords.span(tensors, a), parity
+
+    def units(self, peer: Peer, pos: int, stripes: np.ndarray) -> torch.Tensor:
+        """Position `pos`'s units (data row or parity row; zeros for padding) of `stripes`
+        (ascending), ((n, W) int32)."""
+        L, W = self.store.layout, self.store.words.width
+        out = np.zeros((len(stripes), W), dtype=np.int32)
+        rows = L.row_of_stripe(pos, stripes)
+        data = np.flatnonzero(rows >= 0)
+        c = 0
+        for i, ((address, stride), w) in enumerate(zip(peer.tensors, self.widths)):
+            if len(data):
+                out[data, c:c + w] = self._rows(peer.pid, address, stride, w, rows[data], i)
+            c += w
+        prow = L.parity_row(pos, stripes)
+        par = np.flatnonzero(prow >= 0)
+        if len(par):
+            out[par] = self._rows(peer.pid, peer.parity, W * 4, W, prow[par], "parity")
+        return torch.from_numpy(out)
+
+    def _rows(self, pid: int, address: int, stride: int, w: int, rows: np.ndarray,
+              key) -> np.ndarray:
+        """Rows `rows` (ascending) of a peer's array, (n, w) int32: one iovec per row, or one read
+        of the span they lie in where that costs less (the kernel's time per iovec against its
+        time per byte: a narrow array such as rowwise Adagrad's state)."""
+        first, last = int(rows[0]), int(rows[-1])
+        span = (last - first) * stride + 4 * w
+        if span / READ_BYTES_PER_S < len(rows) * IOVEC_S:
+            n = last - first + 1
+            buf = self._buffer(("rows", key), n * stride)
+            cross_memory.read_span(pid, address + first * stride, buf[:span], "rows")
+            self.bytes_read += span
+            table = buf[:n * stride].view(np.int32).reshape(n, stride // 4)
+            return table[rows - first, :w]
+        got = np.empty((len(rows), w), dtype=np.int32)
+        cross_memory.read_rows(pid, address, stride, rows, got, "rows")
+        self.bytes_read += got.nbytes
+        return got
+
+    def _buffer(self, key, nbytes: int) -> np.ndarray:
+        """A scratch buffer of at least `nbytes`, kept for the next round (fresh pages cost a
+        fault each; these stay mapped)."""
+        buf = self._scratch.get(key)
+        if buf is None or len(buf) < nbytes:
+            buf = np.empty(max(nbytes, 1), dtype=np.uint8)
+            self._scratch[key] = buf
+        return buf

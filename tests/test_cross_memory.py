@@ -1,0 +1,144 @@
+"""Reads of another process's memory (process_vm_readv) as a parity rebuild uses them: spans, rows
+by iovec or through their span, a survivor's units and periods, the errors of a dead peer or an
+unmapped address; and the strided XOR that decodes r = 1 from what was read."""
+import errno
+import multiprocessing as mp
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from mpickpt.parity import cross_memory, peer_rows
+from mpickpt.parity.layout import GroupLayout
+from mpickpt.parity.peer_rows import Peer, PeerReader
+from mpickpt.parity.xor_rows import xor_views
+
+pytestmark = pytest.mark.skipif(not cross_memory.available(), reason="no process_vm_readv")
+
+ROWS, DIM = 5000, 16
+LAYOUT = GroupLayout(3, 1, 0, (ROWS, ROWS, ROWS - 7, ROWS))
+
+
+def _arrays(seed):
+    rng = np.random.default_rng(seed)
+    weight = rng.standard_normal((ROWS, DIM)).astype(np.float32)
+    state = rng.random(ROWS).astype(np.float32)
+    parity = rng.integers(-2**31, 2**31, (LAYOUT.parity_rows, DIM + 1)).astype(np.int32)
+    return weight, state, parity
+
+
+def _hold(seed, conn):
+    """The peer: holds its arrays, publishes where they are, waits to be told to go."""
+    weight, state, parity = _arrays(seed)
+    conn.send((os.getpid(), cross_memory.host_key(), weight.ctypes.data, state.ctypes.data,
+               parity.ctypes.data))
+    conn.recv()
+
+
+@pytest.fixture(scope="module")
+def peer():
+    ctx = mp.get_context("fork")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_hold, args=(11, there), daemon=True)
+    proc.start()
+    pid, key, w, s, p = here.recv()
+    yield SimpleNamespace(pid=pid, key=key, weight=w, state=s, parity=p, arrays=_arrays(11))
+    here.send("go")
+    proc.join(10)
+
+
+def _reader():
+    words = SimpleNamespace(widths=[DIM, 1], width=DIM + 1)
+    return PeerReader(SimpleNamespace(layout=LAYOUT, words=words))
+
+
+def _peer(p):
+    return Peer(p.key, p.pid, True, True, p.parity, ((p.weight, DIM * 4), (p.state, 4)))
+
+
+def _units(arrays, pos, stripes):
+    weight, state, parity = arrays
+    out = np.zeros((len(stripes), DIM + 1), dtype=np.int32)
+    rows = LAYOUT.row_of_stripe(pos, stripes)
+    d = rows >= 0
+    out[d, :DIM] = weight[rows[d]].view(np.int32)
+    out[d, DIM] = state[rows[d]].view(np.int32)
+    prow = LAYOUT.parity_row(pos, stripes)
+    out[prow >= 0] = parity[prow[prow >= 0]]
+    return out
+
+
+def test_spans_and_rows_of_a_peer(peer):
+    weight, state, _ = peer.arrays
+    assert peer.key == cross_memory.host_key() != 0
+    out = np.empty((100, DIM), dtype=np.float32)
+    cross_memory.read_span(peer.pid, peer.weight + 40 * DIM * 4, out)
+    assert np.array_equal(out, weight[40:140])
+    rows = np.sort(np.random.default_rng(0).choice(ROWS, 3 * cross_memory.IOV_MAX + 5,
+                                                   replace=False))
+    got = np.empty((len(rows), DIM), dtype=np.float32)
+    cross_memory.read_rows(peer.pid, peer.weight, DIM * 4, rows, got)
+    assert np.array_equal(got, weight[rows])
+    one = np.empty((len(rows), 1), dtype=np.float32)
+    cross_memory.read_rows(peer.pid, peer.state, 4, rows, one)
+    assert np.array_equal(one[:, 0], state[rows])
+
+
+@pytest.mark.parametrize("by", ["iovec", "span"])
+def test_a_survivors_units_and_periods(peer, by, monkeypatch):
+    # iovec: a row read costs nothing, so every array goes by rows; span: spans cost nothing
+    monkeypatch.setattr(peer_rows, "IOVEC_S", 0.0 if by == "iovec" else 1.0)
+    reader = _reader()
+    stripes = np.sort(np.random.default_rng(1).choice(LAYOUT.stripes, 700, replace=False))
+    for pos in (0, 2):  # position 2 has fewer rows: padding reads as zeros
+        got = reader.units(_peer(peer), pos, stripes).numpy()
+        assert np.array_equal(got, _units(peer.arrays, pos, stripes)), pos
+    words, parity = reader.span(_peer(peer), 2, 400, LAYOUT.periods)
+    units = torch.zeros(LAYOUT.periods - 400, LAYOUT.g, DIM + 1, dtype=torch.int32)
+    for j, o in enumerate(LAYOUT.data_offsets(2)):
+        first = 400 * 3 + j
+        n = min(len(units), max(0, -(-(LAYOUT.rows[2] - first) // 3)))
+        words.read_every(first, 3, units[:n, o])
+    units[:, (2 - 0) % LAYOUT.g] = parity
+    want = _units(peer.arrays, 2, np.arange(400 * LAYOUT.g, LAYOUT.stripes))
+    assert np.array_equal(units.view(-1, DIM + 1).numpy(), want)
+    assert reader.bytes_read > 0
+
+
+def test_a_dead_peer_and_an_unmapped_address_fail_clearly(peer):
+    with pytest.raises(cross_memory.CrossMemoryError, match="EFAULT") as e:
+        cross_memory.read_span(peer.pid, 8, np.empty(4, dtype=np.int32), "parity rows")
+    assert e.value.errno == errno.EFAULT and "parity rows" in str(e.value)
+    proc = mp.get_context("fork").Process(target=os._exit, args=(0,))
+    proc.start()
+    proc.join(10)
+    with pytest.raises(cross_memory.CrossMemoryError, match="ESRCH") as e:
+        cross_memory.read_span(proc.pid, peer.weight, np.empty(4, dtype=np.int32))
+    assert isinstance(e.value, RuntimeError)  # what survivors treat as a peer's death
+    with pytest.raises(ValueError, match="C-contiguous output of 3 equal rows"):
+        cross_memory.read_rows(peer.pid, peer.weight, 64, np.arange(3), np.empty((2, 16)))
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["C", "torch"])
+def test_xor_views_of_strided_rows(kernel):
+    rng = np.random.default_rng(2)
+    big = torch.from_numpy(rng.integers(-2**31, 2**31, (900, 20)).astype(np.int32))
+    dest_base = torch.zeros(300, 40, dtype=torch.int32)
+    dest = dest_base[::3, 5:22]  # (100, 17), rows 3 * 40 words apart
+    sources = [big[0:300:3, :17], big[1:180:2, 3:20], big[600:600, :17], big[700:800, 2:19]]
+    xor_views(dest, sources, kernel=kernel)
+    want = np.zeros((100, 17), dtype=np.int32)
+    for s in sources:
+        want[:len(s)] ^= s.numpy()
+    assert np.array_equal(dest.numpy(), want)
+    assert dest_base[1::3].abs().sum() == 0 and dest_base[:, :5].abs().sum() == 0  # nothing else
+    state = torch.zeros(50, 1, dtype=torch.int32)
+    xor_views(state, [big[:100:2, 7:8], big[:30, 9:10]], kernel=kernel)
+    assert np.array_equal(state[:30, 0].numpy(), (big[:60:2, 7] ^ big[:30, 9]).numpy())
+    assert np.array_equal(state[30:, 0].numpy(), big[60:100:2, 7].numpy())
+    with pytest.raises(ValueError, match="source 0 must be a CPU int32"):
+        xor_views(dest, [big[:, :16]], kernel=kernel)
+    with pytest.raises(ValueError, match="rows <= 100"):
+        xor_views(dest, [big[:101, :17]], kernel=kernel)
