@@ -12,9 +12,10 @@ Real 4-rank jobs (mpiexec, gloo), the same model and data in each, k=3 r=1 by de
   it, and on an oversubscribed machine they take CPU from training too).
 - ``rebuild@B``: parity, and rank --fail-rank loses its shard, optimizer state and parity after
   step --fail-step; it is rebuilt while training continues, with --rebuild-budget B for each B of
-  --budgets. Rebuild time = failure to last rebuilt unit (the time ECRM calls full recovery);
-  throughput while rebuilding against before the failure; time lost = rebuild time minus the
-  steps it spanned at the pre-failure step time.
+  --budgets (and --transport), --rebuild-repeats runs of each, interleaved (medians reported). Rebuild time = failure to last rebuilt unit (the time ECRM calls
+  full recovery); over the steps the rebuild touched (the failure to the end of the step in
+  which it finished): throughput against before the failure, and time lost = their time minus
+  as many steps at the pre-failure step time.
 - ``restore``: no parity, checkpoints every --interval steps, the same failure: every rank rolls
   back to the latest checkpoint and replays. Recovery time = failure until the job is back at the
   failed step. With --fail-step = 1.5 x --interval, the replay is the mean case (half an interval).
@@ -97,28 +98,55 @@ def parse_args(argv=None):
     p.add_argument("--interval", type=int, default=100)
     p.add_argument("--fail-step", type=int, default=150)
     p.add_argument("--fail-rank", type=int, default=1)
-    p.add_argument("--budgets", default="0.1,0.3,1",
+    p.add_argument("--budgets", default="0.3,0.1,1",
                    help="--rebuild-budget values to run; the first is the one held to the targets")
     p.add_argument("--repeats", type=int, default=5,
                    help="runs of none and of parity, alternating; the overhead compares the "
                         "medians of their per-run median step times")
+    p.add_argument("--transport", choices=("auto", "network"), default="auto",
+                   help="--rebuild-transport of the rebuild runs")
+    p.add_argument("--rebuild-repeats", type=int, default=3,
+                   help="runs of each budget (interleaved); the tables give the medians and "
+                        "the spread")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--name", default="parity", help="stem of the JSON and PNG files")
     return p.parse_args(argv)
 
 
 def rebuild_figures(run, before: float, a) -> dict:
-    """Rebuild time, the steps it spanned, throughput meanwhile, and training time lost."""
+    """Rebuild time (failure to last rebuilt unit), and over the steps it touched (the failure
+    to the end of the step in which it finished) the throughput against before the failure and
+    the training time lost. Whole steps only: the rounds run early in a step, so a window that
+    ended with the rebuild would count the rest of its last step as lost, and one shorter than
+    a step would show more than 100 %. `throughput_to_rebuilt` keeps that older measure."""
     lines = run["lines"]
     logged = next(l for _, l in lines if l.startswith("parity: rebuilt"))
     t_fail = first_line(lines, "lost their shards after step")
     t_done = first_line(lines, "parity: rebuilt")
-    steps = max(1, len([s for t, s in step_times(lines) if t_fail <= t <= t_done]))
+    times = step_times(lines)
+    t_end = min(t for t, _ in times if t >= t_done)
+    steps = len([s for t, s in times if t_fail < t <= t_end])
+    partial = max(1, len([s for t, s in times if t_fail <= t <= t_done]))
     wall = t_done - t_fail
     return {"log": logged, "wall_s": wall, "steps": steps, "t_fail": t_fail,
-            "throughput_ratio": before * steps / max(wall, 1e-9),
-            "lost_s": max(0.0, wall - steps * before),
-            "rounds": int(logged.split(" in ")[-1].split(" rounds")[0])}
+            "throughput_ratio": before * steps / max(t_end - t_fail, 1e-9),
+            "throughput_to_rebuilt": before * partial / max(wall, 1e-9),
+            "lost_s": max(0.0, (t_end - t_fail) - steps * before),
+            "rounds": int(logged.split(" in ")[-1].split(" rounds")[0]),
+            "memory": "reading the group's memory" in logged}
+
+
+def _medians(runs: list[dict]) -> dict:
+    """One budget's figures: the median of each over its runs, the runs themselves, and the
+    failure time of the first (for the timeline)."""
+    out = {k: float(np.median([r[k] for r in runs]))
+           for k in ("wall_s", "steps", "throughput_ratio", "throughput_to_rebuilt", "lost_s",
+                     "rounds")}
+    out.update(rounds=int(round(out["rounds"])), steps=int(round(out["steps"])),
+               t_fail=runs[0]["t_fail"], log=runs[0]["log"], runs=runs,
+               throughputs=[r["throughput_ratio"] for r in runs],
+               memory=all(r["memory"] for r in runs))
+    return out
 
 
 def main(argv=None) -> int:
@@ -134,8 +162,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(dir=REPO / "bench") as tmp:
         plan = {**{f"{n}#{i}": args for i in range(a.repeats)
                    for n, args in (("none", model), ("parity", model + parity))},
-                **{f"rebuild@{b:g}": model + parity + fail + ["--rebuild-budget", str(b)]
-                   for b in budgets},
+                **{f"rebuild@{b:g}#{i}": model + parity + fail + [
+                    "--rebuild-budget", str(b), "--rebuild-transport", a.transport]
+                   for i in range(a.rebuild_repeats) for b in budgets},
                 "restore": model + fail + ["--ckpt-dir", os.path.join(tmp, "ck"),
                                            "--ckpt-interval", str(a.interval)]}
         for name, args in plan.items():
@@ -169,15 +198,21 @@ def summarize(a, budgets, runs) -> dict:
     with_parity = float(np.mean(repeats["parity"]))
     rebuilds = {}
     for b in budgets:
-        name = f"rebuild@{b:g}"
-        before = median_step(steps[name], warm, a.fail_step)
-        rebuilds[f"{b:g}"] = rebuild_figures(runs[name], before, a)
+        each = []
+        for i in range(a.rebuild_repeats):
+            name = f"rebuild@{b:g}#{i}"
+            each.append(rebuild_figures(runs[name], median_step(steps[name], warm, a.fail_step),
+                                        a))
+        rebuilds[f"{b:g}"] = _medians(each)
     rs_lines = runs["restore"]["lines"]
     t_fail_ck = first_line(rs_lines, "falling back to the latest checkpoint")
     t_back = [t for t, s in steps["restore"] if s == a.fail_step and t > t_fail_ck][0]
     restore_replay = t_back - t_fail_ck
     for rb in rebuilds.values():
-        rb["speedup"] = restore_replay / max(rb["wall_s"], 1e-9)
+        for one in rb["runs"]:
+            one["speedup"] = restore_replay / max(one["wall_s"], 1e-9)
+        rb["speedup"] = float(np.median([one["speedup"] for one in rb["runs"]]))
+        rb["speedups"] = [one["speedup"] for one in rb["runs"]]
     encode_line = next(l for _, l in runs["parity"]["lines"] if l.startswith("parity: groups"))
     main_rb = rebuilds[f"{budgets[0]:g}"]
     overhead = with_parity / base - 1
@@ -195,7 +230,7 @@ def summarize(a, budgets, runs) -> dict:
         "restore_s": first_line(rs_lines, "resumed from checkpoint step") - t_fail_ck,
         "restore_replay_s": restore_replay,
         "replayed_steps": a.fail_step - (a.fail_step // a.interval) * a.interval,
-        "timeline": {"none": steps["none"], "rebuild": steps[f"rebuild@{budgets[0]:g}"],
+        "timeline": {"none": steps["none"], "rebuild": steps[f"rebuild@{budgets[0]:g}#0"],
                      "restore": steps["restore"]},
         "fail_times": {"rebuild": main_rb["t_fail"], "restore": t_fail_ck},
         "targets": {"overhead <= 5%": overhead <= 0.05,
@@ -228,10 +263,17 @@ def report(a, budgets, result) -> None:
             ("digests of all runs agree", str(result["digests_agree"]))]:
         print(f"{label:46s} {value}")
     print(f"\n{'rebuild budget':>14s} {'rounds':>6s} {'steps':>5s} {'rebuild s':>9s} "
-          f"{'throughput':>10s} {'time lost s':>11s} {'restore+replay / rebuild':>24s}")
+          f"{'throughput':>10s} {'(to rebuilt)':>12s} {'time lost s':>11s} "
+          f"{'restore+replay / rebuild':>24s}")
     for b, rb in result["rebuilds"].items():
         print(f"{b:>14s} {rb['rounds']:6d} {rb['steps']:5d} {rb['wall_s']:9.3f} "
-              f"{rb['throughput_ratio']:10.1%} {rb['lost_s']:11.3f} {rb['speedup']:23.1f}x")
+              f"{rb['throughput_ratio']:10.1%} {rb['throughput_to_rebuilt']:12.1%} "
+              f"{rb['lost_s']:11.3f} {rb['speedup']:23.1f}x")
+        if len(rb["runs"]) > 1:
+            print(f"{'':>14s} each run: throughput "
+                  + " ".join(f"{t:.1%}" for t in rb["throughputs"]) + ", speed-up "
+                  + " ".join(f"{x:.1f}x" for x in rb["speedups"]))
+    print("(medians over --rebuild-repeats runs of each budget)")
     print(f"(restore + replay loses {result['restore_replay_s']:.3f} s)")
     print(f"targets (budget {budgets[0]:g}): " + ", ".join(
         f"{k}: {'met' if v else 'MISSED'}" for k, v in result["targets"].items()))

@@ -10,12 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mpickpt.parity.guard import ParityConfig
 from mpickpt.simulate.costs import EventCosts
 from mpickpt.simulate.crosscheck import crosscheck
 from mpickpt.simulate.engine import Segment, simulate_run
 from mpickpt.simulate.montecarlo import run_many, simulate
 from mpickpt.simulate.scenario import HOUR, Scenario
-from mpickpt.simulate.strategies import Parity, Strategy, build
+from mpickpt.simulate.strategies import REBUILD_BUDGET, Parity, Strategy, build
 from mpickpt.simulate.plot import crossovers
 from mpickpt.simulate.__main__ import main as simulate_main
 
@@ -112,7 +113,8 @@ def test_parity_covers_r_nodes_per_group_and_not_during_a_rebuild():
     assert p.covers([3], False) and p.covers([0, 5], False)
     assert not p.covers([3, 4], False) and not p.covers([3], True)
     assert p.react([3], False).kind == "rebuild" and p.react([3, 4], False).kind == "rollback"
-    assert p.react([3], False).window == pytest.approx(COSTS.rebuild_node / 0.1)
+    assert p.react([3], False).window == pytest.approx(COSTS.rebuild_node / REBUILD_BUDGET)
+    assert REBUILD_BUDGET == ParityConfig(k=1).budget  # the simulator follows the default
 
 
 def test_hot_spares_replace_failed_nodes_in_place_instead_of_a_reschedule():

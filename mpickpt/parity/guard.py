@@ -35,9 +35,10 @@ class ParityConfig:
     r: int = option(1, flag="--parity-r", parse=int_at_least(1), metavar="R")
     """parity units per stripe: 1 = XOR, 2 or more = Reed-Solomon over GF(2^8); R failed ranks
     per group are rebuilt exactly"""
-    budget: float = option(0.1, flag="--rebuild-budget", parse=positive_float, metavar="F")
+    budget: float = option(0.3, flag="--rebuild-budget", parse=positive_float, metavar="F")
     """fraction of a step's time each rebuild round may spend on its chunk (degraded reads
-    extra)"""
+    extra); a round's fixed costs are paid per round, so fewer, larger rounds lose less
+    training time in all (see the README's parity benchmark)"""
     transport: str = option("auto", flag="--rebuild-transport", choices=TRANSPORTS)
     """how a lost rank gets its survivors' units: auto (read their memory directly, with
     process_vm_readv, where the whole group shares a host and the kernel allows it; else the

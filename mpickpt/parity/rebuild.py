@@ -153,7 +153,8 @@ class Rebuild:
         if self.transport != "auto":
             return None
         g = self.store.layout.g
-        info = [Peer.parse(c[4:]) for c in got]
+        info = {m: Peer.parse(got[m][4:]) for f in self.failed
+                for m in range(f - f % g, f - f % g + g)}
         for f in self.failed:
             members = range(f - f % g, f - f % g + g)
             if not info[f].key or any(info[m].key != info[f].key for m in members) or \

@@ -22,8 +22,9 @@ from mpickpt.simulate.costs import EventCosts
 from mpickpt.simulate.scenario import Scenario
 
 
-REBUILD_BUDGET = 0.1
-"""mpickpt's default --rebuild-budget: a rebuild round takes at most 0.1 of a step."""
+REBUILD_BUDGET = 0.3
+"""mpickpt's default --rebuild-budget (`ParityConfig.budget`): a rebuild round takes at most 0.3
+of a step."""
 
 
 @dataclass(frozen=True)
