@@ -19,13 +19,14 @@ pytestmark = pytest.mark.skipif(not cross_memory.available(), reason="no process
 
 ROWS, DIM = 5000, 16
 LAYOUT = GroupLayout(3, 1, 0, (ROWS, ROWS, ROWS - 7, ROWS))
+RS = GroupLayout(2, 2, 0, (ROWS, ROWS, ROWS - 7, ROWS))  # r = 2: parity rows run backwards
 
 
 def _arrays(seed):
     rng = np.random.default_rng(seed)
     weight = rng.standard_normal((ROWS, DIM)).astype(np.float32)
     state = rng.random(ROWS).astype(np.float32)
-    parity = rng.integers(-2**31, 2**31, (LAYOUT.parity_rows, DIM + 1)).astype(np.int32)
+    parity = rng.integers(-2**31, 2**31, (RS.parity_rows, DIM + 1)).astype(np.int32)
     return weight, state, parity
 
 
@@ -49,23 +50,23 @@ def peer():
     proc.join(10)
 
 
-def _reader():
+def _reader(layout=LAYOUT):
     words = SimpleNamespace(widths=[DIM, 1], width=DIM + 1)
-    return PeerReader(SimpleNamespace(layout=LAYOUT, words=words))
+    return PeerReader(SimpleNamespace(layout=layout, words=words))
 
 
 def _peer(p):
     return Peer(p.key, p.pid, True, True, p.parity, ((p.weight, DIM * 4), (p.state, 4)))
 
 
-def _units(arrays, pos, stripes):
+def _units(arrays, pos, stripes, layout=LAYOUT):
     weight, state, parity = arrays
     out = np.zeros((len(stripes), DIM + 1), dtype=np.int32)
-    rows = LAYOUT.row_of_stripe(pos, stripes)
+    rows = layout.row_of_stripe(pos, stripes)
     d = rows >= 0
     out[d, :DIM] = weight[rows[d]].view(np.int32)
     out[d, DIM] = state[rows[d]].view(np.int32)
-    prow = LAYOUT.parity_row(pos, stripes)
+    prow = layout.parity_row(pos, stripes)
     out[prow >= 0] = parity[prow[prow >= 0]]
     return out
 
@@ -107,6 +108,18 @@ def test_a_survivors_units_and_periods(peer, by, monkeypatch):
     assert reader.bytes_read > 0
 
 
+@pytest.mark.parametrize("by", ["iovec", "span"])
+def test_reed_solomon_parity_rows_out_of_order(peer, by, monkeypatch):
+    """r = 2: a holder's parity rows of the stripes of one period run backwards (stripes 4 and 5
+    of position 1 are its parity rows 3 and 2); every stripe of a run of periods, read both ways."""
+    monkeypatch.setattr(peer_rows, "IOVEC_S", 0.0 if by == "iovec" else 1.0)
+    assert list(RS.parity_row(1, np.array([4, 5]))) == [3, 2]
+    stripes = np.concatenate([np.arange(4, 6), np.arange(8, 40), [RS.stripes - 1]])
+    for pos in (1, 2):
+        got = _reader(RS).units(_peer(peer), pos, stripes).numpy()
+        assert np.array_equal(got, _units(peer.arrays, pos, stripes, RS)), pos
+
+
 def test_a_dead_peer_and_an_unmapped_address_fail_clearly(peer):
     with pytest.raises(cross_memory.CrossMemoryError, match="EFAULT") as e:
         cross_memory.read_span(peer.pid, 8, np.empty(4, dtype=np.int32), "parity rows")
@@ -142,3 +155,30 @@ def test_xor_views_of_strided_rows(kernel):
         xor_views(dest, [big[:, :16]], kernel=kernel)
     with pytest.raises(ValueError, match="rows <= 100"):
         xor_views(dest, [big[:101, :17]], kernel=kernel)
+
+
+def test_no_reader_thread_writes_on_after_one_failed():
+    """A failed read (a survivor died) propagates only once every other reader's job is over:
+    none may go on writing rows after the caller released the store's lock."""
+    import threading
+    import time
+
+    from mpickpt.parity.memory_reads import MemoryReads
+
+    words = SimpleNamespace(widths=[DIM, 1], width=DIM + 1)
+    reads = MemoryReads(SimpleNamespace(layout=LAYOUT, words=words))
+    if len(reads.readers) < 2:
+        reads.readers.append(_reader())  # one core: still two threads
+    done = threading.Event()
+
+    def work(reader, job):
+        if job == 0:
+            raise cross_memory.CrossMemoryError(1, errno.ESRCH, "rows")
+        time.sleep(0.3)
+        done.set()
+
+    with pytest.raises(cross_memory.CrossMemoryError, match="ESRCH"):
+        reads._each_reader([(0,), (1,)], work)
+    assert done.is_set()
+    reads.close()
+    assert all(not r._scratch for r in reads.readers) and reads._pool is None

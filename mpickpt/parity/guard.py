@@ -133,7 +133,7 @@ class ParityGuard:
         `rebuilding()`): drop the rebuild and refuse to cover the next loss, on every member
         alike, a fresh replacement included, so that all of them pick the same recovery. Local;
         every member of the new generation calls it with the same `ranks`."""
-        self.rebuild = None
+        self._drop_rebuild()
         self.interrupted = sorted(ranks)
 
     def rebuilding_here(self) -> bool:
@@ -162,12 +162,18 @@ class ParityGuard:
     def resync(self) -> None:
         """Rows were replaced by older values (a rollback): drop any rebuild in progress and
         encode parity afresh. Collective."""
-        self.rebuild = None
+        self._drop_rebuild()
         self.interrupted = []
         self.encode()
 
+    def _drop_rebuild(self) -> None:
+        if self.rebuild is not None:
+            self.rebuild.close()
+        self.rebuild = None
+
     def start_rebuild(self, ranks, step: int) -> None:
         """Begin rebuilding `ranks` (their failure is covered). Local; rounds run in lookups."""
+        self._drop_rebuild()
         self.rebuild = Rebuild(self.store, set(ranks), self.config.budget,
                                self.config.transport, self.say)
         self.interrupted = []

@@ -6,7 +6,7 @@ release the GIL). Local: nothing here talks to other ranks."""
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -76,9 +76,13 @@ class MemoryReads:
         return out
 
     def close(self) -> None:
+        """End the threads and drop the scratch buffers. Local; safe twice."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False)
+            self._pool.shutdown(wait=True)
             self._pool = None
+        for reader in self.readers:
+            reader.release()
+        self._buffers.clear()
 
     def _xor_piece(self, reader: PeerReader, p0: int, p1: int, peers: dict[int, Peer]) -> None:
         st, L = self.store, self.store.layout
@@ -101,11 +105,12 @@ class MemoryReads:
             return [work(self.readers[0], *job) for job in jobs]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(n, thread_name_prefix="mpickpt-rebuild")
-        parts = self._pool.map(lambda i: [work(self.readers[i], *job) for job in jobs[i::n]],
-                               range(n))
+        futures = [self._pool.submit(lambda i: [work(self.readers[i], *job)
+                                                for job in jobs[i::n]], i) for i in range(n)]
+        wait(futures)  # all of them, also when one failed: none may write on after we return
         out: list = [None] * len(jobs)
-        for i, part in enumerate(parts):
-            out[i::n] = part
+        for i, f in enumerate(futures):
+            out[i::n] = f.result()
         return out
 
     def _buffer(self, i: int, words: int) -> torch.Tensor:

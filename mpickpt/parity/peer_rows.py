@@ -6,7 +6,8 @@ round's counts); a lost rank reads whole spans of a survivor's rows and parity f
 periods (`PeerReader.span`, into scratch buffers it reuses) and single units for degraded reads
 (`PeerReader.units`, one iovec per row). The survivor does nothing: the round's counts exchange
 is the point where its rows are consistent, and it changes none of them before the lost rank's
-lookup has finished (its sparse update needs the lost rank's backward). Local.
+lookup has finished (its rows change only in its sparse update, which needs the pooled rows of
+the lost rank's lookup). Local.
 """
 from __future__ import annotations
 
@@ -115,8 +116,8 @@ class PeerReader:
         return RowWords.span(tensors, a), parity
 
     def units(self, peer: Peer, pos: int, stripes: np.ndarray) -> torch.Tensor:
-        """Position `pos`'s units (data row or parity row; zeros for padding) of `stripes`
-        (ascending), ((n, W) int32)."""
+        """Position `pos`'s units (data row or parity row; zeros for padding) of `stripes`,
+        ((n, W) int32)."""
         L, W = self.store.layout, self.store.words.width
         out = np.zeros((len(stripes), W), dtype=np.int32)
         rows = L.row_of_stripe(pos, stripes)
@@ -134,10 +135,11 @@ class PeerReader:
 
     def _rows(self, pid: int, address: int, stride: int, w: int, rows: np.ndarray,
               key) -> np.ndarray:
-        """Rows `rows` (ascending) of a peer's array, (n, w) int32: one iovec per row, or one read
-        of the span they lie in where that costs less (the kernel's time per iovec against its
-        time per byte: a narrow array such as rowwise Adagrad's state)."""
-        first, last = int(rows[0]), int(rows[-1])
+        """Rows `rows` (any order: parity rows of ascending stripes are not ascending for r >= 2)
+        of a peer's array, (n, w) int32: one iovec per row, or one read of the span they lie in
+        where that costs less (the kernel's time per iovec against its time per byte: a narrow
+        array such as rowwise Adagrad's state)."""
+        first, last = int(rows.min()), int(rows.max())
         span = (last - first) * stride + 4 * w
         if span / READ_BYTES_PER_S < len(rows) * IOVEC_S:
             n = last - first + 1
@@ -150,6 +152,10 @@ class PeerReader:
         cross_memory.read_rows(pid, address, stride, rows, got, "rows")
         self.bytes_read += got.nbytes
         return got
+
+    def release(self) -> None:
+        """Drop the scratch buffers (they come back as needed)."""
+        self._scratch.clear()
 
     def _buffer(self, key, nbytes: int) -> np.ndarray:
         """A scratch buffer of at least `nbytes`, kept for the next round (fresh pages cost a

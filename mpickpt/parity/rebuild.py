@@ -118,8 +118,13 @@ class Rebuild:
             self._resize(len(request), took, step_seconds)
         if not self.active and self.finished_at is None:
             self.finished_at = time.perf_counter()
-            if self.reads is not None:
-                self.reads.close()
+            self.close()
+
+    def close(self) -> None:
+        """Release the lost rank's reader threads and scratch (when the rebuild ends, or is
+        dropped). Local; safe twice."""
+        if self.reads is not None:
+            self.reads.close()
 
     def _over_network(self, counts, request, degraded, got, survivors) -> None:
         """The round's units travel over the process group: requests, then the survivors' units
@@ -173,15 +178,16 @@ class Rebuild:
         for was sized for the network) and everyone learns whether it leaves periods for later.
         Returns (p1, every rank's 'periods left' flag), or (p1, None) for the network.
         Collective over the training process group."""
-        st, asked = self.store, p1
+        st, asked, chunk = self.store, p1, self.chunk
         ok = self._probe(peers) if self.mine else True
         if self.mine and ok and not everything and self.chunk > 0:  # chunk 0: degraded only
             self._resize_pull()
-            p1 = self.cursor = self._chunk_end(p0)
+            # grow only: the degraded reads left out the stripes of the chunk asked for
+            p1 = self.cursor = max(asked, self._chunk_end(p0))
         left = int(self.mine and p1 < st.layout.periods)
         agreed = exchange_counts(st.topo, st.words.device, [[int(ok), left]] * st.topo.world_size)
         if not all(c[0] for c in agreed):  # some group's lost rank may not read: the network,
-            self.cursor = asked              # with the chunk its survivors were asked for
+            self.cursor, self.chunk = asked, chunk  # with the chunk its survivors were asked for
             return asked, None
         return p1, [c[1] for c in agreed]
 

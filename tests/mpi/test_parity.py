@@ -148,3 +148,29 @@ def test_a_refused_memory_read_falls_back_to_the_network(topology, monkeypatch):
     ok = torch.equal(now, truth) and rb.memory_rounds == 0 and rb.rounds >= 1
     ok = ok and (("EFAULT" in refused[0]) if topology.rank in failed else not refused)
     assert _all_ok(topology, ok), (rb.memory_rounds, said)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_probe_round_decodes_every_row_its_step_reads(topology):
+    """The first round by memory re-sizes its chunk after the probe; a step so short that the
+    memory chunk would be smaller than the one asked for must not drop the stripes in between
+    (they were left out of the degraded reads): every row the step reads is whole after it."""
+    k, r, failed = _shapes(topology.world_size)[0]
+    model = _model(topology, "adagrad")
+    guard = ParityGuard(topology, model, ParityConfig(k=k, r=r), say=lambda line: None)
+    guard.encode()
+    _train(topology, model, 2)
+    words = guard.store.words
+    truth = words.gather(torch.arange(words.rows))
+    guard.fail(failed)
+    guard.start_rebuild(failed, step=2)
+    rb = guard.rebuild
+    rb.chunk = 256  # asked for; a 1 us step buys the memory reads the minimum, 64
+    want = torch.arange(0, words.rows, 5)
+    rb.round(want if topology.rank in failed else None, step_seconds=1e-6)
+    now = words.gather(torch.arange(words.rows))
+    ok = rb.memory_rounds == 1 and (topology.rank not in failed or torch.equal(
+        now[want], truth[want]))
+    assert _all_ok(topology, ok)
+    guard.settle()
+    assert _all_ok(topology, torch.equal(words.gather(torch.arange(words.rows)), truth))
