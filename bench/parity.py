@@ -12,10 +12,11 @@ Real 4-rank jobs (mpiexec, gloo), the same model and data in each, k=3 r=1 by de
   it, and on an oversubscribed machine they take CPU from training too).
 - ``rebuild@B``: parity, and rank --fail-rank loses its shard, optimizer state and parity after
   step --fail-step; it is rebuilt while training continues, with --rebuild-budget B for each B of
-  --budgets (and --transport), --rebuild-repeats runs of each, interleaved (medians reported). Rebuild time = failure to last rebuilt unit (the time ECRM calls
-  full recovery); over the steps the rebuild touched (the failure to the end of the step in
-  which it finished): throughput against before the failure, and time lost = their time minus
-  as many steps at the pre-failure step time.
+  --budgets (and --transport), --rebuild-repeats runs of each, interleaved (medians reported).
+  Rebuild time = failure to last rebuilt unit (the time ECRM calls full recovery); over the
+  steps the rebuild touched (the failure to the end of the step in which it finished):
+  throughput against before the failure, and time lost = their time minus as many steps at the
+  pre-failure step time.
 - ``restore``: no parity, checkpoints every --interval steps, the same failure: every rank rolls
   back to the latest checkpoint and replays. Recovery time = failure until the job is back at the
   failed step. With --fail-step = 1.5 x --interval, the replay is the mean case (half an interval).
@@ -37,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from mpickpt.mpiexec import mpiexec
+from mpickpt.parity.rebuild import TRANSPORTS
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -103,7 +105,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=5,
                    help="runs of none and of parity, alternating; the overhead compares the "
                         "medians of their per-run median step times")
-    p.add_argument("--transport", choices=("auto", "network"), default="auto",
+    p.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="--rebuild-transport of the rebuild runs")
     p.add_argument("--rebuild-repeats", type=int, default=3,
                    help="runs of each budget (interleaved); the tables give the medians and "

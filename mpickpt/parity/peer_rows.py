@@ -11,6 +11,7 @@ the lost rank's lookup). Local.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -30,11 +31,6 @@ FIXED_FIELDS = 5
 parity address; then (address, row stride) per row tensor."""
 
 
-def field_count(store) -> int:
-    """Length of `describe`'s list for this model (the same on every rank). Local."""
-    return FIXED_FIELDS + 2 * len(store.words.tensors)
-
-
 def describe(store, enabled: bool, probed: bool) -> list[int]:
     """This rank's fields of a rebuild round's counts. `enabled`: the transport may use memory
     reads at all (else all zeros but the pid). Local."""
@@ -48,14 +44,11 @@ def describe(store, enabled: bool, probed: bool) -> list[int]:
     return fields
 
 
-_KEY: list[int] = []
-
-
+@functools.cache
 def _host_key() -> int:
-    if not _KEY:
-        _KEY.append(cross_memory.host_key())
-        cross_memory.allow_readers()
-    return _KEY[0]
+    """This process's host key, and its readers allowed, the first time it publishes."""
+    cross_memory.allow_readers()
+    return cross_memory.host_key()
 
 
 @dataclass(frozen=True)

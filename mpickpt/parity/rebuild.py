@@ -50,10 +50,8 @@ class Rebuild:
                  say=None):
         """`transport`: "auto" reads the survivors' memory where the whole group shares a host
         and the kernel allows it (`peer_rows`), else uses the process group; "network" always
-        uses the process group. `say`: the log, for a refused memory read."""
-        if transport not in TRANSPORTS:
-            raise ValueError(f"rebuild transport must be one of {', '.join(TRANSPORTS)}, got "
-                             f"{transport!r}")
+        uses the process group (`ParityConfig` checks it). `say`: the log, for a refused
+        memory read."""
         self.store, self.failed, self.budget = store, set(failed), budget
         self.transport, self.say = transport, say or (lambda line: None)
         L, me = store.layout, store.topo.rank
@@ -75,7 +73,7 @@ class Rebuild:
         self.reads = MemoryReads(store) if self.mine else None
         self.probed = False  # this lost rank has read each of its survivors' memory once
         self.memory_rounds = 0
-        self.pulls: list[tuple[int, float]] = []  # (stripes, seconds) of memory reads
+        self.pull_cost: float | None = None  # seconds per stripe of the last memory sweep
         self._step_seconds: float | None = None
 
     def remaining(self) -> int:
@@ -99,9 +97,11 @@ class Rebuild:
         lefts = [c[3] for c in got]
         peers = self._memory_peers(got, survivors)
         if peers is not None and self._probing(got):
-            p1, lefts = self._agree_probe(peers, p0, p1, everything)
-            peers = peers if lefts is not None else None
-            lefts = lefts if lefts is not None else [c[3] for c in got]
+            p1, agreed = self._agree_probe(peers, p0, p1, everything)
+            if agreed is None:
+                peers = None
+            else:
+                lefts = agreed
         g = st.layout.g
         request = np.concatenate([degraded, np.arange(p0 * g, p1 * g, dtype=np.int64)])
         if peers is not None:
@@ -226,7 +226,7 @@ class Rebuild:
                              self.reads.period_units(a, b, peers), 0)
         self.received_bytes += self.reads.bytes_read - before
         if p1 > p0:
-            self.pulls.append(((p1 - p0) * L.g, time.perf_counter() - sweep))
+            self.pull_cost = (time.perf_counter() - sweep) / ((p1 - p0) * L.g)
         self._resize_pull()
 
     def _resize_pull(self) -> None:
@@ -237,8 +237,8 @@ class Rebuild:
         step = self._step_seconds
         if not self.mine or step is None:
             return
-        if self.pulls:
-            per_stripe = self.pulls[-1][1] / self.pulls[-1][0]
+        if self.pull_cost is not None:
+            per_stripe = self.pull_cost
             cap = 8 * max(self.chunk, 64)
         else:
             per_stripe = (st.layout.k * st.words.width * 4) / ASSUMED_READ_BYTES_PER_S

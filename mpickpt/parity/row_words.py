@@ -26,8 +26,7 @@ class RowWords:
         the same row numbering as the shard's own RowWords. Local."""
         self = cls.__new__(cls)
         self.tensors, self.base = tensors, base
-        self.widths = [t[0].numel() if t.dim() > 1 else 1 for t in tensors] if len(tensors[0]) \
-            else [int(t.shape[1]) if t.dim() > 1 else 1 for t in tensors]
+        self.widths = [int(t.shape[1]) if t.dim() > 1 else 1 for t in tensors]
         self.width, self.rows, self.device = sum(self.widths), len(tensors[0]), tensors[0].device
         return self
 
