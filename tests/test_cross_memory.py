@@ -182,3 +182,65 @@ def test_no_reader_thread_writes_on_after_one_failed():
     assert done.is_set()
     reads.close()
     assert all(not r._scratch for r in reads.readers) and reads._pool is None
+
+
+def test_reserved_scratch_serves_whole_pieces_and_outlives_close(peer, monkeypatch):
+    """`MemoryReads.reserve` faults in each reader's buffers for a whole piece of every survivor
+    slot before any failure: the reads of a piece then allocate nothing, and a rebuild's end
+    keeps them for the next one. `pull` reads each survivor's degraded units on the same
+    threads as the periods."""
+    from mpickpt.parity import memory_reads
+    from mpickpt.parity.memory_reads import MemoryReads
+
+    monkeypatch.setattr(memory_reads, "READER_SCRATCH_BYTES", 3 << 16)  # pieces shorter than the shard
+    monkeypatch.setattr(peer_rows, "IOVEC_S", 1.0)  # degraded units by span: row buffers
+    words = SimpleNamespace(widths=[DIM, 1], width=DIM + 1,
+                            memory=lambda: [(0, DIM * 4, DIM * 4), (0, 4, 4)])
+    reads = MemoryReads(SimpleNamespace(layout=LAYOUT, words=words))
+    held = reads.reserve()
+    a, b = reads.pieces(0, LAYOUT.periods)[1]
+    n = b - a
+    per_slot = n * LAYOUT.k * (DIM * 4 + 4) + n * LAYOUT.r * (DIM + 1) * 4
+    assert held == reads.reserved == len(reads.readers) * (LAYOUT.g - 1) * per_slot
+    kept = {id(buf) for r in reads.readers for buf in r._scratch.values()}
+    for reader in reads.readers:
+        for slot, pos in enumerate((0, 1, 3)):
+            words_, parity = reader.span(_peer(peer), pos, a, b, slot)
+            assert np.array_equal(parity.numpy(), peer.arrays[2][a:b])
+    assert {id(buf) for r in reads.readers for buf in r._scratch.values()} == kept
+
+    stripes = np.sort(np.random.default_rng(4).choice(LAYOUT.stripes, 300, replace=False))
+    units, seconds = reads.pull(0, 0, {0: _peer(peer), 2: _peer(peer)}, stripes)
+    assert seconds == 0.0 and sorted(units) == [0, 2]
+    for pos in (0, 2):
+        assert np.array_equal(units[pos].numpy(), _units(peer.arrays, pos, stripes)), pos
+    assert kept < {id(buf) for r in reads.readers for buf in r._scratch.values()}  # + rows'
+    reads.close()  # the reserved buffers stay, the others go
+    assert reads._pool is None
+    assert {id(buf) for r in reads.readers for buf in r._scratch.values()} == kept
+
+
+def _resident_pages(buf: np.ndarray) -> tuple[int, int]:
+    """(pages of `buf` in memory, pages it spans), by mincore(2)."""
+    import ctypes
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = buf.ctypes.data // page * page
+    pages = -(-(buf.ctypes.data + buf.nbytes - start) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(ctypes.c_void_p(start), pages * page, vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec), pages
+
+
+def test_reserve_faults_every_page_in():
+    """A buffer larger than malloc's largest mmap threshold (32 MB) is fresh from the kernel:
+    untouched, its pages are not resident; reserved, all of them are."""
+    reader = _reader()
+    fresh = np.empty(40 << 20, dtype=np.uint8)
+    assert _resident_pages(fresh)[0] < _resident_pages(fresh)[1] // 2  # the check can fail
+    del fresh
+    held = reader.reserve({("slot", 0): 40 << 20})
+    resident, pages = _resident_pages(reader._scratch[("slot", 0)])
+    assert held == 40 << 20 and resident == pages

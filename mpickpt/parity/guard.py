@@ -16,7 +16,9 @@ import torch
 
 from mpickpt.model.contract import PARITY, require
 from mpickpt.options import int_at_least, option, positive_float
+from mpickpt.parity import cross_memory
 from mpickpt.parity.layout import check_parity_shape
+from mpickpt.parity.memory_reads import MemoryReads
 from mpickpt.parity.rebuild import TRANSPORTS, Rebuild
 from mpickpt.parity.upkeep import ParityStore
 
@@ -77,6 +79,20 @@ class ParityGuard:
         not whole, and parity does not cover a loss again until rows are replaced (`resync`)."""
         self.step_seconds: float | None = None
         self.history: list[dict] = []
+        self.reads = self._reserve_reads()
+        """This rank's readers for a rebuild by memory reads, their scratch faulted in now
+        (None where its rebuilds go over the network)."""
+
+    def _reserve_reads(self) -> MemoryReads | None:
+        """Readers with scratch for a whole piece, faulted in before any failure, where this
+        rank's rebuild could read its group's memory. Local."""
+        st = self.store
+        if self.config.transport != "auto" or not cross_memory.available() or \
+                st.words.memory() is None or st.parity.device.type != "cpu":
+            return None
+        reads = MemoryReads(st)
+        reads.reserve()
+        return reads
 
     def encode(self) -> None:
         """Compute all parity from the current rows. Collective."""
@@ -87,7 +103,9 @@ class ParityGuard:
         self.say(f"parity: groups of k={st.k} data + r={st.r} parity ranks, rotating placement; "
                  f"{st.nbytes() / 1e6:.2f} MB of parity on rank 0 for "
                  f"{st.words.nbytes() / 1e6:.2f} MB of rows and optimizer state "
-                 f"({st.nbytes() / max(st.words.nbytes(), 1):.1%}); encoded in {took:.2f} s")
+                 f"({st.nbytes() / max(st.words.nbytes(), 1):.1%}); encoded in {took:.2f} s"
+                 + (f"; {self.reads.reserved / 1e6:.1f} MB of scratch held for a rebuild "
+                    f"that reads the group's memory" if self.reads else ""))
 
     def note_step(self, seconds: float) -> None:
         """Time of the last training step (for rebuild chunk sizing). Local."""
@@ -175,7 +193,7 @@ class ParityGuard:
         """Begin rebuilding `ranks` (their failure is covered). Local; rounds run in lookups."""
         self._drop_rebuild()
         self.rebuild = Rebuild(self.store, set(ranks), self.config.budget,
-                               self.config.transport, self.say)
+                               self.config.transport, self.say, self.reads)
         self.interrupted = []
         self.rebuild_step = step
         self.say(f"parity: ranks {sorted(ranks)} lost their shards after step {step}; rebuilding "

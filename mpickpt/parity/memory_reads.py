@@ -1,11 +1,13 @@
 """The lost rank's side of a rebuild that reads its survivors' memory (`peer_rows`): units for
 degraded reads, and whole periods XORed straight into its own rows (r = 1) or gathered per
-survivor for the decoder (r >= 2). The work is split into pieces of about PIECE_BYTES, spread
-over up to MAX_THREADS threads, each with a `PeerReader` of its own (the reads and the XOR kernel
-release the GIL). Local: nothing here talks to other ranks."""
+survivor for the decoder (r >= 2). The work is split into pieces whose reads fill about
+READER_SCRATCH_BYTES of scratch, spread over up to MAX_THREADS threads, each with a `PeerReader`
+of its own (the reads and the XOR kernel release the GIL). Local: nothing here talks to other
+ranks."""
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
@@ -15,9 +17,10 @@ from mpickpt.parity.peer_rows import Peer, PeerReader
 from mpickpt.parity.period_slots import move_range, segments, slot_view
 from mpickpt.parity.xor_rows import xor_views
 
-PIECE_BYTES = 4 << 20
-"""A chunk is read in pieces of about this many bytes of units, so that the scratch buffers stay
-a few MB and are reused."""
+READER_SCRATCH_BYTES = 12 << 20
+"""What one reader thread holds for a piece: each survivor's rows (k per period, at their row
+strides) and parity rows (r per period) of the piece's periods. A piece is as many periods as
+fill it (~4 MB of units at k = 3, r = 1), whatever the group's shape; `reserve` faults it in."""
 MAX_THREADS = 4
 """Threads a lost rank reads and XORs with (at most its cores)."""
 
@@ -31,6 +34,23 @@ class MemoryReads:
         self.readers = [PeerReader(store) for _ in range(threads)]
         self._pool: ThreadPoolExecutor | None = None
         self._buffers: dict[int, torch.Tensor] = {}
+        self.reserved = 0
+        """Bytes of scratch faulted in ahead by `reserve` (kept by `close`)."""
+
+    def reserve(self) -> int:
+        """Fault in each reader's scratch for a whole piece of this rank's layout now, before
+        any failure, so that a rebuild's first round does not pay for fresh pages (survivors'
+        row strides are taken to be this rank's: a wider one grows its buffer then). Returns
+        the bytes held. Local."""
+        st, L = self.store, self.store.layout
+        periods = self._piece_periods()
+        rows = periods * L.k
+        sizes = {(slot, i): rows * stride for slot in range(L.g - 1)
+                 for i, (_, stride, _) in enumerate(st.words.memory() or [])}
+        sizes.update({(slot, "parity"): periods * L.r * st.words.width * 4
+                      for slot in range(L.g - 1)})
+        self.reserved = sum(reader.reserve(sizes) for reader in self.readers)
+        return self.reserved
 
     @property
     def bytes_read(self) -> int:
@@ -49,17 +69,44 @@ class MemoryReads:
             lambda reader, s, peer: (s - base, reader.units(peer, s - base, stripes))))
 
     def pieces(self, p0: int, p1: int) -> list[tuple[int, int]]:
-        """Periods [p0, p1) in runs of about PIECE_BYTES of units."""
-        L = self.store.layout
-        step = max(1, PIECE_BYTES // (L.g * self.store.words.width * 4))
+        """Periods [p0, p1) in pieces of `_piece_periods`."""
+        step = self._piece_periods()
         return [(a, min(p1, a + step)) for a in range(p0, p1, step)]
 
-    def xor_into_rows(self, p0: int, p1: int, peers: dict[int, Peer]) -> None:
-        """r = 1: this rank's units of periods [p0, p1) are the XOR of its survivors' units of
-        the same stripes; written straight into its rows and parity, slot by slot and row tensor
-        by row tensor (no unit buffer, no second pass). The caller holds the store's lock."""
-        self._each_reader(self.pieces(p0, p1),
-                          lambda reader, a, b: self._xor_piece(reader, a, b, peers))
+    def _piece_periods(self) -> int:
+        """Periods whose reads fill READER_SCRATCH_BYTES, at this rank's row strides (its rows'
+        widths where it publishes none)."""
+        st, L = self.store, self.store.layout
+        memory = st.words.memory()
+        row_bytes = sum(stride for _, stride, _ in memory) if memory else st.words.width * 4
+        per_period = (L.g - 1) * (L.k * row_bytes + L.r * st.words.width * 4)
+        return max(1, READER_SCRATCH_BYTES // per_period)
+
+    def pull(self, p0: int, p1: int, peers: dict[int, Peer],
+             stripes: np.ndarray | None = None) -> tuple[dict[int, torch.Tensor], float]:
+        """r = 1, one pass of the reader threads. This rank's units of periods [p0, p1) are the
+        XOR of its survivors' units of the same stripes: written straight into its rows and
+        parity, slot by slot and row tensor by row tensor (no unit buffer, no second pass).
+        Beside them, the same threads read each survivor's units of the degraded `stripes`
+        (ascending; none where None), returned by group position for the caller to decode.
+        Also returns the seconds the periods took (their threads' time over the threads that
+        shared them), the cost the next chunk is sized by. The caller holds the store's lock."""
+        base = self.store.layout.base
+        jobs = [("units", s, peer) for s, peer in peers.items()] if stripes is not None else []
+        jobs += [("xor", a, b) for a, b in self.pieces(p0, p1)]
+
+        def work(reader, kind, a, b):
+            start = time.perf_counter()
+            if kind == "units":
+                got = (a - base, reader.units(b, a - base, stripes))
+            else:
+                got = self._xor_piece(reader, a, b, peers)
+            return kind, got, time.perf_counter() - start
+
+        done = self._each_reader(jobs, work)
+        units = dict(got for kind, got, _ in done if kind == "units")
+        sweep = [took for kind, _, took in done if kind == "xor"]
+        return units, sum(sweep) / max(1, min(len(self.readers), len(sweep)))
 
     def period_units(self, p0: int, p1: int, peers: dict[int, Peer]) -> dict[int, torch.Tensor]:
         """Each survivor's units of periods [p0, p1) in stripe order ((n g, W) each, buffers
@@ -69,14 +116,15 @@ class MemoryReads:
         out = {}
         for i, (s, peer) in enumerate(peers.items()):
             pos = s - L.base
-            words, parity = self.readers[0].span(peer, pos, p0, p1)
+            words, parity = self.readers[0].span(peer, pos, p0, p1, i)
             buf = self._buffer(i, n * L.g * W)
             move_range(L, pos, words, parity, p0 * L.r, p0, buf.view(n, L.g, W), to_units=True)
             out[pos] = buf
         return out
 
     def close(self) -> None:
-        """End the threads and drop the scratch buffers. Local; safe twice."""
+        """End the threads and drop the scratch buffers, but those `reserve` faulted in (a
+        rebuild that follows reuses them). Local; safe twice."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -87,8 +135,8 @@ class MemoryReads:
     def _xor_piece(self, reader: PeerReader, p0: int, p1: int, peers: dict[int, Peer]) -> None:
         st, L = self.store, self.store.layout
         n = p1 - p0
-        spans = [(s - L.base, *reader.span(peer, s - L.base, p0, p1))
-                 for s, peer in peers.items()]
+        spans = [(s - L.base, *reader.span(peer, s - L.base, p0, p1, slot))
+                 for slot, (s, peer) in enumerate(peers.items())]
         for o in range(L.g):
             for seg in segments(st.words.widths):
                 dest, real = slot_view(L, st.pos, st.words, st.parity, 0, o, p0, n, seg)

@@ -26,6 +26,8 @@ READ_BYTES_PER_S = 4e9
 """What a row read costs the kernel here: ~0.75 us per iovec (it pins the page) and ~4 GB/s
 (measured on the 2-core VM); they decide between one iovec per row and one read of a span."""
 
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
 FIXED_FIELDS = 5
 """host key, pid, serves (its rows can be read), probed (as a lost rank it has read its survivors),
 parity address; then (address, row stride) per row tensor."""
@@ -77,21 +79,24 @@ class PeerReader:
         self.widths = store.words.widths
         self.bytes_read = 0
         self._scratch: dict[tuple, np.ndarray] = {}
+        self._reserved: set[tuple] = set()  # keys of `reserve`'s buffers, which `release` keeps
 
     def probe(self, peer: Peer) -> None:
         """Read one word of `peer` (CrossMemoryError when the kernel refuses)."""
         if self.store.layout.parity_rows:  # else the group holds no rows: nothing to rebuild
             cross_memory.read_span(peer.pid, peer.parity, np.empty(1, dtype=np.int32), "a word")
 
-    def span(self, peer: Peer, pos: int, p0: int, p1: int) -> tuple[RowWords, torch.Tensor]:
-        """Position `pos`'s data rows and parity rows of periods [p0, p1), read into scratch:
-        a RowWords span (shard row numbers) and its parity rows p0 r ... (p1 r - 1)."""
+    def span(self, peer: Peer, pos: int, p0: int, p1: int, slot: int = 0
+             ) -> tuple[RowWords, torch.Tensor]:
+        """Position `pos`'s data rows and parity rows of periods [p0, p1), read into the scratch
+        of survivor `slot` (0, 1, ...: one set of buffers per survivor a piece reads): a RowWords
+        span (shard row numbers) and its parity rows p0 r ... (p1 r - 1)."""
         L = self.store.layout
         a, b = p0 * L.k, max(p0 * L.k, min(p1 * L.k, L.rows[pos]))
         tensors = []
         for i, ((address, stride), w) in enumerate(zip(peer.tensors, self.widths)):
             n = b - a
-            buf = self._buffer((pos, i), n * stride)
+            buf = self._buffer((slot, i), n * stride)
             if n:
                 cross_memory.read_span(peer.pid, address + a * stride,
                                        buf[:(n - 1) * stride + 4 * w], "rows")
@@ -100,7 +105,7 @@ class PeerReader:
                            .view(n, stride // 4)[:, :w])
         W = self.store.words.width
         m = (p1 - p0) * L.r
-        pbuf = self._buffer((pos, "parity"), m * W * 4)
+        pbuf = self._buffer((slot, "parity"), m * W * 4)
         if m:
             cross_memory.read_span(peer.pid, peer.parity + p0 * L.r * W * 4, pbuf[:m * W * 4],
                                    "parity rows")
@@ -146,9 +151,21 @@ class PeerReader:
         self.bytes_read += got.nbytes
         return got
 
+    def reserve(self, sizes: dict) -> int:
+        """Allocate the scratch buffers `sizes` ({key: bytes}) now and fault their pages in, so
+        that a rebuild's first reads do not: a fresh page costs a fault, which on 2 busy cores
+        came to ~10 ms in the first piece of each reader thread. Returns the bytes held."""
+        for key, nbytes in sizes.items():
+            buf = self._buffer(key, nbytes)
+            buf[::PAGE_BYTES] = 0  # one write per page, and the last (a buffer seldom starts
+            buf[-1:] = 0           # on a page boundary)
+        self._reserved.update(sizes)
+        return sum(len(self._scratch[key]) for key in self._reserved)
+
     def release(self) -> None:
-        """Drop the scratch buffers (they come back as needed)."""
-        self._scratch.clear()
+        """Drop the scratch buffers but the reserved ones (they come back as needed)."""
+        for key in set(self._scratch) - self._reserved:
+            del self._scratch[key]
 
     def _buffer(self, key, nbytes: int) -> np.ndarray:
         """A scratch buffer of at least `nbytes`, kept for the next round (fresh pages cost a

@@ -47,11 +47,12 @@ class Rebuild:
     Every rank holds one; `round` and `finish` are collective until `active` is False."""
 
     def __init__(self, store, failed: set[int], budget: float, transport: str = "auto",
-                 say=None):
+                 say=None, reads: MemoryReads | None = None):
         """`transport`: "auto" reads the survivors' memory where the whole group shares a host
         and the kernel allows it (`peer_rows`), else uses the process group; "network" always
         uses the process group (`ParityConfig` checks it). `say`: the log, for a refused
-        memory read."""
+        memory read. `reads`: the lost rank's readers with their scratch reserved ahead
+        (`MemoryReads.reserve`); made here where None."""
         self.store, self.failed, self.budget = store, set(failed), budget
         self.transport, self.say = transport, say or (lambda line: None)
         L, me = store.layout, store.topo.rank
@@ -70,7 +71,7 @@ class Rebuild:
         self.sizes: list[tuple[int, float]] = []  # (stripes, seconds) of this rank's rounds
         self.started = time.perf_counter()
         self.finished_at = None
-        self.reads = MemoryReads(store) if self.mine else None
+        self.reads = (reads or MemoryReads(store)) if self.mine else None
         self.probed = False  # this lost rank has read each of its survivors' memory once
         self.memory_rounds = 0
         self.pull_cost: float | None = None  # seconds per stripe of the last memory sweep
@@ -212,21 +213,24 @@ class Rebuild:
         periods [p0, p1)) from its survivors' memory and write them back. Local."""
         st, L = self.store, self.store.layout
         before = self.reads.bytes_read
-        if degraded:
-            stripes = request[:degraded]
-            self._decode(stripes, self.reads.units(peers, stripes), degraded)
-        sweep = time.perf_counter()
-        if L.r == 1:
+        stripes = request[:degraded] if degraded else None
+        if L.r == 1:  # the degraded units are read beside the periods, by the same threads
             with st.lock:  # the readers' threads write rows: held here, for all of them
-                self.reads.xor_into_rows(p0, p1, peers)
+                units, sweep = self.reads.pull(p0, p1, peers, stripes)
             self.lost[p0 * L.g:p1 * L.g] = False
+            if degraded:  # outside [p0, p1): no row the pass wrote
+                self._decode(stripes, units, degraded)
         else:
+            if degraded:
+                self._decode(stripes, self.reads.units(peers, stripes), degraded)
+            start = time.perf_counter()
             for a, b in self.reads.pieces(p0, p1):
                 self._decode(np.arange(a * L.g, b * L.g, dtype=np.int64),
                              self.reads.period_units(a, b, peers), 0)
+            sweep = time.perf_counter() - start
         self.received_bytes += self.reads.bytes_read - before
         if p1 > p0:
-            self.pull_cost = (time.perf_counter() - sweep) / ((p1 - p0) * L.g)
+            self.pull_cost = sweep / ((p1 - p0) * L.g)
         self._resize_pull()
 
     def _resize_pull(self) -> None:

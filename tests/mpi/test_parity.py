@@ -91,6 +91,10 @@ def test_degraded_reads_and_rebuild_are_exact(topology, path):
         guard.fail(failed)
         guard.start_rebuild(failed, step=4)
         rb = guard.rebuild
+        # memory reads use the readers whose scratch the guard faulted in before the failure
+        assert (guard.reads is not None and guard.reads.reserved > 0) == (path == "memory")
+        if path == "memory":
+            assert rb.reads is (guard.reads if rank in failed else None)
         rb.chunk = 0  # this round serves degraded reads only
         want = torch.arange(0, words.rows, 7)
         rb.round(want if rank in failed else None, step_seconds=None)
