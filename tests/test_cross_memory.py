@@ -244,3 +244,91 @@ def test_reserve_faults_every_page_in():
     held = reader.reserve({("slot", 0): 40 << 20})
     resident, pages = _resident_pages(reader._scratch[("slot", 0)])
     assert held == 40 << 20 and resident == pages
+
+
+def _lost_rank(pos=2):
+    """A lost rank at group position `pos` of LAYOUT: its rows and parity all NaN."""
+    from mpickpt.parity.row_words import RowWords
+
+    weight = torch.full((LAYOUT.rows[pos], DIM), float("nan"))
+    state = torch.full((LAYOUT.rows[pos],), float("nan"))
+    parity = torch.full((LAYOUT.parity_rows, DIM + 1), 0x7FC00000, dtype=torch.int32)
+    return SimpleNamespace(layout=LAYOUT, words=RowWords.span([weight, state], 0), parity=parity,
+                           pos=pos)
+
+
+@pytest.mark.parametrize("by", ["iovec", "span"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_one_pass_xors_the_periods_and_reads_the_degraded_units(peer, monkeypatch, by, threads):
+    """`pull` on 1 or 3 reader threads: the chunk's periods are the XOR of the survivors'
+    units, written into this rank's rows and parity and nowhere else, and the degraded units
+    it returns beside them are the survivors' own; a second rebuild on the same readers after
+    `close` does the same on the reserved scratch."""
+    from mpickpt.parity import memory_reads
+    from mpickpt.parity.memory_reads import MemoryReads
+
+    monkeypatch.setattr(memory_reads, "READER_SCRATCH_BYTES", 3 << 16)  # several pieces
+    monkeypatch.setattr(peer_rows, "IOVEC_S", 0.0 if by == "iovec" else 1.0)
+    st = _lost_rank()
+    reads = MemoryReads(st)
+    reads.readers = [PeerReader(st) for _ in range(threads)]
+    reads.reserve()
+    p0, p1 = 100, 1300
+    chunk = np.arange(p0 * LAYOUT.g, p1 * LAYOUT.g)
+    outside = np.setdiff1d(np.arange(LAYOUT.stripes), chunk)
+    stripes = np.sort(np.random.default_rng(5).choice(outside, 500, replace=False))
+    peers = {s: _peer(peer) for s in (0, 1, 3)}  # one process stands for all three survivors
+    want = np.zeros((len(chunk), DIM + 1), dtype=np.int32)
+    for pos in peers:
+        want ^= _units(peer.arrays, pos, chunk)
+    rows, prow = LAYOUT.row_of_stripe(2, chunk), LAYOUT.parity_row(2, chunk)
+    for rebuild in range(2):
+        units, seconds = reads.pull(p0, p1, peers, stripes)
+        assert seconds > 0 and sorted(units) == [0, 1, 3]
+        for pos in peers:
+            assert np.array_equal(units[pos].numpy(), _units(peer.arrays, pos, stripes)), pos
+        got = np.zeros_like(want)
+        d = rows >= 0
+        got[d, :DIM] = st.words.tensors[0][rows[d]].numpy().view(np.int32)
+        got[d, DIM] = st.words.tensors[1][rows[d]].numpy().view(np.int32)
+        got[prow >= 0] = st.parity[prow[prow >= 0]].numpy()
+        assert np.array_equal(got[d | (prow >= 0)], want[d | (prow >= 0)]), rebuild
+        untouched = np.ones(LAYOUT.rows[2], dtype=bool)
+        untouched[rows[d]] = False
+        assert torch.isnan(st.words.tensors[0][torch.from_numpy(untouched)]).all()
+        reads.close()
+        assert reads._pool is None
+        st.words.tensors[0].fill_(float("nan"))
+
+
+def test_r2_reserves_the_first_readers_spans_and_the_unit_buffers():
+    """r >= 2 gathers units through the first reader only: the others reserve nothing, and the
+    unit buffers it fills are reserved and kept by `close`."""
+    from mpickpt.parity.memory_reads import MemoryReads
+
+    words = SimpleNamespace(widths=[DIM, 1], width=DIM + 1,
+                            memory=lambda: [(0, DIM * 4, DIM * 4), (0, 4, 4)])
+    reads = MemoryReads(SimpleNamespace(layout=RS, words=words))
+    reads.readers = [_reader(RS), _reader(RS)]
+    held = reads.reserve()
+    units = sum(b.numel() * 4 for b in reads._buffers.values())
+    assert len(reads._buffers) == RS.g - 1 and units > 0
+    assert held == sum(len(b) for b in reads.readers[0]._scratch.values()) + units
+    assert not reads.readers[1]._scratch
+    kept = {i: b.data_ptr() for i, b in reads._buffers.items()}
+    reads.close()
+    assert {i: b.data_ptr() for i, b in reads._buffers.items()} == kept
+
+
+@pytest.mark.parametrize("transport,local_size,reserved", [
+    ("auto", 4, True), ("auto", 3, False), ("network", 4, False)])
+def test_the_guard_reserves_where_a_group_may_read_memory(transport, local_size, reserved):
+    """Scratch is held ahead only where a rebuild could read the group's memory: not over the
+    network, nor on a node with fewer ranks than a group (k + r = 4 here)."""
+    from mpickpt.parity.guard import ParityConfig, ParityGuard
+
+    st = _lost_rank()
+    st.topo = SimpleNamespace(local_size=local_size)
+    guard = SimpleNamespace(store=st, config=ParityConfig(k=3, r=1, transport=transport))
+    reads = ParityGuard._reserve_reads(guard)
+    assert (reads is not None and reads.reserved > 0) == reserved

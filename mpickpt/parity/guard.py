@@ -85,10 +85,15 @@ class ParityGuard:
 
     def _reserve_reads(self) -> MemoryReads | None:
         """Readers with scratch for a whole piece, faulted in before any failure, where this
-        rank's rebuild could read its group's memory. Local."""
+        rank's rebuild could read its group's memory: none where its rows are not in host
+        memory, the transport is the network, or its node runs fewer ranks than a group (the
+        group spans nodes; whether a group of as many ranks shares this node, and whether the
+        kernel lets its members read each other, only a rebuild's first round finds out).
+        Local."""
         st = self.store
         if self.config.transport != "auto" or not cross_memory.available() or \
-                st.words.memory() is None or st.parity.device.type != "cpu":
+                st.words.memory() is None or st.parity.device.type != "cpu" or \
+                st.topo.local_size < st.layout.g:
             return None
         reads = MemoryReads(st)
         reads.reserve()

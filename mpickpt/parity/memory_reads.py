@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import numpy as np
 import torch
 
-from mpickpt.parity.peer_rows import Peer, PeerReader
+from mpickpt.parity.peer_rows import PAGE_BYTES, Peer, PeerReader
 from mpickpt.parity.period_slots import move_range, segments, slot_view
 from mpickpt.parity.xor_rows import xor_views
 
@@ -38,10 +38,11 @@ class MemoryReads:
         """Bytes of scratch faulted in ahead by `reserve` (kept by `close`)."""
 
     def reserve(self) -> int:
-        """Fault in each reader's scratch for a whole piece of this rank's layout now, before
-        any failure, so that a rebuild's first round does not pay for fresh pages (survivors'
-        row strides are taken to be this rank's: a wider one grows its buffer then). Returns
-        the bytes held. Local."""
+        """Fault in the scratch of a whole piece of this rank's layout now, before any failure,
+        so that a rebuild's first round does not pay for fresh pages (survivors' row strides
+        are taken to be this rank's: a wider one grows its buffer then): every reader's spans
+        for r = 1, where they all read; for r >= 2, where the first reader reads the spans of
+        the gathered units, its spans and the unit buffers. Returns the bytes held. Local."""
         st, L = self.store, self.store.layout
         periods = self._piece_periods()
         rows = periods * L.k
@@ -49,7 +50,14 @@ class MemoryReads:
                  for i, (_, stride, _) in enumerate(st.words.memory() or [])}
         sizes.update({(slot, "parity"): periods * L.r * st.words.width * 4
                       for slot in range(L.g - 1)})
-        self.reserved = sum(reader.reserve(sizes) for reader in self.readers)
+        readers = self.readers if L.r == 1 else self.readers[:1]
+        self.reserved = sum(reader.reserve(sizes) for reader in readers)
+        if L.r > 1:
+            for slot in range(L.g - 1):
+                buf = self._buffer(slot, periods * L.g * st.words.width)
+                buf.view(-1)[::PAGE_BYTES // 4] = 0
+                buf.view(-1)[-1:] = 0
+                self.reserved += buf.numel() * 4
         return self.reserved
 
     @property
@@ -89,8 +97,8 @@ class MemoryReads:
         parity, slot by slot and row tensor by row tensor (no unit buffer, no second pass).
         Beside them, the same threads read each survivor's units of the degraded `stripes`
         (ascending; none where None), returned by group position for the caller to decode.
-        Also returns the seconds the periods took (their threads' time over the threads that
-        shared them), the cost the next chunk is sized by. The caller holds the store's lock."""
+        Also returns the seconds the periods took (the longest of the readers' own times on
+        them), the cost the next chunk is sized by. The caller holds the store's lock."""
         base = self.store.layout.base
         jobs = [("units", s, peer) for s, peer in peers.items()] if stripes is not None else []
         jobs += [("xor", a, b) for a, b in self.pieces(p0, p1)]
@@ -105,8 +113,10 @@ class MemoryReads:
 
         done = self._each_reader(jobs, work)
         units = dict(got for kind, got, _ in done if kind == "units")
-        sweep = [took for kind, _, took in done if kind == "xor"]
-        return units, sum(sweep) / max(1, min(len(self.readers), len(sweep)))
+        n = len(self.readers) if len(jobs) > 1 else 1
+        per_reader = [sum(took for kind, _, took in done[i::n] if kind == "xor")
+                      for i in range(n)]  # reader i ran jobs i, i + n, ... one after another
+        return units, max(per_reader)
 
     def period_units(self, p0: int, p1: int, peers: dict[int, Peer]) -> dict[int, torch.Tensor]:
         """Each survivor's units of periods [p0, p1) in stripe order ((n g, W) each, buffers
@@ -130,7 +140,8 @@ class MemoryReads:
             self._pool = None
         for reader in self.readers:
             reader.release()
-        self._buffers.clear()
+        if not self.reserved:  # r >= 2 reserves its unit buffers too
+            self._buffers.clear()
 
     def _xor_piece(self, reader: PeerReader, p0: int, p1: int, peers: dict[int, Peer]) -> None:
         st, L = self.store, self.store.layout

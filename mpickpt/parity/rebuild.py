@@ -218,8 +218,8 @@ class Rebuild:
             with st.lock:  # the readers' threads write rows: held here, for all of them
                 units, sweep = self.reads.pull(p0, p1, peers, stripes)
             self.lost[p0 * L.g:p1 * L.g] = False
-            if degraded:  # outside [p0, p1): no row the pass wrote
-                self._decode(stripes, units, degraded)
+            if degraded:  # from the same survivor units as the pass: the same values, also
+                self._decode(stripes, units, degraded)  # where a probe round grew [p0, p1)
         else:
             if degraded:
                 self._decode(stripes, self.reads.units(peers, stripes), degraded)
