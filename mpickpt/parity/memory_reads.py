@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import numpy as np
 import torch
 
-from mpickpt.parity.peer_rows import PAGE_BYTES, Peer, PeerReader
+from mpickpt.parity.peer_rows import Peer, PeerReader, fault_in
 from mpickpt.parity.period_slots import move_range, segments, slot_view
 from mpickpt.parity.xor_rows import xor_views
 
@@ -45,18 +45,14 @@ class MemoryReads:
         the gathered units, its spans and the unit buffers. Returns the bytes held. Local."""
         st, L = self.store, self.store.layout
         periods = self._piece_periods()
-        rows = periods * L.k
-        sizes = {(slot, i): rows * stride for slot in range(L.g - 1)
-                 for i, (_, stride, _) in enumerate(st.words.memory() or [])}
-        sizes.update({(slot, "parity"): periods * L.r * st.words.width * 4
-                      for slot in range(L.g - 1)})
+        sizes = {(slot, part): nbytes for slot in range(L.g - 1)
+                 for part, nbytes in self._span_bytes(periods).items()}
         readers = self.readers if L.r == 1 else self.readers[:1]
         self.reserved = sum(reader.reserve(sizes) for reader in readers)
         if L.r > 1:
             for slot in range(L.g - 1):
                 buf = self._buffer(slot, periods * L.g * st.words.width)
-                buf.view(-1)[::PAGE_BYTES // 4] = 0
-                buf.view(-1)[-1:] = 0
+                fault_in(buf.numpy())
                 self.reserved += buf.numel() * 4
         return self.reserved
 
@@ -71,10 +67,15 @@ class MemoryReads:
 
     def units(self, peers: dict[int, Peer], stripes: np.ndarray) -> dict[int, torch.Tensor]:
         """Each survivor's units of `stripes` (ascending), by group position."""
-        base = self.store.layout.base
         return dict(self._each_reader(
             list(peers.items()),
-            lambda reader, s, peer: (s - base, reader.units(peer, s - base, stripes))))
+            lambda reader, s, peer: self._read_units(reader, s, peer, stripes)))
+
+    def _read_units(self, reader: PeerReader, s: int, peer: Peer, stripes: np.ndarray
+                    ) -> tuple[int, torch.Tensor]:
+        """(group position, units of `stripes`) of survivor `s`, read by `reader`."""
+        pos = s - self.store.layout.base
+        return pos, reader.units(peer, pos, stripes)
 
     def pieces(self, p0: int, p1: int) -> list[tuple[int, int]]:
         """Periods [p0, p1) in pieces of `_piece_periods`."""
@@ -82,13 +83,21 @@ class MemoryReads:
         return [(a, min(p1, a + step)) for a in range(p0, p1, step)]
 
     def _piece_periods(self) -> int:
-        """Periods whose reads fill READER_SCRATCH_BYTES, at this rank's row strides (its rows'
-        widths where it publishes none)."""
+        """Periods whose reads of the g - 1 survivors fill READER_SCRATCH_BYTES."""
+        per_period = (self.store.layout.g - 1) * sum(self._span_bytes(1).values())
+        return max(1, READER_SCRATCH_BYTES // per_period)
+
+    def _span_bytes(self, periods: int) -> dict:
+        """Scratch bytes of one survivor's span of `periods` periods (`PeerReader.span`'s
+        buffers): k rows per period of each row tensor, at this rank's row strides (its rows'
+        widths where it publishes none), and r parity rows."""
         st, L = self.store, self.store.layout
         memory = st.words.memory()
-        row_bytes = sum(stride for _, stride, _ in memory) if memory else st.words.width * 4
-        per_period = (L.g - 1) * (L.k * row_bytes + L.r * st.words.width * 4)
-        return max(1, READER_SCRATCH_BYTES // per_period)
+        strides = [stride for _, stride, _ in memory] if memory else \
+            [4 * w for w in st.words.widths]
+        sizes = {i: periods * L.k * stride for i, stride in enumerate(strides)}
+        sizes["parity"] = periods * L.r * st.words.width * 4
+        return sizes
 
     def pull(self, p0: int, p1: int, peers: dict[int, Peer],
              stripes: np.ndarray | None = None) -> tuple[dict[int, torch.Tensor], float]:
@@ -99,14 +108,13 @@ class MemoryReads:
         (ascending; none where None), returned by group position for the caller to decode.
         Also returns the seconds the periods took (the longest of the readers' own times on
         them), the cost the next chunk is sized by. The caller holds the store's lock."""
-        base = self.store.layout.base
         jobs = [("units", s, peer) for s, peer in peers.items()] if stripes is not None else []
         jobs += [("xor", a, b) for a, b in self.pieces(p0, p1)]
 
         def work(reader, kind, a, b):
             start = time.perf_counter()
             if kind == "units":
-                got = (a - base, reader.units(b, a - base, stripes))
+                got = self._read_units(reader, a, b, stripes)
             else:
                 got = self._xor_piece(reader, a, b, peers)
             return kind, got, time.perf_counter() - start

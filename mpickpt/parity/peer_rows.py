@@ -28,6 +28,14 @@ READ_BYTES_PER_S = 4e9
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
+
+def fault_in(buf: np.ndarray) -> None:
+    """Write one byte of every page `buf` touches, so that its pages are resident before a
+    rebuild needs them. Local."""
+    flat = buf.reshape(-1).view(np.uint8)
+    flat[::PAGE_BYTES] = 0  # one write per page, and the last (a buffer seldom starts on a
+    flat[-1:] = 0           # page boundary)
+
 FIXED_FIELDS = 5
 """host key, pid, serves (its rows can be read), probed (as a lost rank it has read its survivors),
 parity address; then (address, row stride) per row tensor."""
@@ -156,9 +164,7 @@ class PeerReader:
         that a rebuild's first reads do not: a fresh page costs a fault, which on 2 busy cores
         came to ~10 ms in the first piece of each reader thread. Returns the bytes held."""
         for key, nbytes in sizes.items():
-            buf = self._buffer(key, nbytes)
-            buf[::PAGE_BYTES] = 0  # one write per page, and the last (a buffer seldom starts
-            buf[-1:] = 0           # on a page boundary)
+            fault_in(self._buffer(key, nbytes))
         self._reserved.update(sizes)
         return sum(len(self._scratch[key]) for key in self._reserved)
 
