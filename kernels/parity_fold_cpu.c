@@ -4,7 +4,8 @@
  * row 0 of the Cauchy matrix); coef 0 adds nothing. The GIL is released while it runs.
  *
  * xor_rows: the r = 1 decode of a rebuild, dest[i] = XOR of sources' row i, for strided rows
- * given by address (the caller checks every extent; see mpickpt.parity.xor_rows). */
+ * given by address (the caller checks every extent; see mpickpt.parity.xor_rows).
+ * xor_rows_many: several such XORs in one call (a rebuild piece's slots and row tensors). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -122,7 +123,56 @@ static PyObject *xor_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Records of int64: dest, dest stride, rows >= 0, width in bytes > 0, 0 <= m <= 256, then m
+ * (address, stride, count) triples. Returns the number of records, or -1 (with *bad the word
+ * where the first bad one starts) when a record breaks these rules or does not fit the buffer. */
+static int64_t check_records(const int64_t *t, int64_t words, int64_t *bad) {
+    int64_t at = 0, count = 0;
+    while (at < words) {
+        if (at + 5 > words || t[at + 2] < 0 || t[at + 3] <= 0 || t[at + 4] < 0 || t[at + 4] > 256 ||
+            at + 5 + 3 * t[at + 4] > words) { *bad = at; return -1; }
+        at += 5 + 3 * t[at + 4];
+        count++;
+    }
+    return count;
+}
+
+static void xor_records(const int64_t *t, int64_t words) {
+    source_t src[256];
+    for (int64_t at = 0; at < words; at += 5 + 3 * t[at + 4]) {
+        const int64_t m = t[at + 4];
+        for (int64_t s = 0; s < m; s++) {
+            const int64_t *q = t + at + 5 + 3 * s;
+            src[s].base = (const uint8_t *)(uintptr_t)q[0];
+            src[s].stride = q[1];
+            src[s].count = q[2];
+        }
+        xor_strided((uint8_t *)(uintptr_t)t[at], t[at + 1], t[at + 2], t[at + 3], src, m);
+    }
+}
+
+static PyObject *xor_rows_many(PyObject *self, PyObject *args) {
+    const char *buf;  /* read-only bytes: the records cannot change between check and use */
+    Py_ssize_t len;
+    if (!PyArg_ParseTuple(args, "y#", &buf, &len)) return NULL;
+    const int64_t words = len / 8;
+    int64_t bad = 0;
+    if (len % 8 || check_records((const int64_t *)buf, words, &bad) < 0) {
+        PyErr_Format(PyExc_ValueError, "xor_rows_many: records must be int64 (dest, stride, rows, "
+                     "width > 0, m <= 256, m source triples), record at word %lld of %lld is not",
+                     (long long)bad, (long long)words);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    xor_records((const int64_t *)buf, words);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"xor_rows_many", xor_rows_many, METH_VARARGS,
+     "xor_rows_many(records_int64): xor_rows for each record (dest, dest_stride, rows, width, m, "
+     "then m source triples), in order, in one call without the GIL"},
     {"xor_rows", xor_rows, METH_VARARGS,
      "xor_rows(dest_address, dest_stride, rows, width, sources_int64_triples): dest row i = XOR "
      "of row i of the sources (address, stride, count) that have more than i rows; bytes"},

@@ -13,7 +13,7 @@ import torch
 from mpickpt.parity import cross_memory, peer_rows
 from mpickpt.parity.layout import GroupLayout
 from mpickpt.parity.peer_rows import Peer, PeerReader
-from mpickpt.parity.xor_rows import xor_views
+from mpickpt.parity.xor_rows import xor_many, xor_many_built, xor_views
 
 pytestmark = pytest.mark.skipif(not cross_memory.available(), reason="no process_vm_readv")
 
@@ -157,6 +157,91 @@ def test_xor_views_of_strided_rows(kernel):
         xor_views(dest, [big[:101, :17]], kernel=kernel)
 
 
+@pytest.mark.skipif(not xor_many_built(), reason="the C kernels were not built")
+def test_xor_many_does_each_job_in_order():
+    """Several strided XORs by address in one call: a source longer than its destination is
+    cut to it, a shorter one contributes to its own rows, no source zeroes the rows; a bad
+    record is refused before anything is written."""
+    from mpickpt._parity_cpu import xor_rows_many
+
+    rng = np.random.default_rng(3)
+    big = rng.integers(-2**31, 2**31, (600, 20)).astype(np.int32)
+    dest = np.full((200, 20), 7, dtype=np.int32)
+
+    def at(a, row, col=0):
+        return a.ctypes.data + (row * a.shape[1] + col) * 4
+
+    jobs = [((at(dest, 0), 160, 50), 64, [(at(big, 0), 80, 80), (at(big, 300, 4), 160, 20)]),
+            ((at(dest, 1, 16), 80, 100), 4, [(at(big, 0, 19), 80, 100)]),
+            ((at(dest, 150), 80, 10), 8, []),
+            ((at(dest, 190), 80, 0), 8, [(at(big, 0), 80, 5)])]  # no rows: nothing
+    xor_many(jobs)
+    want = np.full((200, 20), 7, dtype=np.int32)
+    want[0:100:2, :16] = big[0:50, :16]
+    want[0:40:2, :16] ^= big[300:340:2, 4:20]
+    want[1:101, 16] = big[0:100, 19]
+    want[150:160, :2] = 0
+    assert np.array_equal(dest, want)
+    with pytest.raises(ValueError, match="record at word 0"):
+        xor_rows_many(np.array([at(dest, 0), 80, 1, 4, 2, at(big, 0), 80, 1], np.int64).tobytes())
+    with pytest.raises(ValueError, match="record at word 5"):
+        xor_rows_many(np.array([at(dest, 0), 80, 1, 4, 0, at(dest, 0), 80, 1, 0, 0],
+                               np.int64).tobytes())
+    assert np.array_equal(dest, want)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+@pytest.mark.parametrize("layout", [LAYOUT, RS, GroupLayout(4, 1, 0, (9, 0, 13, 12, 1))],
+                         ids=["k3r1", "k2r2", "k4r1-short"])
+def test_slot_extents_are_the_slot_views(layout, padded):
+    """`slot_extent` names by address exactly the rows `slot_view` views, for every position,
+    offset, row tensor and run of periods of a shard and of a span of it, rows wider apart than
+    their words included, and refuses rows outside the memory it was given: past the end of a
+    row tensor or of the parity rows, or before a span's first row."""
+    from mpickpt.parity.period_slots import rows_at, segments, slot_extent, slot_view
+    from mpickpt.parity.row_words import RowWords
+
+    segs = segments([DIM, 1])
+    for pos in range(layout.g):
+        rows = layout.rows[pos]
+        tensors = [torch.zeros(rows, DIM + 5)[:, 2:2 + DIM], torch.zeros(3 * rows)[1::3]] \
+            if padded else [torch.zeros(rows, DIM), torch.zeros(rows)]
+        parity = torch.zeros((layout.parity_rows, DIM + 1), dtype=torch.int32)
+        whole = RowWords.span(tensors, 0)
+        a = min(rows, 2 * layout.k)  # a span from period 2 on, as a reader holds it
+        part = RowWords.span([t[a:] for t in tensors], a)
+        for words, p0, pbase in ((whole, 0, 0), (part, 2, 2 * layout.r)):
+            par = parity[pbase:]
+            at = rows_at(words, par, pbase)
+            for p in sorted({p0, p0 + 1, layout.periods // 2, layout.periods - 1}):
+                for n in {1, layout.periods - p}:
+                    for o in range(layout.g):
+                        for seg in segs:
+                            view, real = slot_view(layout, pos, words, par, pbase, o, p, n, seg)
+                            address, stride, got = slot_extent(layout, pos, at, o, p, n, seg)
+                            assert got == real == len(view)
+                            if real:  # (one row's stride is anything)
+                                assert address == view.data_ptr()
+                                assert real == 1 or stride == view.stride(0) * 4
+        if rows < 2 * layout.k + 1:
+            continue
+        last = layout.data_offsets(pos)[(rows - 1) % layout.k]  # where the shard's last row is
+        short = rows_at(RowWords.span([t[:rows - 1] for t in tensors], 0), parity)
+        first = layout.data_offsets(pos)[0]
+        for seg in segs:  # the last row lies past a tensor one row short; row 0 before a span
+            assert slot_extent(layout, pos, rows_at(whole, parity), last, (rows - 1) // layout.k,
+                               1, seg)[2] == 1
+            with pytest.raises(ValueError, match="lie outside it"):
+                slot_extent(layout, pos, short, last, (rows - 1) // layout.k, 1, seg)
+            with pytest.raises(ValueError, match="row -"):
+                slot_extent(layout, pos, rows_at(part, parity[2 * layout.r:], 2 * layout.r),
+                            first, 0, 1, seg)
+    at = rows_at(RowWords.span([torch.zeros(1, DIM), torch.zeros(1)], 0), parity[:-1])
+    holds = (1 - layout.r) % layout.g  # where position 0 holds the last parity row of a period
+    with pytest.raises(ValueError, match="lie outside it"):  # the last parity row is cut off
+        slot_extent(layout, 0, at, holds, layout.periods - 1, 1, segs[0])
+
+
 def test_no_reader_thread_writes_on_after_one_failed():
     """A failed read (a survivor died) propagates only once every other reader's job is over:
     none may go on writing rows after the caller released the store's lock."""
@@ -167,21 +252,46 @@ def test_no_reader_thread_writes_on_after_one_failed():
 
     words = SimpleNamespace(widths=[DIM, 1], width=DIM + 1)
     reads = MemoryReads(SimpleNamespace(layout=LAYOUT, words=words))
-    if len(reads.readers) < 2:
-        reads.readers.append(_reader())  # one core: still two threads
-    done = threading.Event()
+    reads.readers = [_reader(), _reader()]  # one core or more: two threads
+    started, done, ran = threading.Event(), threading.Event(), []
 
     def work(reader, job):
+        ran.append(job)
         if job == 0:
+            assert started.wait(5)  # the other thread is inside job 1
             raise cross_memory.CrossMemoryError(1, errno.ESRCH, "rows")
+        started.set()
         time.sleep(0.3)
         done.set()
 
     with pytest.raises(cross_memory.CrossMemoryError, match="ESRCH"):
-        reads._each_reader([(0,), (1,)], work)
-    assert done.is_set()
+        reads._each_reader([(0,), (1,), (2,)], work)
+    assert done.is_set() and {0, 1} <= set(ran)
     reads.close()
     assert all(not r._scratch for r in reads.readers) and reads._pool is None
+
+
+def test_readers_take_the_next_job_not_taken():
+    """Jobs go to whichever reader is free (a slow job does not hold back the ones dealt after
+    it), each exactly once; results come back in job order with the reader that ran them."""
+    import time
+
+    from mpickpt.parity.memory_reads import MemoryReads
+
+    words = SimpleNamespace(widths=[DIM, 1], width=DIM + 1)
+    reads = MemoryReads(SimpleNamespace(layout=LAYOUT, words=words))
+    reads.readers = [_reader(), _reader()]
+
+    def work(reader, job):
+        time.sleep(0.4 if job == 0 else 0.01)
+        return job * 10, reads.readers.index(reader)
+
+    out = reads._each_reader([(j,) for j in range(9)], work)
+    reads.close()
+    assert [got for _, (got, _) in out] == [j * 10 for j in range(9)]
+    assert all(i == ran_on for i, (_, ran_on) in out)
+    slow = out[0][0]
+    assert [i for i, _ in out].count(slow) == 1  # the other reader took all 8 short jobs
 
 
 def test_reserved_scratch_serves_whole_pieces_and_outlives_close(peer, monkeypatch):
@@ -259,32 +369,50 @@ def _lost_rank(pos=2):
 
 @pytest.mark.parametrize("by", ["iovec", "span"])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_one_pass_xors_the_periods_and_reads_the_degraded_units(peer, monkeypatch, by, threads):
+@pytest.mark.parametrize("xor", ["one call", "per slot"])
+@pytest.mark.parametrize("lost", [2, 0], ids=["middle", "tail"])
+def test_one_pass_xors_the_periods_and_reads_the_degraded_units(peer, monkeypatch, by, threads,
+                                                                xor, lost):
     """`pull` on 1 or 3 reader threads: the chunk's periods are the XOR of the survivors'
     units, written into this rank's rows and parity and nowhere else, and the degraded units
     it returns beside them are the survivors' own; a second rebuild on the same readers after
-    `close` does the same on the reserved scratch."""
+    `close` does the same on the reserved scratch. A piece's XOR is one call of the kernel by
+    address, or (without its batch entry) one per slot and row tensor. The chunk is in the
+    middle of the short position 2's rows, or (position 0 lost) the last periods, where
+    survivor 2's rows end before the others'."""
     from mpickpt.parity import memory_reads
     from mpickpt.parity.memory_reads import MemoryReads
 
+    if xor == "one call" and not xor_many_built():
+        pytest.skip("the C kernels were not built")
+    monkeypatch.setattr(memory_reads, "xor_many_built", lambda: xor == "one call")
+    calls = {"one call": 0, "per slot": 0}
+
+    def counted(kind, real):
+        return lambda *a: (calls.__setitem__(kind, calls[kind] + 1), real(*a))[1]
+
+    monkeypatch.setattr(memory_reads, "xor_many", counted("one call", memory_reads.xor_many))
+    monkeypatch.setattr(memory_reads, "xor_views", counted("per slot", memory_reads.xor_views))
     monkeypatch.setattr(memory_reads, "READER_SCRATCH_BYTES", 3 << 16)  # several pieces
     monkeypatch.setattr(peer_rows, "IOVEC_S", 0.0 if by == "iovec" else 1.0)
-    st = _lost_rank()
+    st = _lost_rank(lost)
     reads = MemoryReads(st)
     reads.readers = [PeerReader(st) for _ in range(threads)]
     reads.reserve()
-    p0, p1 = 100, 1300
+    p0, p1 = (100, 1300) if lost == 2 else (LAYOUT.periods - 300, LAYOUT.periods)
     chunk = np.arange(p0 * LAYOUT.g, p1 * LAYOUT.g)
     outside = np.setdiff1d(np.arange(LAYOUT.stripes), chunk)
     stripes = np.sort(np.random.default_rng(5).choice(outside, 500, replace=False))
-    peers = {s: _peer(peer) for s in (0, 1, 3)}  # one process stands for all three survivors
+    survivors = [s for s in range(LAYOUT.g) if s != lost]
+    peers = {s: _peer(peer) for s in survivors}  # one process stands for all three survivors
     want = np.zeros((len(chunk), DIM + 1), dtype=np.int32)
     for pos in peers:
         want ^= _units(peer.arrays, pos, chunk)
-    rows, prow = LAYOUT.row_of_stripe(2, chunk), LAYOUT.parity_row(2, chunk)
+    rows, prow = LAYOUT.row_of_stripe(lost, chunk), LAYOUT.parity_row(lost, chunk)
     for rebuild in range(2):
         units, seconds = reads.pull(p0, p1, peers, stripes)
-        assert seconds > 0 and sorted(units) == [0, 1, 3]
+        assert seconds > 0 and sorted(units) == survivors
+        assert calls[xor] > 0 and sum(calls.values()) == calls[xor]
         for pos in peers:
             assert np.array_equal(units[pos].numpy(), _units(peer.arrays, pos, stripes)), pos
         got = np.zeros_like(want)
@@ -293,7 +421,7 @@ def test_one_pass_xors_the_periods_and_reads_the_degraded_units(peer, monkeypatc
         got[d, DIM] = st.words.tensors[1][rows[d]].numpy().view(np.int32)
         got[prow >= 0] = st.parity[prow[prow >= 0]].numpy()
         assert np.array_equal(got[d | (prow >= 0)], want[d | (prow >= 0)]), rebuild
-        untouched = np.ones(LAYOUT.rows[2], dtype=bool)
+        untouched = np.ones(LAYOUT.rows[lost], dtype=bool)
         untouched[rows[d]] = False
         assert torch.isnan(st.words.tensors[0][torch.from_numpy(untouched)]).all()
         reads.close()

@@ -160,6 +160,9 @@ def test_layout_maps_every_unit_once_and_spreads_parity(k, r, data):
         s = L.stripe_of_row(p, local)
         assert (L.row_of_stripe(p, s) == local).all()
         assert (L.role(p, s) == -1).all()
+        slots = L.slot_table[p]  # row i is the unit at offset o of its period where slot o is i % k
+        assert [slots[o] for o in (s % L.g).tolist()] == (local % k).tolist()
+        assert sorted(slots).count(-1) == r
         j = L.data_index(p, local)
         for stripe, jj in zip(s.tolist(), j.tolist()):
             assert (stripe, jj) not in owners

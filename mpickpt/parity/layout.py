@@ -75,6 +75,14 @@ class GroupLayout:
         return np.array([[o for o in range(self.g) if (p - o) % self.g >= self.r]
                          for p in range(self.g)], dtype=np.int64).reshape(self.g, self.k)
 
+    @cached_property
+    def slot_table(self) -> tuple[tuple[int, ...], ...]:
+        """[p][o]: the slot of offset o among `data_offsets(p)` (position p's row
+        period * k + slot holds the unit at offset o of each period), -1 where p holds parity
+        there."""
+        return tuple(tuple(int(np.searchsorted(row, o)) if o in row else -1 for o in range(self.g))
+                     for row in self.offset_table.tolist())
+
     def data_positions(self, offset: int) -> np.ndarray:
         """The k data positions of stripes at `offset`, by data index j: position
         (offset + r + j) % g."""

@@ -1,12 +1,15 @@
 """The lost rank's side of a rebuild that reads its survivors' memory (`peer_rows`): units for
 degraded reads, and whole periods XORed straight into its own rows (r = 1) or gathered per
 survivor for the decoder (r >= 2). The work is split into pieces whose reads fill about
-READER_SCRATCH_BYTES of scratch, spread over up to MAX_THREADS threads, each with a `PeerReader`
-of its own (the reads and the XOR kernel release the GIL). Local: nothing here talks to other
+READER_SCRATCH_BYTES of scratch, taken one at a time by up to MAX_THREADS threads, each with a
+`PeerReader` of its own (the reads and the XOR kernel release the GIL; a piece's XOR is one call
+of the kernel, by addresses checked against the buffers). Local: nothing here talks to other
 ranks."""
 from __future__ import annotations
 
+import itertools
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
@@ -14,8 +17,8 @@ import numpy as np
 import torch
 
 from mpickpt.parity.peer_rows import Peer, PeerReader, fault_in
-from mpickpt.parity.period_slots import move_range, segments, slot_view
-from mpickpt.parity.xor_rows import xor_views
+from mpickpt.parity.period_slots import move_range, rows_at, segments, slot_extent, slot_view
+from mpickpt.parity.xor_rows import xor_many, xor_many_built, xor_views
 
 READER_SCRATCH_BYTES = 12 << 20
 """What one reader thread holds for a piece: each survivor's rows (k per period, at their row
@@ -67,7 +70,7 @@ class MemoryReads:
 
     def units(self, peers: dict[int, Peer], stripes: np.ndarray) -> dict[int, torch.Tensor]:
         """Each survivor's units of `stripes` (ascending), by group position."""
-        return dict(self._each_reader(
+        return dict(got for _, got in self._each_reader(
             list(peers.items()),
             lambda reader, s, peer: self._read_units(reader, s, peer, stripes)))
 
@@ -108,6 +111,9 @@ class MemoryReads:
         (ascending; none where None), returned by group position for the caller to decode.
         Also returns the seconds the periods took (the longest of the readers' own times on
         them), the cost the next chunk is sized by. The caller holds the store's lock."""
+        if self.store.layout.r != 1:
+            raise ValueError(f"pull decodes r = 1 by XOR, this group has r = "
+                             f"{self.store.layout.r}: use units and period_units")
         jobs = [("units", s, peer) for s, peer in peers.items()] if stripes is not None else []
         jobs += [("xor", a, b) for a, b in self.pieces(p0, p1)]
 
@@ -120,10 +126,10 @@ class MemoryReads:
             return kind, got, time.perf_counter() - start
 
         done = self._each_reader(jobs, work)
-        units = dict(got for kind, got, _ in done if kind == "units")
-        n = len(self.readers) if len(jobs) > 1 else 1
-        per_reader = [sum(took for kind, _, took in done[i::n] if kind == "xor")
-                      for i in range(n)]  # reader i ran jobs i, i + n, ... one after another
+        units = dict(got for _, (kind, got, _) in done if kind == "units")
+        per_reader = [0.0] * len(self.readers)  # a reader ran its jobs one after another
+        for i, (kind, _, took) in done:
+            per_reader[i] += took if kind == "xor" else 0.0
         return units, max(per_reader)
 
     def period_units(self, p0: int, p1: int, peers: dict[int, Peer]) -> dict[int, torch.Tensor]:
@@ -156,6 +162,18 @@ class MemoryReads:
         n = p1 - p0
         spans = [(s - L.base, *reader.span(peer, s - L.base, p0, p1, slot))
                  for slot, (s, peer) in enumerate(peers.items())]
+        here = rows_at(st.words, st.parity) if xor_many_built() else None
+        there = [rows_at(words, parity, p0 * L.r) for _, words, parity in spans] \
+            if here is not None else [None]
+        if None not in there:  # one kernel call for the whole piece
+            jobs = []
+            for o in range(L.g):
+                for seg in segments(st.words.widths):
+                    sources = [slot_extent(L, pos, at, o, p0, n, seg)
+                               for (pos, _, _), at in zip(spans, there)]
+                    jobs.append((slot_extent(L, st.pos, here, o, p0, n, seg), 4 * seg[1], sources))
+            xor_many(jobs)
+            return
         for o in range(L.g):
             for seg in segments(st.words.widths):
                 dest, real = slot_view(L, st.pos, st.words, st.parity, 0, o, p0, n, seg)
@@ -164,20 +182,32 @@ class MemoryReads:
                                                seg)[0][:real]
                                      for pos, words, parity in spans])
 
-    def _each_reader(self, jobs: list[tuple], work) -> list:
-        """work(reader, *job) for every job, reader i taking jobs i, i + n, ... in order on a
-        thread of its own (a reader's scratch serves one job at a time); results in job order."""
+    def _each_reader(self, jobs: list[tuple], work) -> list[tuple[int, object]]:
+        """work(reader, *job) for every job, each reader on a thread of its own taking the next
+        job not taken yet (a reader's scratch serves one job at a time), until none is left or
+        a job failed (a thread may still begin one job after that); (reader index, result) in
+        job order. Waits for every thread, also when one failed: none may write on after this
+        returns, which then raises the failure of the lowest reader that had one."""
         n = len(self.readers)
         if n == 1 or len(jobs) <= 1:
-            return [work(self.readers[0], *job) for job in jobs]
+            return [(0, work(self.readers[0], *job)) for job in jobs]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(n, thread_name_prefix="mpickpt-rebuild")
-        futures = [self._pool.submit(lambda i: [work(self.readers[i], *job)
-                                                for job in jobs[i::n]], i) for i in range(n)]
-        wait(futures)  # all of them, also when one failed: none may write on after we return
+        taken, failed = itertools.count(), threading.Event()
         out: list = [None] * len(jobs)
-        for i, f in enumerate(futures):
-            out[i::n] = f.result()
+
+        def run(i):
+            while not failed.is_set() and (j := next(taken)) < len(jobs):
+                try:
+                    out[j] = (i, work(self.readers[i], *jobs[j]))
+                except BaseException:
+                    failed.set()
+                    raise
+
+        futures = [self._pool.submit(run, i) for i in range(n)]
+        wait(futures)
+        for f in futures:
+            f.result()  # once every thread is over
         return out
 
     def _buffer(self, i: int, words: int) -> torch.Tensor:

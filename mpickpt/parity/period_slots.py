@@ -4,7 +4,8 @@ chunk of periods by these strided slices instead of by stripe numbers. All funct
 and touch only the tensors they are given."""
 from __future__ import annotations
 
-import numpy as np
+from dataclasses import dataclass
+
 import torch
 
 
@@ -56,9 +57,61 @@ def slot_view(layout, pos: int, words, parity: torch.Tensor, pbase: int, o: int,
     q = (pos - o) % L.g
     if q < L.r:
         return parity[p0 * L.r + q - pbase:(p0 + n) * L.r - pbase:L.r, c:c + w], n
-    j = int(np.flatnonzero(L.data_offsets(pos) == o)[0])
+    j = L.slot_table[pos][o]
     first, real = slot_rows(L, pos, j, p0, n)
     t = words.tensors[i]
     a = first - words.base
     rows = t[a:a + max(real - 1, 0) * L.k + 1:L.k] if real else t[:0]
     return rows.reshape(real, w).view(torch.int32), real
+
+
+@dataclass(frozen=True)
+class RowsAt:
+    """Where a member's rows and parity rows of some periods lie in this process's memory: per
+    row tensor (address of row `base`, row stride in bytes, end of its memory), and the address
+    of parity row `pbase`, the parity row's bytes and the end of the parity memory."""
+
+    tensors: tuple[tuple[int, int, int], ...]
+    base: int
+    parity: int
+    pbase: int
+    prow_bytes: int
+    parity_end: int
+
+
+def rows_at(words, parity: torch.Tensor, pbase: int = 0) -> RowsAt | None:
+    """`RowsAt` of a RowWords (a shard's, or a span read from a peer) and its parity rows
+    ((rows, W) int32; row 0 is parity row `pbase`); None where they are not row-contiguous
+    host memory. Each row tensor ends where its own last row does."""
+    memory = words.memory()
+    if memory is None or parity.device.type != "cpu" or not parity.is_contiguous() or \
+            parity.dim() != 2 or parity.dtype != torch.int32:
+        return None
+    tensors = tuple((a, s, a + (len(t) - 1) * s + b if len(t) else a)
+                    for (a, s, b), t in zip(memory, words.tensors))
+    return RowsAt(tensors, words.base, parity.data_ptr(), pbase, parity.shape[1] * 4,
+                  parity.data_ptr() + parity.numel() * 4)
+
+
+def slot_extent(layout, pos: int, at: RowsAt, o: int, p0: int, n: int,
+                segment: tuple[int, int, int]) -> tuple[int, int, int]:
+    """`slot_view` by address: (address, stride in bytes, rows) of the same rows, words
+    [c, c + w) of each. ValueError where they would lie outside the memory `at` describes (what
+    makes them safe to hand to `xor_rows.xor_many`)."""
+    L, (c, w, i) = layout, segment
+    q = (pos - o) % L.g
+    if q < L.r:
+        first, rows = p0 * L.r + q - at.pbase, n
+        start, stride, end = at.parity + 4 * c, L.r * at.prow_bytes, at.parity_end
+        address = start + first * at.prow_bytes
+    else:
+        j = L.slot_table[pos][o]
+        first, rows = slot_rows(L, pos, j, p0, n)
+        first -= at.base
+        start, tstride, end = at.tensors[i]
+        address, stride = start + first * tstride, L.k * tstride
+    if rows and (first < 0 or address + (rows - 1) * stride + 4 * w > end):
+        raise ValueError(f"slot_extent: {rows} rows of {4 * w} bytes from row {first} of the "
+                         f"memory at {start:#x}, {stride} bytes apart, lie outside it (it ends "
+                         f"at {end:#x})")
+    return address, stride, rows

@@ -1,6 +1,7 @@
 """dest = XOR of several blocks of rows, each a strided 2-D int32 view: the r = 1 decode of a
 rebuild read from memory. One call of `kernels/parity_fold_cpu.c`'s `xor_rows` (no GIL, one pass
-over the sources) where it was built, torch's copy and XOR otherwise. Local."""
+over the sources) where it was built, torch's copy and XOR otherwise; `xor_many` does several by
+address in one call of the kernel. Local."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,6 +11,10 @@ try:
     from mpickpt._parity_cpu import xor_rows as _kernel
 except ImportError:  # the C kernels are optional
     _kernel = None
+try:
+    from mpickpt._parity_cpu import xor_rows_many as _many
+except ImportError:  # an older build of the kernels has no batch entry
+    _many = None
 
 
 def xor_views(dest: torch.Tensor, sources: list[torch.Tensor], kernel: bool = True) -> None:
@@ -34,3 +39,27 @@ def xor_views(dest: torch.Tensor, sources: list[torch.Tensor], kernel: bool = Tr
     for s in sources:
         if len(s):
             dest[:len(s)].bitwise_xor_(s)
+
+
+def xor_many_built() -> bool:
+    """Whether `xor_many` can run (the C kernel with its batch entry was built)."""
+    return _many is not None
+
+
+def xor_many(jobs: list[tuple[tuple[int, int, int], int, list[tuple[int, int, int]]]]) -> None:
+    """For each job ((address, stride, rows) of the destination, row bytes, sources as
+    (address, stride, rows)): destination row i = XOR of row i of the sources that have more
+    than i rows (zeros if none), a source's rows beyond the destination's ignored. Addresses
+    are raw: the caller has checked every extent (`period_slots.slot_extent` does). One call
+    of the kernel, without the GIL; RuntimeError where it was not built."""
+    if _many is None:
+        raise RuntimeError("xor_many needs mpickpt._parity_cpu with xor_rows_many (rebuild the "
+                           "C kernels: pip install -e .)")
+    words = []
+    for (address, stride, rows), width, sources in jobs:
+        if rows and width:
+            words += [address, stride, rows, width, len(sources)]
+            for a, s, n in sources:
+                words += [a, s, min(n, rows)]
+    if words:
+        _many(np.array(words, dtype=np.int64).tobytes())
