@@ -96,6 +96,15 @@ static void xor_strided(uint8_t *dest, int64_t stride, int64_t n, int64_t width,
     }
 }
 
+/* m (address, stride, count) int64 triples into sources. */
+static void load_sources(const int64_t *t, int64_t m, source_t *src) {
+    for (int64_t s = 0; s < m; s++) {
+        src[s].base = (const uint8_t *)(uintptr_t)t[3 * s];
+        src[s].stride = t[3 * s + 1];
+        src[s].count = t[3 * s + 2];
+    }
+}
+
 static PyObject *xor_rows(PyObject *self, PyObject *args) {
     unsigned long long dest;
     long long stride, n, width;
@@ -110,12 +119,7 @@ static PyObject *xor_rows(PyObject *self, PyObject *args) {
         return NULL;
     }
     source_t src[256];
-    const int64_t *t = (const int64_t *)sb.buf;
-    for (int64_t s = 0; s < m; s++) {
-        src[s].base = (const uint8_t *)(uintptr_t)t[3 * s];
-        src[s].stride = t[3 * s + 1];
-        src[s].count = t[3 * s + 2];
-    }
+    load_sources((const int64_t *)sb.buf, m, src);
     Py_BEGIN_ALLOW_THREADS
     xor_strided((uint8_t *)(uintptr_t)dest, stride, n, width, src, m);
     Py_END_ALLOW_THREADS
@@ -141,12 +145,7 @@ static void xor_records(const int64_t *t, int64_t words) {
     source_t src[256];
     for (int64_t at = 0; at < words; at += 5 + 3 * t[at + 4]) {
         const int64_t m = t[at + 4];
-        for (int64_t s = 0; s < m; s++) {
-            const int64_t *q = t + at + 5 + 3 * s;
-            src[s].base = (const uint8_t *)(uintptr_t)q[0];
-            src[s].stride = q[1];
-            src[s].count = q[2];
-        }
+        load_sources(t + at + 5, m, src);
         xor_strided((uint8_t *)(uintptr_t)t[at], t[at + 1], t[at + 2], t[at + 3], src, m);
     }
 }

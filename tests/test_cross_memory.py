@@ -223,6 +223,19 @@ def test_slot_extents_are_the_slot_views(layout, padded):
                             if real:  # (one row's stride is anything)
                                 assert address == view.data_ptr()
                                 assert real == 1 or stride == view.stride(0) * 4
+                            # and both are the rows the layout maps these stripes to
+                            stripes = np.arange(p, p + n) * layout.g + o
+                            prow = layout.parity_row(pos, stripes)
+                            if (prow >= 0).all():
+                                want = par.data_ptr() + 4 * seg[0] + \
+                                    (prow - pbase) * (DIM + 1) * 4
+                            else:
+                                row = layout.row_of_stripe(pos, stripes)
+                                row = row[row >= 0] - words.base
+                                t = words.tensors[seg[2]]
+                                want = t.data_ptr() + row * t.stride(0) * 4
+                            assert len(want) == real
+                            assert (address + np.arange(real) * stride == want).all()
         if rows < 2 * layout.k + 1:
             continue
         last = layout.data_offsets(pos)[(rows - 1) % layout.k]  # where the shard's last row is

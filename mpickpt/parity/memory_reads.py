@@ -116,13 +116,15 @@ class MemoryReads:
                              f"{self.store.layout.r}: use units and period_units")
         jobs = [("units", s, peer) for s, peer in peers.items()] if stripes is not None else []
         jobs += [("xor", a, b) for a, b in self.pieces(p0, p1)]
+        here = rows_at(self.store.words, self.store.parity) \
+            if p1 > p0 and xor_many_built() else None  # this rank's memory, once for the pieces
 
         def work(reader, kind, a, b):
             start = time.perf_counter()
             if kind == "units":
                 got = self._read_units(reader, a, b, stripes)
             else:
-                got = self._xor_piece(reader, a, b, peers)
+                got = self._xor_piece(reader, a, b, peers, here)
             return kind, got, time.perf_counter() - start
 
         done = self._each_reader(jobs, work)
@@ -157,12 +159,15 @@ class MemoryReads:
         if not self.reserved:  # r >= 2 reserves its unit buffers too
             self._buffers.clear()
 
-    def _xor_piece(self, reader: PeerReader, p0: int, p1: int, peers: dict[int, Peer]) -> None:
+    def _xor_piece(self, reader: PeerReader, p0: int, p1: int, peers: dict[int, Peer],
+                   here) -> None:
+        """XOR the survivors' units of periods [p0, p1) into this rank's: in one kernel call by
+        address where `here` (this rank's `RowsAt`, None without the batch kernel) and the
+        spans read allow it, else slot by slot."""
         st, L = self.store, self.store.layout
         n = p1 - p0
         spans = [(s - L.base, *reader.span(peer, s - L.base, p0, p1, slot))
                  for slot, (s, peer) in enumerate(peers.items())]
-        here = rows_at(st.words, st.parity) if xor_many_built() else None
         there = [rows_at(words, parity, p0 * L.r) for _, words, parity in spans] \
             if here is not None else [None]
         if None not in there:  # one kernel call for the whole piece

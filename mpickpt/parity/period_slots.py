@@ -48,21 +48,29 @@ def segments(widths: list[int]) -> list[tuple[int, int, int]]:
     return [(sum(widths[:i]), w, i) for i, w in enumerate(widths)]
 
 
+def slot_run(layout, pos: int, o: int, p0: int, n: int, base: int, pbase: int
+             ) -> tuple[bool, int, int, int]:
+    """Position `pos`'s units at offset `o` of periods [p0, p0 + n): (whether they are its
+    parity rows, the first one counted from parity row `pbase` or from shard row `base`, how
+    many there are (a data slot's real rows only), the step from one to the next)."""
+    L = layout
+    q = (pos - o) % L.g
+    if q < L.r:
+        return True, p0 * L.r + q - pbase, n, L.r
+    first, real = slot_rows(L, pos, L.slot_table[pos][o], p0, n)
+    return False, first - base, real, L.k
+
+
 def slot_view(layout, pos: int, words, parity: torch.Tensor, pbase: int, o: int, p0: int,
               n: int, segment: tuple[int, int, int]) -> tuple[torch.Tensor, int]:
     """Words [c, c + w) (`segment`) of position `pos`'s units at offset `o` of periods
     [p0, p0 + n): a (rows, w) int32 view of its row tensor i (a data slot; its real rows only)
     or of its parity rows, and how many rows it has."""
-    L, (c, w, i) = layout, segment
-    q = (pos - o) % L.g
-    if q < L.r:
-        return parity[p0 * L.r + q - pbase:(p0 + n) * L.r - pbase:L.r, c:c + w], n
-    j = L.slot_table[pos][o]
-    first, real = slot_rows(L, pos, j, p0, n)
-    t = words.tensors[i]
-    a = first - words.base
-    rows = t[a:a + max(real - 1, 0) * L.k + 1:L.k] if real else t[:0]
-    return rows.reshape(real, w).view(torch.int32), real
+    c, w, i = segment
+    held, first, real, step = slot_run(layout, pos, o, p0, n, words.base, pbase)
+    t = parity[:, c:c + w] if held else words.tensors[i]
+    rows = t[first:first + max(real - 1, 0) * step + 1:step] if real else t[:0]
+    return (rows if held else rows.reshape(real, w).view(torch.int32)), real
 
 
 @dataclass(frozen=True)
@@ -98,18 +106,11 @@ def slot_extent(layout, pos: int, at: RowsAt, o: int, p0: int, n: int,
     """`slot_view` by address: (address, stride in bytes, rows) of the same rows, words
     [c, c + w) of each. ValueError where they would lie outside the memory `at` describes (what
     makes them safe to hand to `xor_rows.xor_many`)."""
-    L, (c, w, i) = layout, segment
-    q = (pos - o) % L.g
-    if q < L.r:
-        first, rows = p0 * L.r + q - at.pbase, n
-        start, stride, end = at.parity + 4 * c, L.r * at.prow_bytes, at.parity_end
-        address = start + first * at.prow_bytes
-    else:
-        j = L.slot_table[pos][o]
-        first, rows = slot_rows(L, pos, j, p0, n)
-        first -= at.base
-        start, tstride, end = at.tensors[i]
-        address, stride = start + first * tstride, L.k * tstride
+    c, w, i = segment
+    held, first, rows, step = slot_run(layout, pos, o, p0, n, at.base, at.pbase)
+    start, row, end = (at.parity + 4 * c, at.prow_bytes, at.parity_end) if held else \
+        at.tensors[i]
+    address, stride = start + first * row, step * row
     if rows and (first < 0 or address + (rows - 1) * stride + 4 * w > end):
         raise ValueError(f"slot_extent: {rows} rows of {4 * w} bytes from row {first} of the "
                          f"memory at {start:#x}, {stride} bytes apart, lie outside it (it ends "
