@@ -285,3 +285,21 @@ def test_incrcp_bundles_go_past_the_page_cache_when_asked(tmp_path, bypass):
         assert verify_file(path) == []
         with open_shard(path) as f:
             assert np.array_equal(open_rows(f["rows"], "weight", path).rows(0, 80_000), weight)
+
+
+def test_a_staging_area_matches_only_its_own_shapes_dtypes_and_order():
+    """`matches` is asked in every stall: an area is reused for the same arrays, and laid out
+    again when a shape, a dtype or the order changes (the writers read arrays by offset)."""
+    from mpickpt.engine.staging import StagingArea
+
+    specs = {"weight": ((10, 4), "float32"), "gids": ((10,), "int64"),
+             "dense/param/w": ((3, 2), "float32")}
+    area = StagingArea(specs)
+    try:
+        assert area.matches(dict(specs))
+        assert not area.matches({**specs, "weight": ((11, 4), "float32")})
+        assert not area.matches({**specs, "dense/param/w": ((3, 2), "float64")})
+        assert not area.matches(dict(reversed(list(specs.items()))))
+        assert not area.matches({**specs, "dense/opt/0/sum": ((3, 2), "float32")})
+    finally:
+        area.close()

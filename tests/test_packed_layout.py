@@ -318,3 +318,26 @@ def test_a_file_with_two_shards_of_one_table_verifies_and_exports(tmp_path):
     manifest = SimpleNamespace(plan={"table_sizes": sizes}, step=7)
     got = assemble_table(manifest, 0, [str(tmp_path / r) for r in files for _ in (0, 1)], NAMES)
     np.testing.assert_array_equal(got["weight"], by_gid(np.arange(100), 7)["weight"])
+
+
+def test_dense_files_of_repeated_and_changed_shapes_each_read_back_exactly(tmp_path):
+    """The dense layout is laid out once per set of shapes and reused: a second save with the
+    same shapes, then one whose shapes and order changed (an optimizer state appearing, a
+    resized layer), each get their own layout, not a stale one."""
+    from mpickpt.store import dense_file
+    from mpickpt.store.file_spec import dense_spec
+
+    changed = {"opt/1/count": np.array([3, 4], dtype=np.int64),
+               "param/bot.0.weight": np.arange(15, dtype=np.float32).reshape(5, 3),
+               "param/bot.0.bias": np.ones(5, dtype=np.float32)}
+    for step, arrays in enumerate([DENSE, DENSE, changed], start=1):
+        spec = dense_spec(str(tmp_path), f"step-{step}", step,
+                          {k: (v.shape, str(v.dtype)) for k, v in arrays.items()},
+                          [k[len("param/"):] for k in arrays if k.startswith("param/")])
+        write_file(spec, {f"dense/{k}": v for k, v in arrays.items()})
+        with open_shard(spec.path) as f:
+            got = dense_file.dense_arrays(f, spec.path)
+        assert list(got) == list(arrays), step
+        for name, value in arrays.items():
+            assert got[name].dtype == value.dtype, (step, name)
+            np.testing.assert_array_equal(got[name], value)

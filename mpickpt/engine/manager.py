@@ -376,7 +376,8 @@ class CheckpointManager:
                  "codec_threads": self.codec_threads}
                 for files in groups]
         if self.topo.is_root:
-            jobs[-1]["files"].append(dense_file_spec(self.model, self.root, ckpt_id, step))
+            jobs[-1]["files"].append(dense_file_spec(self.snapshots.dense_shapes, self.root,
+                                                     ckpt_id, step))
         rows = self.model.plan.local_rows(self.topo.rank) if save.rows is None else len(save.rows)
         self._in_flight = {"step": step, "stall_seconds": stall, "staged_bytes": staged,
                            "rows": int(rows), "save": save}

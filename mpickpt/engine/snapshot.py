@@ -9,13 +9,17 @@ from mpickpt.engine.staging import StagingArea
 from mpickpt.store.file_spec import FileSpec, dense_spec, extra_spec, shard_attrs, shard_specs
 
 
-def state_specs(model, with_dense: bool) -> dict[str, tuple[tuple[int, ...], str]]:
-    """(shape, dtype) of every staged array: row state, global ids, and dense state. Local."""
-    specs = {name: (tuple(t.shape), numpy_dtype(t)) for name, t in model.row_state().items()}
+def shapes_of(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """(shape, numpy dtype name) of each tensor, in their order. Local."""
+    return {name: (tuple(t.shape), numpy_dtype(t)) for name, t in tensors.items()}
+
+
+def state_specs(model, rows: dict, dense: dict) -> dict[str, tuple[tuple[int, ...], str]]:
+    """(shape, dtype) of every staged array: `rows` (the row state), global ids, and `dense`
+    (keyed 'dense/<name>'; empty where this rank stages none). Local."""
+    specs = shapes_of(rows)
     specs["gids"] = ((len(model.embeddings.local_gids),), "int64")
-    if with_dense:
-        specs.update({f"dense/{k}": (tuple(t.shape), numpy_dtype(t))
-                      for k, t in model.dense_state().items()})
+    specs.update(shapes_of(dense))
     return specs
 
 
@@ -37,6 +41,9 @@ class Snapshotter:
     def __init__(self, model, with_dense: bool):
         self.model, self.with_dense = model, with_dense
         self.area: StagingArea | None = None
+        self.dense_shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+        """(shape, dtype) of the dense arrays the last `stage` copied, names without 'dense/'
+        (what the dense file of that save describes)."""
         cuda = model.topo.device.type == "cuda"
         self._stream = torch.cuda.Stream() if cuda else None
 
@@ -46,9 +53,19 @@ class Snapshotter:
         and an area page-locked and mapped for the device). Local."""
         return self._stream is None or (self.area is not None and self.area.mapped)
 
-    def prepare(self) -> None:
-        """Allocate the staging area for the current state shapes (if they changed). Local."""
-        specs = state_specs(self.model, self.with_dense)
+    def _state(self) -> tuple[dict, dict]:
+        """(row state, dense state keyed 'dense/<name>' or {} where this rank stages none), each
+        asked of the model once. Local."""
+        rows = dict(self.model.row_state())
+        dense = {f"dense/{k}": t for k, t in self.model.dense_state().items()} \
+            if self.with_dense else {}
+        return rows, dense
+
+    def prepare(self, state: tuple[dict, dict] | None = None) -> None:
+        """Allocate the staging area for the shapes of `state` (default: the model's now), if
+        they changed. Local."""
+        rows, dense = state or self._state()
+        specs = state_specs(self.model, rows, dense)
         if self.area is None or not self.area.matches(specs):
             self._reallocate(specs)
 
@@ -59,10 +76,9 @@ class Snapshotter:
         `CopyOnUpdate`) only the dense part is copied now and the rows are left to it: pending
         until copied in the background or before their first update (CUDA rows: only into a
         staging area the device can write, `StagingArea.mapped`). Local."""
-        self.prepare()
-        rows = dict(self.model.row_state())
-        dense = {f"dense/{k}": t for k, t in self.model.dense_state().items()} \
-            if self.with_dense else {}
+        rows, dense = self._state()
+        self.prepare((rows, dense))
+        self.dense_shapes = {k[len("dense/"):]: v for k, v in shapes_of(dense).items()}
         start = time.perf_counter()
         if copier is not None and self.copier_can_write:
             nbytes = self._copy(dense)
@@ -141,13 +157,12 @@ def codec_fields(codec) -> dict:
     return {k: v for k, v in asdict(codec).items() if k != "threads"}
 
 
-def dense_file_spec(model, root: str, ckpt_id: str, step: int) -> FileSpec:
-    """The replicated dense state, written once (by rank 0's last writer); the parameters in
-    the order `dense_state()` lists them (the contract's core). Local."""
-    state = model.dense_state()
-    return dense_spec(root, ckpt_id, step,
-                      {k: (tuple(t.shape), numpy_dtype(t)) for k, t in state.items()},
-                      [n[len("param/"):] for n in state if n.startswith("param/")])
+def dense_file_spec(shapes: dict, root: str, ckpt_id: str, step: int) -> FileSpec:
+    """The replicated dense state, written once (by rank 0's last writer): `shapes`, the
+    (shape, dtype) of each staged dense array (`Snapshotter.dense_shapes`), with the parameters
+    in the order `dense_state()` lists them (the contract's core). Local."""
+    return dense_spec(root, ckpt_id, step, shapes,
+                      [n[len("param/"):] for n in shapes if n.startswith("param/")])
 
 
 def rng_blobs() -> dict[str, bytes]:

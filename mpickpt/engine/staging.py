@@ -8,6 +8,7 @@ copy-on-update kernels write rows into it directly.
 """
 from __future__ import annotations
 
+import math
 import os
 import uuid
 
@@ -24,7 +25,7 @@ def layout_of(specs: dict[str, tuple[tuple[int, ...], str]]) -> tuple[dict, int]
     """Offsets for named (shape, dtype) arrays, page-aligned; returns (layout, total bytes). Local."""
     layout, offset = {}, 0
     for name, (shape, dtype) in specs.items():
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         layout[name] = {"offset": offset, "shape": list(shape), "dtype": np.dtype(dtype).str}
         offset += -(-max(nbytes, 1) // ALIGN) * ALIGN
     return layout, offset
@@ -48,6 +49,7 @@ class StagingArea:
 
     def __init__(self, specs: dict[str, tuple[tuple[int, ...], str]], pin_for_cuda: bool = False):
         self.layout, self.nbytes = layout_of(specs)
+        self._specs = list(specs.items())
         directory = SHM_DIR or os.environ.get("TMPDIR", "/tmp")
         self.path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
         with open(self.path, "wb") as f:
@@ -72,8 +74,9 @@ class StagingArea:
         return self._pinned is not None
 
     def matches(self, specs) -> bool:
-        """True when this area was laid out for exactly `specs`. Local."""
-        return self.layout == layout_of(specs)[0]
+        """True when this area was laid out for exactly `specs`, in the same order (checked in
+        every stall: the specs are compared, not laid out again). Local."""
+        return self._specs == list(specs.items())
 
     def tensors(self):
         """torch views of the arrays (sharing the memory). Local."""

@@ -10,6 +10,7 @@ under ``/dense``, which `dense_arrays` and `dense_listing` still read. Local: no
 from __future__ import annotations
 
 import json
+import math
 import mmap
 from dataclasses import dataclass
 
@@ -36,7 +37,7 @@ class DenseEntry:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
 
 def layout(arrays: dict[str, tuple[tuple, str]]) -> tuple[list[DenseEntry], int]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -173,13 +174,23 @@ def dense_spec(root: str, ckpt_id: str, step: int, arrays: dict, param_order) ->
     order to pack them; `param_order` numbers the dense optimizer state (``opt/<i>``). Local."""
     from mpickpt.store import dense_file
 
-    entries, size = dense_file.layout(arrays)
+    entries, size, index = _dense_layout(tuple(arrays.items()))
     return FileSpec(root, dense_relpath(ckpt_id), "dense", 0, 0,
                     {"step": step, "kind": "full", "codec": "fp32",
                      "param_order": list(param_order)},
-                    group_attrs={dense_file.GROUP: {
-                        dense_file.INDEX_ATTR: dense_file.index_json(entries)}},
+                    group_attrs={dense_file.GROUP: {dense_file.INDEX_ATTR: index}},
                     packs={dense_file.PACKED: (entries, size, "dense/")})
+
+
+@lru_cache(maxsize=8)
+def _dense_layout(arrays: tuple) -> tuple[tuple, int, str]:
+    """(entries, pack size, index JSON) of the dense arrays ((name, (shape, dtype)), ...): laid
+    out once per set of shapes, not in every stall (entries are frozen, so sharing them is
+    safe). Local."""
+    from mpickpt.store import dense_file
+
+    entries, size = dense_file.layout(dict(arrays))
+    return tuple(entries), size, dense_file.index_json(entries)
 
 
 def extra_spec(root: str, ckpt_id: str, rank: int, step: int, kind: str, blobs: dict) -> FileSpec:
