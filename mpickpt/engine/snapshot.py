@@ -42,8 +42,8 @@ class Snapshotter:
         self.model, self.with_dense = model, with_dense
         self.area: StagingArea | None = None
         self.dense_shapes: dict[str, tuple[tuple[int, ...], str]] = {}
-        """(shape, dtype) of the dense arrays the last `stage` copied, names without 'dense/'
-        (what the dense file of that save describes)."""
+        """(shape, dtype) of the dense arrays staging was last prepared for, names without
+        'dense/' (after `stage`: what it copied, which the dense file of that save describes)."""
         cuda = model.topo.device.type == "cuda"
         self._stream = torch.cuda.Stream() if cuda else None
 
@@ -68,6 +68,8 @@ class Snapshotter:
         specs = state_specs(self.model, rows, dense)
         if self.area is None or not self.area.matches(specs):
             self._reallocate(specs)
+        self.dense_shapes = {k[len("dense/"):]: v for k, v in specs.items()
+                             if k.startswith("dense/")}
 
     def stage(self, copier=None, selected=None) -> tuple[float, int]:
         """Copy the state a save writes into staging; returns (seconds, bytes copied now).
@@ -78,7 +80,6 @@ class Snapshotter:
         staging area the device can write, `StagingArea.mapped`). Local."""
         rows, dense = self._state()
         self.prepare((rows, dense))
-        self.dense_shapes = {k[len("dense/"):]: v for k, v in shapes_of(dense).items()}
         start = time.perf_counter()
         if copier is not None and self.copier_can_write:
             nbytes = self._copy(dense)

@@ -23,6 +23,9 @@ class KindPlanner:
         self.kind, self.full = kind, Full()
         self._sum, self._max = allreduce_sum, allreduce_max
         self.state = ChainState(np.zeros(local_rows, dtype=bool))
+        self._marked = False
+        """Whether any row of `since_base` was set since it was last cleared (a kind that
+        tracks no rows never sets one, and its baselines skip clearing the whole vector)."""
         self.decisions: list[dict] = []
 
     @property
@@ -45,6 +48,7 @@ class KindPlanner:
         """Decide checkpoint `step` given the rows changed since the last one. Collective."""
         if changed is not None:
             self.state.since_base[changed] = True
+            self._marked = True
             counts = self._sum(np.array([len(changed), int(self.state.since_base.sum())],
                                         dtype=np.int64))
         else:  # no row tracking on any rank (the kind is the job's): nothing to sum
@@ -58,7 +62,9 @@ class KindPlanner:
 
     def _baseline(self, step: int, attempt: str, reason: str) -> SavePlan:
         s = self.state
-        s.since_base[:] = False
+        if self._marked:
+            s.since_base[:] = False
+            self._marked = False
         s.base_step, s.steps, s.name = step, [], self.kind.chain_name(step, attempt)
         self.kind.started(s)
         self._log(step, "full", reason)
