@@ -6,6 +6,7 @@
 # /tmp/site). Usage: OUT=dir bash bench/gpu_checks.sh [section ...]
 #   sections: env tests bench train cou parity2 stall   (default: all but stall)
 #   cou: COU_SCALE_DOWN (Criteo Kaggle tables / this, default 2) and COU_PAIRS (default 1)
+#   stall: STALL_SIZES_MB (default 64,256,1024) and STALL_MODES (default both snapshot modes)
 set -u
 OUT=${OUT:-/tmp/mpickpt-gpu}
 mkdir -p "$OUT"
@@ -119,7 +120,7 @@ stall)
     # Open MPI as root, and the variables the ranks need (bench/checkpoint_stall.py launches mpiexec)
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
         OMPI_MCA_mca_base_env_list="PYTHONPATH;LD_LIBRARY_PATH;PYTHONUNBUFFERED"
-    for snap in stop-the-world copy-on-update; do
+    for snap in ${STALL_MODES:-stop-the-world copy-on-update}; do
         timeout 300 python3 bench/checkpoint_stall.py --ranks 1 --backend nccl --snapshot $snap \
             --sizes-mb ${STALL_SIZES_MB:-64,256,1024} --repeats 3 --dir /tmp/mpickpt-stall \
             --out "$OUT/stall_gpu_$snap.json" 2>&1 | tail -9
