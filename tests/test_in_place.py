@@ -140,6 +140,8 @@ def test_a_hot_spare_takes_a_killed_ranks_place(tmp_path, clean_digest, seed):
     assert not t["segments_left"], f"MPI segments left in /dev/shm: {t['segments_left']}"
 
 
+@pytest.mark.slow  # CI time: CI loses two ranks at once to two spares (rank 0's node, below) and
+# rebuilds one lost shard from parity in place (above); this case joins the two
 def test_two_deaths_in_different_parity_groups_are_rebuilt_together_by_two_spares(
         tmp_path, clean_digest):
     """Ranks 1 and 3 (parity groups {0,1} and {2,3}, k=1) SIGKILL themselves at the same step: the

@@ -55,6 +55,8 @@ def test_partial_recovery_replays_nothing_and_carries_its_pls(tmp_path, straight
     assert list_manifests(str(ckpt))[-1].stats["pls"]["value"] == pytest.approx(expected)
 
 
+@pytest.mark.slow  # CI time: the 2-rank test above replays nothing either, and
+# test_real_failures.py recovers a real death's shard partially on 4 ranks, row by row
 def test_partial_recovery_of_a_middle_rank_on_4_ranks_replays_nothing(tmp_path):
     steps, common = 12, (*SMALL_MODEL, "--num-batches", "12")
     straight, trace = tmp_path / "straight", tmp_path / "trace"

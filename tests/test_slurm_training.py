@@ -95,6 +95,7 @@ def reference():
     return digest
 
 
+@pytest.mark.slow  # CI time: the scancel test below runs the script as shipped to mpiexec's digest
 def test_the_script_as_shipped_trains_like_mpiexec(slurm, tmp_path, reference):
     job, out = submit(slurm, tmp_path, 2, 40)
     result = slurm.wait_job(job, timeout=180)
@@ -153,6 +154,7 @@ def test_scancel_term_saves_the_step_reached_and_the_requeue_replays_none(slurm,
     after = text.split(f"resumed from checkpoint step {step}")[1]
     assert min(int(s) for s in re.findall(r"^step (\d+)/", after, re.M)) == step + 1
     assert digest_in(text) == reference(2, 150)
+    assert "world of 1" not in text and text.count("digest ") == 1  # 2-rank jobs; one finished
     log = (tmp_path / "ckpt" / "mpickpt-restarts.log").read_text()
     assert "stopped on a signal with its checkpoint committed; requeueing" in log
 

@@ -122,6 +122,8 @@ def test_partial_recovery_reloads_the_lost_shard_without_a_rollback(tmp_path):
     assert "reloaded from checkpoint step 4" in proc.stdout and resumed_step(proc.stdout) is None
 
 
+@pytest.mark.slow  # CI time: CI recovers real deaths in place on the native model
+# (test_in_place.py), and rebuilds a DMP shard from parity while training goes on (above)
 def test_a_real_death_is_recovered_in_place(root, tmp_path):
     """mpickpt-run's agent respawns the killed rank; the survivor re-points its DMP at the next
     generation's process group, parity rebuilds the shard, the digest is the failure-free one."""
