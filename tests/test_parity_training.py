@@ -15,6 +15,8 @@ def _clean(optimizer: str) -> str:
     return digest_of(run_ranks(4, "mpickpt.train", *SMALL_MODEL, *STEPS, "--optimizer", optimizer))
 
 
+@pytest.mark.slow  # CI time: the next test rebuilds a later single loss exactly from XOR parity,
+# and test_in_place.py's parity cases read the group's memory to the failure-free digest
 def test_one_lost_rank_is_rebuilt_from_xor_parity_exactly():
     proc = run_ranks(4, "mpickpt.train", *SMALL_MODEL, *STEPS, "--parity-k", "3",
                      "--inject-failure", "7:2")
