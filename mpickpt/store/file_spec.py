@@ -174,7 +174,8 @@ def dense_spec(root: str, ckpt_id: str, step: int, arrays: dict, param_order) ->
     order to pack them; `param_order` numbers the dense optimizer state (``opt/<i>``). Local."""
     from mpickpt.store import dense_file
 
-    entries, size, index = _dense_layout(tuple(arrays.items()))
+    entries, size, index = _dense_layout(tuple((name, (tuple(shape), dtype))
+                                               for name, (shape, dtype) in arrays.items()))
     return FileSpec(root, dense_relpath(ckpt_id), "dense", 0, 0,
                     {"step": step, "kind": "full", "codec": "fp32",
                      "param_order": list(param_order)},
