@@ -71,27 +71,35 @@ done:
 
 typedef struct { const uint8_t *base; int64_t stride, count; } source_t;
 
+/* Each row's XOR is formed in `acc`, XOR_BLOCK bytes at a time, and stored once: every byte of
+ * dest is written only with its final value, so a thread reading dest meanwhile (a rebuild's
+ * lookup reading rows a sweep beside it rewrites with the same values) never sees a partial XOR. */
+#define XOR_BLOCK 4096
 static void xor_strided(uint8_t *dest, int64_t stride, int64_t n, int64_t width,
                         const source_t *src, int64_t m) {
     const uint8_t *p[256];
+    uint64_t acc[XOR_BLOCK / 8];
+    uint8_t *a8 = (uint8_t *)acc;
     for (int64_t i = 0; i < n; i++) {
         uint8_t *d = dest + i * stride;
         int64_t k = 0;
         for (int64_t s = 0; s < m; s++)
             if (i < src[s].count) p[k++] = src[s].base + i * src[s].stride;
         if (k == 0) { memset(d, 0, (size_t)width); continue; }
-        memcpy(d, p[0], (size_t)width);
-        for (int64_t s = 1; s < k; s++) {
-            const uint8_t *q = p[s];
-            int64_t b = 0;
-            for (; b + 8 <= width; b += 8) {
-                uint64_t a, x;
-                memcpy(&a, d + b, 8);
-                memcpy(&x, q + b, 8);
-                a ^= x;
-                memcpy(d + b, &a, 8);
+        for (int64_t b0 = 0; b0 < width; b0 += XOR_BLOCK) {
+            int64_t w = width - b0 < XOR_BLOCK ? width - b0 : XOR_BLOCK;
+            memcpy(a8, p[0] + b0, (size_t)w);
+            for (int64_t s = 1; s < k; s++) {
+                const uint8_t *q = p[s] + b0;
+                int64_t b = 0;
+                for (; b + 8 <= w; b += 8) {
+                    uint64_t x;
+                    memcpy(&x, q + b, 8);
+                    acc[b / 8] ^= x;
+                }
+                for (; b < w; b++) a8[b] ^= q[b];
             }
-            for (; b < width; b++) d[b] ^= q[b];
+            memcpy(d + b0, a8, (size_t)w);
         }
     }
 }

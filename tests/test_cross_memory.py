@@ -4,6 +4,7 @@ unmapped address; and the strided XOR that decodes r = 1 from what was read."""
 import errno
 import multiprocessing as mp
 import os
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -155,6 +156,32 @@ def test_xor_views_of_strided_rows(kernel):
         xor_views(dest, [big[:, :16]], kernel=kernel)
     with pytest.raises(ValueError, match="rows <= 100"):
         xor_views(dest, [big[:101, :17]], kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["C", "torch"])
+def test_a_reader_never_sees_a_partial_xor(kernel):
+    """A sweep beside the step rewrites rows the lookup reads with the values they already hold:
+    a thread reading them meanwhile must see those values throughout, never a partial XOR."""
+    rng = np.random.default_rng(5)
+    sources = [torch.from_numpy(rng.integers(-2**31, 2**31, (64, 2048)).astype(np.int32))
+               for _ in range(3)]
+    final = sources[0] ^ sources[1] ^ sources[2]
+    dest = final.clone()
+    stop, rewrites = threading.Event(), [0]
+
+    def rewrite():
+        while not stop.is_set():
+            xor_views(dest, sources, kernel=kernel)
+            rewrites[0] += 1
+
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    try:
+        seen = [not torch.equal(dest, final) for _ in range(3000)]
+    finally:
+        stop.set()
+        writer.join()
+    assert rewrites[0] > 20 and sum(seen) == 0, (rewrites[0], sum(seen))
 
 
 @pytest.mark.skipif(not xor_many_built(), reason="the C kernels were not built")
@@ -473,3 +500,20 @@ def test_the_guard_reserves_where_a_group_may_read_memory(transport, local_size,
     guard = SimpleNamespace(store=st, config=ParityConfig(k=3, r=1, transport=transport))
     reads = ParityGuard._reserve_reads(guard)
     assert (reads is not None and reads.reserved > 0) == reserved
+
+
+@pytest.mark.parametrize("cores,local_size,threads,free", [
+    (16, 4, 1, True), (2, 4, 1, False), (2, 2, 1, False), (4, 2, 1, True), (8, 4, 2, False)])
+def test_a_rank_votes_to_sweep_beside_where_its_node_leaves_a_core_free(
+        monkeypatch, cores, local_size, threads, free):
+    """--rebuild-sweep auto: beside where this rank's share of the node (its affinity over the
+    node's ranks) leaves a core beyond its training threads; lookup elsewhere."""
+    from mpickpt.engine import free_cores
+    from mpickpt.parity.guard import ParityGuard
+
+    monkeypatch.setattr(free_cores, "cores_available", lambda: cores)
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    st = _lost_rank()
+    guard = SimpleNamespace(store=st, topo=SimpleNamespace(local_size=local_size))
+    assert ParityGuard._core_free(guard) == free

@@ -18,7 +18,9 @@ except ImportError:  # an older build of the kernels has no batch entry
 
 
 def xor_views(dest: torch.Tensor, sources: list[torch.Tensor], kernel: bool = True) -> None:
-    """dest[i] = XOR of sources[s][i] over the sources longer than i (zeros if none). `dest`
+    """dest[i] = XOR of sources[s][i] over the sources longer than i (zeros if none), each byte
+    of `dest` written once, with its final value (a thread reading `dest` meanwhile sees old or
+    new bytes, never a partial XOR). `dest`
     (n, w) and every source (m_s <= n, w): CPU int32 views whose rows are contiguous; they may
     not overlap `dest`. ValueError naming the view that is not."""
     n, w = dest.shape
@@ -35,10 +37,11 @@ def xor_views(dest: torch.Tensor, sources: list[torch.Tensor], kernel: bool = Tr
                            dtype=np.int64).reshape(-1)
         _kernel(dest.data_ptr(), dest.stride(0) * 4, n, w * 4, triples.tobytes())
         return
-    dest.zero_()
+    acc = torch.zeros_like(dest)  # formed aside, stored once: a reader sees no partial XOR
     for s in sources:
         if len(s):
-            dest[:len(s)].bitwise_xor_(s)
+            acc[:len(s)].bitwise_xor_(s)
+    dest.copy_(acc)
 
 
 def xor_many_built() -> bool:
