@@ -91,6 +91,7 @@ class ShardedEmbeddingBags:
         self.index_hooks: list[IndexHook] = []
         self.count_hooks: list = []
         self.update_hooks: list = []
+        self.gradient_hooks: list[Callable[[], None]] = []
         self._offsets = torch.as_tensor(plan.table_offsets, device=self.device)
 
     def _init_weight(self, seed: int) -> torch.Tensor:
@@ -141,6 +142,15 @@ class ShardedEmbeddingBags:
         self.update_hooks.append(hook)
         return lambda: self.update_hooks.remove(hook)
 
+    def add_gradient_hook(self, hook: Callable[[], None]) -> Callable[[], None]:
+        """Call `hook()` on every rank in each training step after its lookup and dense
+        backward, right before the pooled gradients leave for their owners: no row of this step
+        has changed anywhere yet, and no owner changes one before this rank's gradients reach
+        it (a rebuild joins its sweep here). Local unless the hook is collective. Returns a
+        function that removes the hook."""
+        self.gradient_hooks.append(hook)
+        return lambda: self.gradient_hooks.remove(hook)
+
     def lookup(self, sparse: torch.Tensor, update: bool = False) -> tuple[torch.Tensor, LookupContext]:
         """Pooled (sum) embeddings (B, T, dim) of this rank's batch. Collective over `topo.pg`
         (and over the update hooks' groups when `update`).
@@ -183,6 +193,9 @@ class ShardedEmbeddingBags:
     def apply_gradients(self, grad: torch.Tensor, ctx: LookupContext) -> None:
         """Send pooled gradients to the owners and update their rows. Collective over `topo.pg`."""
         B, T = ctx.shape
+        with self.timer.phase("update_hooks"):
+            for hook in self.gradient_hooks:
+                hook()
         with self.timer.phase("alltoall"):
             seg_grad = grad.reshape(B * T, self.dim)[ctx.seg_bag]
             owner_grad = self._alltoall(seg_grad.contiguous(), ctx.send_segs, ctx.recv_segs)

@@ -17,12 +17,14 @@ import torch
 from mpickpt.model.contract import PARITY, require
 from mpickpt.options import int_at_least, option, positive_float
 from mpickpt.parity import cross_memory
+from mpickpt.parity.exchange import exchange_counts
 from mpickpt.parity.layout import check_parity_shape
 from mpickpt.parity.memory_reads import MemoryReads
 from mpickpt.parity.rebuild import TRANSPORTS, Rebuild
 from mpickpt.parity.upkeep import ParityStore
 
 NAN_BITS = 0x7FC00000
+SWEEPS = ("auto", "beside", "lookup")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,6 +47,14 @@ class ParityConfig:
     """how a lost rank gets its survivors' units: auto (read their memory directly, with
     process_vm_readv, where the whole group shares a host and the kernel allows it; else the
     network) or network (the process group)"""
+    sweep: str = option("auto", flag="--rebuild-sweep", choices=SWEEPS)
+    """where a lost rank that reads its group's memory (r = 1) sweeps each round's chunk:
+    beside (on a thread of its own while the step's dense forward and backward run, joined
+    before the step's gradients leave: costs training little where the node has a core free,
+    more than lookup where it has none), lookup (inside the lookup's round, as over the
+    network), or auto (beside where every rank's share of its node leaves a core free,
+    else lookup). Beside needs mpickpt's own model, whose embeddings call a gradient hook;
+    a model without it (TorchRec's) sweeps in the lookup"""
 
     def __post_init__(self):
         if self.k is None:
@@ -54,6 +64,9 @@ class ParityConfig:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"--rebuild-transport must be one of {', '.join(TRANSPORTS)}, got "
                              f"{self.transport!r}")
+        if self.sweep not in SWEEPS:
+            raise ValueError(f"--rebuild-sweep must be one of {', '.join(SWEEPS)}, got "
+                             f"{self.sweep!r}")
         if not 0 < self.budget <= 10:
             raise ValueError(f"--rebuild-budget must be in (0, 10], got {self.budget!r}")
 
@@ -73,6 +86,12 @@ class ParityGuard:
         self.store = ParityStore(topo, model.embeddings, model.plan, config.k, config.r)
         model.embeddings.add_update_hook(self.store)
         model.embeddings.add_index_hook(self._on_lookup)
+        add_gradient_hook = getattr(model.embeddings, "add_gradient_hook", None)
+        if add_gradient_hook is not None:  # on every rank: a sweep beside needs all to join
+            add_gradient_hook(self._before_gradients)
+        self.behind = add_gradient_hook is not None and (
+            config.sweep == "beside" or config.sweep == "auto" and self._core_free())
+        """This rank's vote for memory sweeps beside the step (`Rebuild`'s `behind`)."""
         self.rebuild: Rebuild | None = None
         self.interrupted: list[int] = []
         """Ranks whose rebuild a further death interrupted (`interrupt_rebuild`): their rows are
@@ -82,6 +101,13 @@ class ParityGuard:
         self.reads = self._reserve_reads()
         """This rank's readers for a rebuild by memory reads, their scratch faulted in now
         (None where its rebuilds go over the network)."""
+
+    def _core_free(self) -> bool:
+        """This rank's share of its node leaves a core that its training does not use. Local."""
+        from mpickpt.engine.free_cores import free_cores
+
+        return free_cores(self.topo.local_size, self.store.words.device.type,
+                          torch.get_num_threads()) >= 1
 
     def _reserve_reads(self) -> MemoryReads | None:
         """Readers with scratch for a whole piece, faulted in before any failure, where this
@@ -198,7 +224,7 @@ class ParityGuard:
         """Begin rebuilding `ranks` (their failure is covered). Local; rounds run in lookups."""
         self._drop_rebuild()
         self.rebuild = Rebuild(self.store, set(ranks), self.config.budget,
-                               self.config.transport, self.say, self.reads)
+                               self.config.transport, self.say, self.reads, self.behind)
         self.interrupted = []
         self.rebuild_step = step
         self.say(f"parity: ranks {sorted(ranks)} lost their shards after step {step}; rebuilding "
@@ -207,11 +233,26 @@ class ParityGuard:
     def _on_lookup(self, rows: torch.Tensor) -> None:
         if self.rebuild is not None and self.rebuild.active:
             self.rebuild.round(rows, self.step_seconds)
-            if not self.rebuild.active:
+            if not self.rebuild.active and not self.rebuild.deferred:
                 self._report()
+
+    def _before_gradients(self) -> None:
+        """The gradient hook: end a sweep this step's round left running. The lost ranks wait
+        for theirs, then one small exchange holds every rank until they have, so that no row
+        or parity of the group changes while a sweep reads it. Collective when the round was
+        deferred (alike on every rank), else nothing."""
+        rb = self.rebuild
+        if rb is None or not rb.deferred:
+            return
+        rb.join()
+        st = self.store
+        exchange_counts(st.topo, st.words.device, [[0]] * st.topo.world_size)
+        if not rb.active:
+            self._report()
 
     def settle(self) -> None:
         """Finish a running rebuild now (before a checkpoint or the end). Collective."""
+        self._before_gradients()  # a sweep a step left running (none after a whole step)
         if self.rebuild is not None and self.rebuild.active:
             self.rebuild.finish()
             self._report()

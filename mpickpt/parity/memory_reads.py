@@ -11,7 +11,7 @@ import itertools
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ class MemoryReads:
         threads = min(MAX_THREADS, len(os.sched_getaffinity(0)))
         self.readers = [PeerReader(store) for _ in range(threads)]
         self._pool: ThreadPoolExecutor | None = None
+        self._sweeper: ThreadPoolExecutor | None = None
         self._buffers: dict[int, torch.Tensor] = {}
         self.reserved = 0
         """Bytes of scratch faulted in ahead by `reserve` (kept by `close`)."""
@@ -134,6 +135,20 @@ class MemoryReads:
             per_reader[i] += took if kind == "xor" else 0.0
         return units, max(per_reader)
 
+    def pull_behind(self, p0: int, p1: int, peers: dict[int, Peer], lock) -> Future:
+        """`pull` of periods [p0, p1) (no degraded units) on a thread of its own, holding `lock`
+        (the store's) while it writes, so that the caller goes on with its step meanwhile. The
+        future gives the sweep's seconds; the caller must let nothing change the group's rows
+        or parity until it has waited for it. Local."""
+        if self._sweeper is None:
+            self._sweeper = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-sweep")
+
+        def sweep() -> float:
+            with lock:
+                return self.pull(p0, p1, peers)[1]
+
+        return self._sweeper.submit(sweep)
+
     def period_units(self, p0: int, p1: int, peers: dict[int, Peer]) -> dict[int, torch.Tensor]:
         """Each survivor's units of periods [p0, p1) in stripe order ((n g, W) each, buffers
         reused by the next call), by group position: what it would have sent."""
@@ -150,7 +165,11 @@ class MemoryReads:
 
     def close(self) -> None:
         """End the threads and drop the scratch buffers, but those `reserve` faulted in (a
-        rebuild that follows reuses them). Local; safe twice."""
+        rebuild that follows reuses them). Waits for a sweep `pull_behind` began. Local; safe
+        twice."""
+        if self._sweeper is not None:
+            self._sweeper.shutdown(wait=True)
+            self._sweeper = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -17,6 +17,13 @@ none of this step's), so the decoded units are exact: a chunk is locked for exac
 round, and updates of this step land after it, the synchronous form of ECRM's lock and buffer.
 Lost rows are never updated before they are rebuilt (a row a step updates is read first), so
 parity held by survivors stays consistent with the lost rows' true values.
+
+Where the lost rank reads its survivors' memory (r = 1) and the model calls a gradient hook
+(`behind`), the round does only the degraded reads (the rows this step reads, the chunk's
+included) and leaves the chunk's sweep running on a thread of its own while the step's dense
+forward and backward go on; every rank's gradient hook then `join`s it, the lost rank waiting
+for the sweep, and one small exchange holds every rank until then, before any row of the step
+changes (ECRM's decode beside training, with the same consistency as a round).
 """
 from __future__ import annotations
 
@@ -47,12 +54,16 @@ class Rebuild:
     Every rank holds one; `round` and `finish` are collective until `active` is False."""
 
     def __init__(self, store, failed: set[int], budget: float, transport: str = "auto",
-                 say=None, reads: MemoryReads | None = None):
+                 say=None, reads: MemoryReads | None = None, behind: bool = False):
         """`transport`: "auto" reads the survivors' memory where the whole group shares a host
         and the kernel allows it (`peer_rows`), else uses the process group; "network" always
         uses the process group (`ParityConfig` checks it). `say`: the log, for a refused
         memory read. `reads`: the lost rank's readers with their scratch reserved ahead
-        (`MemoryReads.reserve`); made here where None."""
+        (`MemoryReads.reserve`); made here where None. `behind`: this rank would have a
+        round that reads memory leave its sweep running beside the step; every rank's
+        gradient hook then calls `join` before any row of the step changes. A round does so
+        only where every rank would (their votes travel with its first exchange), so the
+        choice is the same on all."""
         self.store, self.failed, self.budget = store, set(failed), budget
         self.transport, self.say = transport, say or (lambda line: None)
         L, me = store.layout, store.topo.rank
@@ -74,6 +85,15 @@ class Rebuild:
         self.reads = (reads or MemoryReads(store)) if self.mine else None
         self.probed = False  # this lost rank has read each of its survivors' memory once
         self.memory_rounds = 0
+        self.behind = behind
+        self.deferred = False
+        """The last round left its chunk's sweep running; `join` ends it (the same on every
+        rank)."""
+        self._sweep = None
+        """(future, p0, p1, bytes read before, start) of the sweep this lost rank left
+        running."""
+        self.sweeps_beside = 0
+        """Sweeps this lost rank left running beside a step."""
         self.pull_cost: float | None = None  # seconds per stripe of the last memory sweep
         self._step_seconds: float | None = None
 
@@ -85,17 +105,21 @@ class Rebuild:
         """One exchange: degraded reads of `needed_rows` (local rows this step reads) and the next
         chunk. Collective over the training process group."""
         start = time.perf_counter()
+        self.join()  # a sweep an evaluation lookup's round left (no row changed since)
         self._step_seconds = step_seconds
         st = self.store
-        degraded, (p0, p1) = self._request(needed_rows, everything)
+        vote = int(self.behind and not everything and st.layout.r == 1 and
+                   self.transport == "auto")  # this rank may leave a sweep beside the step
+        degraded, (p0, p1) = self._request(needed_rows, everything, keep_chunk=bool(vote))
         left = int(self.mine and p1 < st.layout.periods)  # the sweep has periods to go
         world = st.topo.world_size
         survivors = [st.layout.base + p for p in range(st.layout.g) if p not in self.group_failed]
         info = peer_rows.describe(st, self.transport == "auto", self.probed)
         counts = [([len(degraded), p0, p1, left] if (self.mine and d in survivors)
-                   else [0, 0, 0, left]) + info for d in range(world)]
+                   else [0, 0, 0, left]) + [vote] + info for d in range(world)]
         got = exchange_counts(st.topo, st.words.device, counts)
         lefts = [c[3] for c in got]
+        defer = all(c[4] for c in got)  # every rank will join it before its gradients leave
         peers = self._memory_peers(got, survivors)
         if peers is not None and self._probing(got):
             p1, agreed = self._agree_probe(peers, p0, p1, everything)
@@ -107,23 +131,54 @@ class Rebuild:
         request = np.concatenate([degraded, np.arange(p0 * g, p1 * g, dtype=np.int64)])
         if peers is not None:
             if self.mine and len(request):
-                self._pull(request, peers, len(degraded), p0, p1)
+                if defer:
+                    self._pull_behind(degraded, peers, p0, p1)
+                else:
+                    self._pull(request, peers, len(degraded), p0, p1)
             self.memory_rounds += 1
         else:
             self._over_network(counts, request, degraded, got, survivors)
         self.rounds += 1
         self.active = any(lefts)
+        self.deferred = peers is not None and defer
         took = time.perf_counter() - start
         self.seconds += took
         if peers is None:
             self._resize(len(request), took, step_seconds)
+        if not self.deferred:
+            self._end_if_over()
+
+    def join(self) -> None:
+        """End the sweep the last round left running (`deferred`): the lost rank waits for it
+        (raising its failure) and counts its periods rebuilt; ends the rebuild where that round
+        was its last. Local; a no-op where no round was deferred. The caller then holds every
+        rank until all have joined (`ParityGuard`)."""
+        if not self.deferred:
+            return
+        self.deferred = False
+        if self._sweep is not None:
+            start = time.perf_counter()
+            future, p0, p1, before, launched = self._sweep
+            self._sweep = None
+            sweep = future.result()
+            g = self.store.layout.g
+            self.lost[p0 * g:p1 * g] = False
+            self.received_bytes += self.reads.bytes_read - before
+            self.pull_cost = sweep / ((p1 - p0) * g)
+            self._resize_pull(window=start - launched)
+            self.seconds += time.perf_counter() - start
+        self._end_if_over()
+
+    def _end_if_over(self) -> None:
         if not self.active and self.finished_at is None:
             self.finished_at = time.perf_counter()
             self.close()
 
     def close(self) -> None:
         """Release the lost rank's reader threads and scratch (when the rebuild ends, or is
-        dropped). Local; safe twice."""
+        dropped; a sweep still running is waited for, its failure dropped with it). Local; safe
+        twice."""
+        self._sweep = None
         if self.reads is not None:
             self.reads.close()
 
@@ -159,7 +214,7 @@ class Rebuild:
         if self.transport != "auto":
             return None
         g = self.store.layout.g
-        info = {m: Peer.parse(got[m][4:]) for f in self.failed
+        info = {m: Peer.parse(got[m][5:]) for f in self.failed
                 for m in range(f - f % g, f - f % g + g)}
         for f in self.failed:
             members = range(f - f % g, f - f % g + g)
@@ -170,7 +225,7 @@ class Rebuild:
 
     def _probing(self, got) -> bool:
         """Some lost rank has not read its survivors' memory yet (the same on every rank)."""
-        return not all(Peer.parse(got[f][4:]).probed for f in self.failed)
+        return not all(Peer.parse(got[f][5:]).probed for f in self.failed)
 
     def _agree_probe(self, peers: dict[int, Peer], p0: int, p1: int,
                      everything: bool) -> tuple[int, list[int] | None]:
@@ -233,10 +288,25 @@ class Rebuild:
             self.pull_cost = sweep / ((p1 - p0) * L.g)
         self._resize_pull()
 
-    def _resize_pull(self) -> None:
+    def _pull_behind(self, degraded: np.ndarray, peers: dict[int, Peer], p0: int,
+                     p1: int) -> None:
+        """r = 1: decode the `degraded` stripes (the rows this step reads, the chunk's too) now,
+        and leave the sweep of periods [p0, p1) running (`join` ends it). Local."""
+        before = self.reads.bytes_read
+        if len(degraded):
+            self._decode(degraded, self.reads.units(peers, degraded), len(degraded))
+        after = self.reads.bytes_read
+        self.received_bytes += after - before
+        if p1 > p0:
+            self._sweep = (self.reads.pull_behind(p0, p1, peers, self.store.lock), p0, p1, after,
+                           time.perf_counter())
+            self.sweeps_beside += 1
+
+    def _resize_pull(self, window: float = 0.0) -> None:
         """Chunk for the next memory round: what `budget` of a step buys at the measured cost
         per stripe of the reads so far (at the assumed rate before any); at most 8x the last
-        and at least 64 stripes. Local."""
+        and at least 64 stripes. A sweep that runs beside the step also has the `window` it
+        ran in before its join (the step's dense forward and backward) for free. Local."""
         st = self.store
         step = self._step_seconds
         if not self.mine or step is None:
@@ -247,13 +317,14 @@ class Rebuild:
         else:
             per_stripe = (st.layout.k * st.words.width * 4) / ASSUMED_READ_BYTES_PER_S
             cap = MAX_CHUNK_STRIPES
-        target = self.budget * step / max(per_stripe, 1e-12)
+        target = (window + self.budget * step) / max(per_stripe, 1e-12)
         self.chunk = int(min(max(64, target), cap, MAX_CHUNK_STRIPES))
 
     def finish(self) -> None:
         """Rebuild everything that is left now. Collective. When it read the survivors' memory,
         they wait here until the lost ranks are done (a round in a lookup needs no such wait:
-        a survivor changes no row before the lost rank's lookup has ended)."""
+        a survivor changes no row before the lost rank's lookup has ended). A sweep left running
+        must have been joined first (`ParityGuard.settle` does)."""
         reads = self.memory_rounds
         while self.active:
             self.round(None, None, everything=True)
@@ -271,9 +342,12 @@ class Rebuild:
         step = max(1, self.chunk // L.g)
         return L.periods if L.periods - (p0 + step) < step // 2 else p0 + step
 
-    def _request(self, needed_rows, everything: bool) -> tuple[np.ndarray, tuple[int, int]]:
+    def _request(self, needed_rows, everything: bool, keep_chunk: bool = False
+                 ) -> tuple[np.ndarray, tuple[int, int]]:
         """What this round decodes: the sorted lost stripes among `needed_rows` (degraded reads)
-        outside the chunk, and the chunk, the periods [p0, p1) from the cursor on. Local."""
+        outside the chunk (inside it too where `keep_chunk`: a sweep left running beside the
+        step writes the chunk after the lookup has read it), and the chunk, the periods [p0, p1)
+        from the cursor on. Local."""
         L = self.store.layout
         if not self.mine:
             return np.empty(0, dtype=np.int64), (0, 0)
@@ -284,7 +358,8 @@ class Rebuild:
         if needed_rows is not None and len(needed_rows):
             wanted = np.zeros(L.stripes, dtype=bool)  # sorted and unique without a sort
             wanted[L.stripe_of_row(self.store.pos, needed_rows.cpu().numpy())] = True
-            wanted[p0 * L.g:p1 * L.g] = False
+            if not keep_chunk:
+                wanted[p0 * L.g:p1 * L.g] = False
             s = np.flatnonzero(wanted & self.lost)
             self.degraded_rows += len(s)
             degraded = s

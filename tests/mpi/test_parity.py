@@ -71,14 +71,17 @@ def test_propagated_parity_equals_a_fresh_encode(topology, optimizer):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("path", ["memory", "bxor-reduce", "all-to-lost"])
+@pytest.mark.parametrize("path", ["memory", "memory-votes", "bxor-reduce", "all-to-lost"])
 def test_degraded_reads_and_rebuild_are_exact(topology, path):
-    rank = topology.rank
+    """memory: sweeps beside the steps (r = 1); memory-votes: rank 0 votes for them, the others
+    against, so every round sweeps in the lookup."""
+    rank, mem = topology.rank, path.startswith("memory")
     for k, r, failed in _shapes(topology.world_size):
         model = _model(topology, "adagrad")
-        transport = "auto" if path == "memory" else "network"
-        guard = ParityGuard(topology, model, ParityConfig(k=k, r=r, transport=transport),
-                            say=lambda line: None)
+        transport = "network" if path in ("bxor-reduce", "all-to-lost") else "auto"
+        sweep = "beside" if path == "memory" or rank == 0 else "lookup"
+        guard = ParityGuard(topology, model, ParityConfig(k=k, r=r, transport=transport,
+                                                          sweep=sweep), say=lambda line: None)
         assert (guard.store.group_pg is not None) == (r == 1 and topology.backend == "gloo")
         if path == "all-to-lost":  # NCCL's path: every survivor's units go to the lost rank
             guard.store._xor_reduce = False
@@ -92,8 +95,8 @@ def test_degraded_reads_and_rebuild_are_exact(topology, path):
         guard.start_rebuild(failed, step=4)
         rb = guard.rebuild
         # memory reads use the readers whose scratch the guard faulted in before the failure
-        assert (guard.reads is not None and guard.reads.reserved > 0) == (path == "memory")
-        if path == "memory":
+        assert (guard.reads is not None and guard.reads.reserved > 0) == mem
+        if mem:
             assert rb.reads is (guard.reads if rank in failed else None)
         rb.chunk = 0  # this round serves degraded reads only
         want = torch.arange(0, words.rows, 7)
@@ -107,13 +110,22 @@ def test_degraded_reads_and_rebuild_are_exact(topology, path):
         else:
             ok = torch.equal(now, truth)
         assert _all_ok(topology, ok), (k, r, "degraded reads")
-        # training continues during the rebuild (rounds run inside the lookups), then finish
-        _train(topology, model, 3, state)
+        # training continues during the rebuild (rounds run inside the lookups, each with a
+        # chunk: read from memory, it is swept beside the step and joined before its gradients
+        # leave), then an evaluation lookup leaves a sweep that settle joins, then finish
+        rb.chunk = 64
+        state = _train(topology, model, 3, state)
+        batch, _ = SyntheticStream(SyntheticConfig(table_sizes=SIZES, pooling=2, seed=6)).read_slice(
+            SyntheticPosition(), 32 * topology.world_size, topology.rank, topology.world_size)
+        model.predict(batch)
+        beside = mem and r == 1 and _all_ok(topology, sweep == "beside")
+        assert rb.deferred == beside
         guard.settle()
-        assert not rb.active and rb.remaining() == 0
+        assert not rb.active and rb.remaining() == 0 and not rb.deferred
+        assert rb.sweeps_beside == (4 if beside and rank in failed else 0)
         # every round read the survivors' memory (all ranks share this host), or none did
-        assert rb.memory_rounds == (rb.rounds if path == "memory" else 0), (path, rb.rounds)
-        assert (rb.probed and rb.received_bytes > 0) if path == "memory" and rank in failed \
+        assert rb.memory_rounds == (rb.rounds if mem else 0), (path, rb.rounds)
+        assert (rb.probed and rb.received_bytes > 0) if mem and rank in failed \
             else not rb.probed
         # the rebuilt state trains on exactly like a model that never failed
         ref = _model(topology, "adagrad")
