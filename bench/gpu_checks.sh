@@ -4,7 +4,12 @@
 # incrcp, 4-bit quantization and a resume + verify. Logs and JSON land in $OUT (default
 # /tmp/mpickpt-gpu). Python packages missing there can travel as wheels in .whl/ (installed into
 # /tmp/site). Usage: OUT=dir bash bench/gpu_checks.sh [section ...]
-#   sections: env tests bench train cou parity2 stall   (default: all but stall)
+#   sections: env tests bench train cou parity2 stall parity_cores lost_cores
+#   (default: all but the last three)
+#   parity_cores, lost_cores: CPU benchmarks on the node's own cores, which ranks of one thread
+#   each leave free, on the CPU (CUDA_VISIBLE_DEVICES empty: gloo): bench/parity.py (4 ranks;
+#   PARITY_SWEEPS, default beside,lookup) and bench/time_lost.py (LOST_RANKS, default 2;
+#   LOST_STEPS, default 400)
 #   cou: COU_SCALE_DOWN (Criteo Kaggle tables / this, default 2) and COU_PAIRS (default 1)
 #   stall: STALL_SIZES_MB (default 64,256,1024) and STALL_MODES (default both snapshot modes)
 set -u
@@ -126,6 +131,25 @@ stall)
             --out "$OUT/stall_gpu_$snap.json" 2>&1 | tail -9
         ran "stall $snap" "${PIPESTATUS[0]}"
     done
+    ;;
+parity_cores|lost_cores)
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+        OMPI_MCA_mca_base_env_list="PYTHONPATH;LD_LIBRARY_PATH;PYTHONUNBUFFERED"
+    if [ $s = parity_cores ]; then
+    section "free cores: parity rebuild against restore + replay, 4 gloo ranks on $(nproc) cores"
+    CUDA_VISIBLE_DEVICES= timeout 250 python3 bench/parity.py --repeats 1 --budgets 0.3 --rebuild-repeats 3 \
+        --sweeps ${PARITY_SWEEPS:-beside,lookup} \
+        --out "$OUT" --name parity_cores 2>&1 | tail -14
+    ran "parity (free cores)" "${PIPESTATUS[0]}"
+    else
+    section "free cores: training time lost per checkpoint, copy-on-update, idle background"
+    mkdir -p /tmp/mpickpt-lost
+    CUDA_VISIBLE_DEVICES= timeout 240 python3 bench/time_lost.py --ranks ${LOST_RANKS:-2} --rounds 2 \
+        --steps ${LOST_STEPS:-400} --kinds full,incrcp,incrcp-4bit --backgrounds idle \
+        --snapshots copy-on-update --ios direct --dir /tmp/mpickpt-lost \
+        --out "$OUT/time_lost_cores.json" 2>&1 | tail -16
+    ran "time lost (free cores)" "${PIPESTATUS[0]}"
+    fi
     ;;
 *) echo "unknown section $s"; exit 2 ;;
 esac; done

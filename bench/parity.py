@@ -107,6 +107,10 @@ def parse_args(argv=None):
                         "medians of their per-run median step times")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="--rebuild-transport of the rebuild runs")
+    p.add_argument("--sweeps", default="beside",
+                   help="--rebuild-sweep values of the rebuild runs (comma-separated: each budget "
+                        "runs with each, interleaved; a variant other than the first is labelled "
+                        "'<budget> <sweep>')")
     p.add_argument("--rebuild-repeats", type=int, default=3,
                    help="runs of each budget (interleaved); the tables give the medians and "
                         "the spread")
@@ -153,7 +157,7 @@ def _medians(runs: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    budgets = [float(b) for b in a.budgets.split(",")]
+    budgets = variants(a)
     model = ["--arch-embedding-size", a.tables, "--arch-sparse-feature-size", str(a.dim),
              "--arch-mlp-bot", f"13-{MLPS[a.mlp][0]}-{a.dim}", "--arch-mlp-top", MLPS[a.mlp][1],
              "--mini-batch-size", str(a.batch), "--num-batches", str(a.steps), "--print-freq",
@@ -164,9 +168,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(dir=REPO / "bench") as tmp:
         plan = {**{f"{n}#{i}": args for i in range(a.repeats)
                    for n, args in (("none", model), ("parity", model + parity))},
-                **{f"rebuild@{b:g}#{i}": model + parity + fail + [
-                    "--rebuild-budget", str(b), "--rebuild-transport", a.transport]
-                   for i in range(a.rebuild_repeats) for b in budgets},
+                **{f"rebuild@{label}#{i}": model + parity + fail + [
+                    "--rebuild-budget", f"{b:g}", "--rebuild-transport", a.transport,
+                    "--rebuild-sweep", sweep]
+                   for i in range(a.rebuild_repeats) for label, b, sweep in budgets},
                 "restore": model + fail + ["--ckpt-dir", os.path.join(tmp, "ck"),
                                            "--ckpt-interval", str(a.interval)]}
         for name, args in plan.items():
@@ -189,6 +194,14 @@ def main(argv=None) -> int:
     return 0 if result["digests_agree"] else 1
 
 
+def variants(a) -> list[tuple[str, float, str]]:
+    """(label, budget, sweep) of every rebuild variant, the first held to the targets: each
+    budget with each sweep, labelled by the budget alone for the first sweep."""
+    sweeps = a.sweeps.split(",")
+    return [(f"{float(b):g}" + ("" if sweep == sweeps[0] else f" {sweep}"), float(b), sweep)
+            for b in a.budgets.split(",") for sweep in sweeps]
+
+
 def summarize(a, budgets, runs) -> dict:
     digests = {n: r["digest"] for n, r in runs.items()}
     repeats = {n: runs[n]["repeats_s"] for n in ("none", "parity")}
@@ -199,13 +212,13 @@ def summarize(a, budgets, runs) -> dict:
     base = float(np.mean(repeats["none"]))
     with_parity = float(np.mean(repeats["parity"]))
     rebuilds = {}
-    for b in budgets:
+    for label, _, _ in budgets:
         each = []
         for i in range(a.rebuild_repeats):
-            name = f"rebuild@{b:g}#{i}"
+            name = f"rebuild@{label}#{i}"
             each.append(rebuild_figures(runs[name], median_step(steps[name], warm, a.fail_step),
                                         a))
-        rebuilds[f"{b:g}"] = _medians(each)
+        rebuilds[label] = _medians(each)
     rs_lines = runs["restore"]["lines"]
     t_fail_ck = first_line(rs_lines, "falling back to the latest checkpoint")
     t_back = [t for t, s in steps["restore"] if s == a.fail_step and t > t_fail_ck][0]
@@ -216,7 +229,7 @@ def summarize(a, budgets, runs) -> dict:
         rb["speedup"] = float(np.median([one["speedup"] for one in rb["runs"]]))
         rb["speedups"] = [one["speedup"] for one in rb["runs"]]
     encode_line = next(l for _, l in runs["parity"]["lines"] if l.startswith("parity: groups"))
-    main_rb = rebuilds[f"{budgets[0]:g}"]
+    main_rb = rebuilds[budgets[0][0]]
     overhead = with_parity / base - 1
     # the foreground part of the cost, measured inside each parity run: time in the update hooks
     # (rows_known, before/after_update, step_done) on rank 0, immune to drift between runs
@@ -232,7 +245,7 @@ def summarize(a, budgets, runs) -> dict:
         "restore_s": first_line(rs_lines, "resumed from checkpoint step") - t_fail_ck,
         "restore_replay_s": restore_replay,
         "replayed_steps": a.fail_step - (a.fail_step // a.interval) * a.interval,
-        "timeline": {"none": steps["none"], "rebuild": steps[f"rebuild@{budgets[0]:g}#0"],
+        "timeline": {"none": steps["none"], "rebuild": steps[f"rebuild@{budgets[0][0]}#0"],
                      "restore": steps["restore"]},
         "fail_times": {"rebuild": main_rb["t_fail"], "restore": t_fail_ck},
         "targets": {"overhead <= 5%": overhead <= 0.05,
@@ -277,7 +290,7 @@ def report(a, budgets, result) -> None:
                   + " ".join(f"{x:.1f}x" for x in rb["speedups"]))
     print("(medians over --rebuild-repeats runs of each budget)")
     print(f"(restore + replay loses {result['restore_replay_s']:.3f} s)")
-    print(f"targets (budget {budgets[0]:g}): " + ", ".join(
+    print(f"targets (budget {budgets[0][0]}): " + ", ".join(
         f"{k}: {'met' if v else 'MISSED'}" for k, v in result["targets"].items()))
 
 
