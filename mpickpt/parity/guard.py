@@ -261,9 +261,10 @@ class ParityGuard:
     def _transport_note(rb: Rebuild) -> str:
         if rb.memory_rounds == 0:
             return ""
+        beside = f", {rb.beside_rounds} swept beside the steps" if rb.beside_rounds else ""
         if rb.memory_rounds == rb.rounds:
-            return " reading the group's memory"
-        return f" ({rb.memory_rounds} reading the group's memory)"
+            return f" reading the group's memory{beside}"
+        return f" ({rb.memory_rounds} reading the group's memory{beside})"
 
     def _report(self) -> None:
         rb = self.rebuild
@@ -272,7 +273,8 @@ class ParityGuard:
         wall = rb.finished_at - rb.started
         record = {"ranks": sorted(rb.failed), "after_step": self.rebuild_step,
                   "units": totals[0], "degraded_rows": totals[1], "received_bytes": totals[2],
-                  "rounds": rb.rounds, "memory_rounds": rb.memory_rounds, "seconds": wall,
+                  "rounds": rb.rounds, "memory_rounds": rb.memory_rounds,
+                  "beside_rounds": rb.beside_rounds, "seconds": wall,
                   "round_seconds": max(self.topo.control.allgather(rb.seconds))}
         self.history.append(record)
         self.say(f"parity: rebuilt ranks {record['ranks']} ({record['units']} units, "

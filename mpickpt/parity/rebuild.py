@@ -94,6 +94,8 @@ class Rebuild:
         running."""
         self.sweeps_beside = 0
         """Sweeps this lost rank left running beside a step."""
+        self.beside_rounds = 0
+        """Rounds that left their sweep beside the step (the same on every rank)."""
         self.pull_cost: float | None = None  # seconds per stripe of the last memory sweep
         self._step_seconds: float | None = None
 
@@ -141,6 +143,7 @@ class Rebuild:
         self.rounds += 1
         self.active = any(lefts)
         self.deferred = peers is not None and defer
+        self.beside_rounds += self.deferred
         took = time.perf_counter() - start
         self.seconds += took
         if peers is None:

@@ -123,6 +123,8 @@ def test_degraded_reads_and_rebuild_are_exact(topology, path):
         guard.settle()
         assert not rb.active and rb.remaining() == 0 and not rb.deferred
         assert rb.sweeps_beside == (4 if beside and rank in failed else 0)
+        # the same on every rank; the round of degraded reads only was deferred too
+        assert rb.beside_rounds == (5 if beside else 0)
         # every round read the survivors' memory (all ranks share this host), or none did
         assert rb.memory_rounds == (rb.rounds if mem else 0), (path, rb.rounds)
         assert (rb.probed and rb.received_bytes > 0) if mem and rank in failed \
