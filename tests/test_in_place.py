@@ -74,7 +74,8 @@ def _trainers_after_recovery(job: Job, timeout: float = 90) -> list[int]:
     # CI time: hydra runs every other in-place test; this case's parity rebuild is the same
     pytest.param(3, "hydra", False, marks=pytest.mark.slow),
     # CI time: the Open MPI case also keeps a warm standby, which takes the dead rank's place
-    # (the plain respawn runs under hydra in the other tests)
+    # (the plain respawn runs under hydra in the other tests), and sweeps the rebuild beside the
+    # steps (auto sweeps in the lookup on 2 cores, as the other in-place parity tests do)
     (4, "openmpi", True)])
 def test_a_killed_rank_is_replaced_in_place_with_parity(tmp_path, clean_digest, seed, launcher,
                                                         warm):
@@ -88,7 +89,7 @@ def test_a_killed_rank_is_replaced_in_place_with_parity(tmp_path, clean_digest, 
             pytest.skip(open_mpi_skip())
         args, env = OPEN_MPI_ARGS, dict(os.environ, MPI4PY_MPIABI="openmpi")
     job, t = _trial(tmp_path, seed, "parity", launcher=args, env=env,
-                    more=("--warm-respawn",) if warm else ())
+                    more=("--warm-respawn", "--rebuild-sweep", "beside") if warm else ())
     out = job.output
     assert f"rank {t['rank']}: its trainer (pid {t['pid']}) was killed by SIGKILL" in out, out
     found = _IN_PLACE.findall(out)
@@ -102,7 +103,8 @@ def test_a_killed_rank_is_replaced_in_place_with_parity(tmp_path, clean_digest, 
     if warm:
         _assert_the_warm_standby_took_over(out, t)
     # the respawned rank read its survivors' memory (one host), the processes of before included
-    assert re.search(r"parity: rebuilt ranks .* reading the group's memory", out), out
+    assert re.search(r"parity: rebuilt ranks .* reading the group's memory"
+                     + (r", \d+ swept beside the steps" if warm else ""), out), out
     # the survivors kept their processes; one new process took the dead rank's place (a warm
     # standby is not listed among the launched trainers: its pid was checked above)
     assert set(t["survivors"]) <= set(t["after"]) and t["pid"] not in t["after"], (t, out)
