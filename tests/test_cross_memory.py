@@ -5,6 +5,7 @@ import errno
 import multiprocessing as mp
 import os
 import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -517,3 +518,38 @@ def test_a_rank_votes_to_sweep_beside_where_its_node_leaves_a_core_free(
     st = _lost_rank()
     guard = SimpleNamespace(store=st, topo=SimpleNamespace(local_size=local_size))
     assert ParityGuard._core_free(guard) == free
+
+
+def test_a_sweep_beside_the_step_writes_under_the_lock_and_gives_up_when_closed(peer):
+    """`pull_behind`: the periods are XORed in on the sweeper's thread only once it holds the
+    store's lock (training's thread holds it while it changes rows), its future gives the
+    sweep's seconds; `close` by a thread that holds the lock (the recovery path) cancels a
+    sweep still waiting for it instead of waiting forever, and nothing was written."""
+    from mpickpt.parity.memory_reads import MemoryReads
+
+    st = _lost_rank(2)
+    reads = MemoryReads(st)
+    peers = {s: _peer(peer) for s in range(LAYOUT.g) if s != 2}
+    chunk = np.arange(100 * LAYOUT.g, 200 * LAYOUT.g)
+    want = np.zeros((len(chunk), DIM + 1), dtype=np.int32)
+    for pos in peers:
+        want ^= _units(peer.arrays, pos, chunk)
+    rows = LAYOUT.row_of_stripe(2, chunk)
+    d = rows >= 0
+    weights = st.words.tensors[0]
+
+    def written() -> bool:
+        return np.array_equal(weights[rows[d]].numpy().view(np.int32), want[d, :DIM])
+
+    lock = threading.RLock()
+    with lock:
+        future = reads.pull_behind(100, 200, peers, lock)
+        time.sleep(0.2)
+        assert not future.done() and torch.isnan(weights[rows[d]]).all()
+    assert future.result(timeout=30) > 0 and written()
+    weights.fill_(float("nan"))
+    with lock:
+        future = reads.pull_behind(100, 200, peers, lock)
+        reads.close()  # returns: the sweep gave up
+        assert future.result(timeout=1) is None
+    assert torch.isnan(weights[rows[d]]).all()

@@ -231,20 +231,22 @@ class ParityGuard:
                  f"from their groups while training continues")
 
     def _on_lookup(self, rows: torch.Tensor) -> None:
+        self._before_gradients(in_step=False)  # a sweep an evaluation lookup's round left
         if self.rebuild is not None and self.rebuild.active:
             self.rebuild.round(rows, self.step_seconds)
             if not self.rebuild.active and not self.rebuild.deferred:
                 self._report()
 
-    def _before_gradients(self) -> None:
-        """The gradient hook: end a sweep this step's round left running. The lost ranks wait
-        for theirs, then one small exchange holds every rank until they have, so that no row
-        or parity of the group changes while a sweep reads it. Collective when the round was
-        deferred (alike on every rank), else nothing."""
+    def _before_gradients(self, in_step: bool = True) -> None:
+        """The gradient hook (`in_step`), and first thing in a lookup or `settle`: end a sweep
+        the last round left running. The lost ranks wait for theirs, then one small exchange
+        holds every rank until they have, so that no row or parity of the group changes while
+        a sweep reads it, nor a lookup reads a row it has not written. Collective when the
+        round was deferred (alike on every rank), else nothing."""
         rb = self.rebuild
         if rb is None or not rb.deferred:
             return
-        rb.join()
+        rb.join(in_step)
         st = self.store
         exchange_counts(st.topo, st.words.device, [[0]] * st.topo.world_size)
         if not rb.active:
@@ -252,7 +254,7 @@ class ParityGuard:
 
     def settle(self) -> None:
         """Finish a running rebuild now (before a checkpoint or the end). Collective."""
-        self._before_gradients()  # a sweep a step left running (none after a whole step)
+        self._before_gradients(in_step=False)  # one an evaluation lookup's round left
         if self.rebuild is not None and self.rebuild.active:
             self.rebuild.finish()
             self._report()

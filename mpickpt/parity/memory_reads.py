@@ -37,6 +37,7 @@ class MemoryReads:
         self.readers = [PeerReader(store) for _ in range(threads)]
         self._pool: ThreadPoolExecutor | None = None
         self._sweeper: ThreadPoolExecutor | None = None
+        self._cancel = threading.Event()
         self._buffers: dict[int, torch.Tensor] = {}
         self.reserved = 0
         """Bytes of scratch faulted in ahead by `reserve` (kept by `close`)."""
@@ -142,10 +143,16 @@ class MemoryReads:
         or parity until it has waited for it. Local."""
         if self._sweeper is None:
             self._sweeper = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-sweep")
+        self._cancel.clear()
 
-        def sweep() -> float:
-            with lock:
+        def sweep() -> float | None:
+            while not lock.acquire(timeout=0.05):  # `close` under the lock cancels it
+                if self._cancel.is_set():
+                    return None
+            try:
                 return self.pull(p0, p1, peers)[1]
+            finally:
+                lock.release()
 
         return self._sweeper.submit(sweep)
 
@@ -165,9 +172,10 @@ class MemoryReads:
 
     def close(self) -> None:
         """End the threads and drop the scratch buffers, but those `reserve` faulted in (a
-        rebuild that follows reuses them). Waits for a sweep `pull_behind` began. Local; safe
-        twice."""
+        rebuild that follows reuses them). Waits for a sweep `pull_behind` began, which gives
+        up if it has not taken the lock yet (a caller may hold it). Local; safe twice."""
         if self._sweeper is not None:
+            self._cancel.set()  # a sweep still waiting for the lock gives up
             self._sweeper.shutdown(wait=True)
             self._sweeper = None
         if self._pool is not None:

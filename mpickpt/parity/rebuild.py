@@ -96,6 +96,7 @@ class Rebuild:
         """Sweeps this lost rank left running beside a step."""
         self.beside_rounds = 0
         """Rounds that left their sweep beside the step (the same on every rank)."""
+        self._periods_left = True
         self.pull_cost: float | None = None  # seconds per stripe of the last memory sweep
         self._step_seconds: float | None = None
 
@@ -107,7 +108,9 @@ class Rebuild:
         """One exchange: degraded reads of `needed_rows` (local rows this step reads) and the next
         chunk. Collective over the training process group."""
         start = time.perf_counter()
-        self.join()  # a sweep an evaluation lookup's round left (no row changed since)
+        if self.deferred:
+            raise RuntimeError("parity rebuild: a round began before the sweep the last one left "
+                               "beside its step was joined (ParityGuard joins it first)")
         self._step_seconds = step_seconds
         st = self.store
         vote = int(self.behind and not everything and st.layout.r == 1 and
@@ -130,6 +133,11 @@ class Rebuild:
             else:
                 lefts = agreed
         g = st.layout.g
+        if vote and not (peers is not None and defer):  # read in this round after all
+            keep = (degraded < p0 * g) | (degraded >= p1 * g)
+            if peers is not None and not keep.all():  # the network was told its count
+                self.degraded_rows -= int((~keep).sum())
+                degraded = degraded[keep]
         request = np.concatenate([degraded, np.arange(p0 * g, p1 * g, dtype=np.int64)])
         if peers is not None:
             if self.mine and len(request):
@@ -141,8 +149,9 @@ class Rebuild:
         else:
             self._over_network(counts, request, degraded, got, survivors)
         self.rounds += 1
-        self.active = any(lefts)
         self.deferred = peers is not None and defer
+        self._periods_left = any(lefts)
+        self.active = self._periods_left or self.deferred  # a sweep running is not whole yet
         self.beside_rounds += self.deferred
         took = time.perf_counter() - start
         self.seconds += took
@@ -151,14 +160,18 @@ class Rebuild:
         if not self.deferred:
             self._end_if_over()
 
-    def join(self) -> None:
+    def join(self, in_step: bool = True) -> None:
         """End the sweep the last round left running (`deferred`): the lost rank waits for it
         (raising its failure) and counts its periods rebuilt; ends the rebuild where that round
-        was its last. Local; a no-op where no round was deferred. The caller then holds every
-        rank until all have joined (`ParityGuard`)."""
+        was its last (`active` stays True until then, the same on every rank). `in_step`: the
+        join is the step's gradient hook, so the time since the sweep began was the step's
+        dense work, which sizes the next chunk (not where an evaluation lookup left it). Local;
+        a no-op where no round was deferred. The caller then holds every rank until all have
+        joined (`ParityGuard`)."""
         if not self.deferred:
             return
         self.deferred = False
+        self.active = self._periods_left
         if self._sweep is not None:
             start = time.perf_counter()
             future, p0, p1, before, launched = self._sweep
@@ -168,7 +181,7 @@ class Rebuild:
             self.lost[p0 * g:p1 * g] = False
             self.received_bytes += self.reads.bytes_read - before
             self.pull_cost = sweep / ((p1 - p0) * g)
-            self._resize_pull(window=start - launched)
+            self._resize_pull(window=start - launched if in_step else 0.0)
             self.seconds += time.perf_counter() - start
         self._end_if_over()
 
