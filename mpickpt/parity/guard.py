@@ -17,7 +17,6 @@ import torch
 from mpickpt.model.contract import PARITY, require
 from mpickpt.options import int_at_least, option, positive_float
 from mpickpt.parity import cross_memory
-from mpickpt.parity.exchange import exchange_counts
 from mpickpt.parity.layout import check_parity_shape
 from mpickpt.parity.memory_reads import MemoryReads
 from mpickpt.parity.rebuild import TRANSPORTS, Rebuild
@@ -247,8 +246,7 @@ class ParityGuard:
         if rb is None or not rb.deferred:
             return
         rb.join(in_step)
-        st = self.store
-        exchange_counts(st.topo, st.words.device, [[0]] * st.topo.world_size)
+        rb.hold_all()
         if not rb.active:
             self._report()
 

@@ -76,7 +76,6 @@ class Rebuild:
         self.total = int(self.lost.sum())
         self.cursor = 0
         self.chunk = FIRST_CHUNK_STRIPES
-        self.active = True
         self.rounds = self.degraded_rows = self.received_bytes = 0
         self.seconds = 0.0
         self.sizes: list[tuple[int, float]] = []  # (stripes, seconds) of this rank's rounds
@@ -96,9 +95,15 @@ class Rebuild:
         """Sweeps this lost rank left running beside a step."""
         self.beside_rounds = 0
         """Rounds that left their sweep beside the step (the same on every rank)."""
-        self._periods_left = True
+        self._periods_left = True  # some lost rank has periods its rounds have not taken
         self.pull_cost: float | None = None  # seconds per stripe of the last memory sweep
         self._step_seconds: float | None = None
+
+    @property
+    def active(self) -> bool:
+        """Rounds are still due, or the last one's sweep is still running beside the step (its
+        rows are not whole yet). The same on every rank."""
+        return self._periods_left or self.deferred
 
     def remaining(self) -> int:
         return int(self.lost.sum())
@@ -133,11 +138,12 @@ class Rebuild:
             else:
                 lefts = agreed
         g = st.layout.g
-        if vote and not (peers is not None and defer):  # read in this round after all
+        if vote and peers is not None and not defer:
+            # the chunk is read in this round after all: its rows need no degraded read (the
+            # network path keeps them: the survivors were told their count)
             keep = (degraded < p0 * g) | (degraded >= p1 * g)
-            if peers is not None and not keep.all():  # the network was told its count
-                self.degraded_rows -= int((~keep).sum())
-                degraded = degraded[keep]
+            self.degraded_rows -= int((~keep).sum())
+            degraded = degraded[keep]
         request = np.concatenate([degraded, np.arange(p0 * g, p1 * g, dtype=np.int64)])
         if peers is not None:
             if self.mine and len(request):
@@ -151,7 +157,6 @@ class Rebuild:
         self.rounds += 1
         self.deferred = peers is not None and defer
         self._periods_left = any(lefts)
-        self.active = self._periods_left or self.deferred  # a sweep running is not whole yet
         self.beside_rounds += self.deferred
         took = time.perf_counter() - start
         self.seconds += took
@@ -167,11 +172,10 @@ class Rebuild:
         join is the step's gradient hook, so the time since the sweep began was the step's
         dense work, which sizes the next chunk (not where an evaluation lookup left it). Local;
         a no-op where no round was deferred. The caller then holds every rank until all have
-        joined (`ParityGuard`)."""
+        joined (`hold_all`)."""
         if not self.deferred:
             return
         self.deferred = False
-        self.active = self._periods_left
         if self._sweep is not None:
             start = time.perf_counter()
             future, p0, p1, before, launched = self._sweep
@@ -345,8 +349,14 @@ class Rebuild:
         while self.active:
             self.round(None, None, everything=True)
         if self.memory_rounds > reads:
-            st = self.store
-            exchange_counts(st.topo, st.words.device, [[0]] * st.topo.world_size)
+            self.hold_all()
+
+    def hold_all(self) -> None:
+        """One small exchange that no rank leaves before the lost ranks reach it: after their
+        reads of the survivors' memory, no survivor changes a row they may still read.
+        Collective."""
+        st = self.store
+        exchange_counts(st.topo, st.words.device, [[0]] * st.topo.world_size)
 
     def _chunk_end(self, p0: int) -> int:
         """End of the chunk from period p0: `chunk` stripes of whole periods, and the rest too
