@@ -157,7 +157,7 @@ def _medians(runs: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    budgets = variants(a)
+    variants = rebuild_variants(a)
     model = ["--arch-embedding-size", a.tables, "--arch-sparse-feature-size", str(a.dim),
              "--arch-mlp-bot", f"13-{MLPS[a.mlp][0]}-{a.dim}", "--arch-mlp-top", MLPS[a.mlp][1],
              "--mini-batch-size", str(a.batch), "--num-batches", str(a.steps), "--print-freq",
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
                 **{f"rebuild@{label}#{i}": model + parity + fail + [
                     "--rebuild-budget", f"{b:g}", "--rebuild-transport", a.transport,
                     "--rebuild-sweep", sweep]
-                   for i in range(a.rebuild_repeats) for label, b, sweep in budgets},
+                   for i in range(a.rebuild_repeats) for label, b, sweep in variants},
                 "restore": model + fail + ["--ckpt-dir", os.path.join(tmp, "ck"),
                                            "--ckpt-interval", str(a.interval)]}
         for name, args in plan.items():
@@ -182,8 +182,8 @@ def main(argv=None) -> int:
                 for i in range(a.repeats)]
         runs[n] = runs[f"{n}#{int(np.argsort(reps)[len(reps) // 2])}"]
         runs[n]["repeats_s"] = reps
-    result = summarize(a, budgets, runs)
-    report(a, budgets, result)
+    result = summarize(a, variants, runs)
+    report(a, variants, result)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     result["command"] = "python bench/parity.py " + " ".join(argv if argv is not None
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     return 0 if result["digests_agree"] else 1
 
 
-def variants(a) -> list[tuple[str, float, str]]:
+def rebuild_variants(a) -> list[tuple[str, float, str]]:
     """(label, budget, sweep) of every rebuild variant, the first held to the targets: each
     budget with each sweep, labelled by the budget alone for the first sweep."""
     sweeps = a.sweeps.split(",")
@@ -202,7 +202,7 @@ def variants(a) -> list[tuple[str, float, str]]:
             for b in a.budgets.split(",") for sweep in sweeps]
 
 
-def summarize(a, budgets, runs) -> dict:
+def summarize(a, variants, runs) -> dict:
     digests = {n: r["digest"] for n, r in runs.items()}
     repeats = {n: runs[n]["repeats_s"] for n in ("none", "parity")}
     steps = {n: step_times(r["lines"]) for n, r in runs.items()}
@@ -212,7 +212,7 @@ def summarize(a, budgets, runs) -> dict:
     base = float(np.mean(repeats["none"]))
     with_parity = float(np.mean(repeats["parity"]))
     rebuilds = {}
-    for label, _, _ in budgets:
+    for label, _, _ in variants:
         each = []
         for i in range(a.rebuild_repeats):
             name = f"rebuild@{label}#{i}"
@@ -229,7 +229,7 @@ def summarize(a, budgets, runs) -> dict:
         rb["speedup"] = float(np.median([one["speedup"] for one in rb["runs"]]))
         rb["speedups"] = [one["speedup"] for one in rb["runs"]]
     encode_line = next(l for _, l in runs["parity"]["lines"] if l.startswith("parity: groups"))
-    main_rb = rebuilds[budgets[0][0]]
+    main_rb = rebuilds[variants[0][0]]
     overhead = with_parity / base - 1
     # the foreground part of the cost, measured inside each parity run: time in the update hooks
     # (rows_known, before/after_update, step_done) on rank 0, immune to drift between runs
@@ -245,7 +245,7 @@ def summarize(a, budgets, runs) -> dict:
         "restore_s": first_line(rs_lines, "resumed from checkpoint step") - t_fail_ck,
         "restore_replay_s": restore_replay,
         "replayed_steps": a.fail_step - (a.fail_step // a.interval) * a.interval,
-        "timeline": {"none": steps["none"], "rebuild": steps[f"rebuild@{budgets[0][0]}#0"],
+        "timeline": {"none": steps["none"], "rebuild": steps[f"rebuild@{variants[0][0]}#0"],
                      "restore": steps["restore"]},
         "fail_times": {"rebuild": main_rb["t_fail"], "restore": t_fail_ck},
         "targets": {"overhead <= 5%": overhead <= 0.05,
@@ -257,7 +257,7 @@ def summarize(a, budgets, runs) -> dict:
     }
 
 
-def report(a, budgets, result) -> None:
+def report(a, variants, result) -> None:
     print(f"\n{'measure':46s} value")
     for label, value in [
             ("step time, no parity (ms)", f"{result['step_s_none'] * 1e3:.1f}"),
@@ -290,7 +290,7 @@ def report(a, budgets, result) -> None:
                   + " ".join(f"{x:.1f}x" for x in rb["speedups"]))
     print("(medians over --rebuild-repeats runs of each budget)")
     print(f"(restore + replay loses {result['restore_replay_s']:.3f} s)")
-    print(f"targets (budget {budgets[0][0]}): " + ", ".join(
+    print(f"targets (budget {variants[0][0]}): " + ", ".join(
         f"{k}: {'met' if v else 'MISSED'}" for k, v in result["targets"].items()))
 
 

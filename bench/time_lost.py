@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mpickpt.engine.free_cores import cores_available, free_cores
 from mpickpt.mpiexec import mpiexec
 from mpickpt.store.crc import crc32
 
@@ -152,7 +153,8 @@ def summarize(rows: list[dict], floors: dict[str, float]) -> list[dict]:
         jobs_gb = statistics.median(r.get("jobs_cpu_per_gb", float("nan")) for r in mine)
         floor = floors[kind]
         free = free_core(ranks)
-        out.append({"ranks": ranks, "cores": os.cpu_count(), "free_core": free, "kind": kind, "background": background,
+        out.append({"ranks": ranks, "cores": cores_available(), "free_core": free,
+                    "kind": kind, "background": background,
                     "snapshot": snapshot, "io": io,
                     "lost_ms": statistics.median(lost) * 1e3,
                     "lost_min_ms": min(lost) * 1e3, "lost_max_ms": max(lost) * 1e3,
@@ -167,9 +169,10 @@ def summarize(rows: list[dict], floors: dict[str, float]) -> list[dict]:
 
 
 def free_core(ranks: int) -> bool:
-    """Whether `ranks` training processes of one thread each leave a core of this machine free
-    (issue 23's first case: 1 rank on 2 cores here; more on a bigger node). Local."""
-    return (os.cpu_count() or 1) > ranks
+    """Whether `ranks` training processes of one thread each leave each a core free on this
+    machine (issue 23's first case: 1 rank on 2 cores here; more on a bigger node): the
+    trainer's own measure (`engine.free_cores`). Local."""
+    return free_cores(ranks, "cpu", 1) >= 1
 
 
 def floors_of(rows: list[dict], directory: str) -> dict[str, float]:
@@ -196,7 +199,7 @@ def print_table(summary: list[dict]) -> None:
               f"{'yes' if s['met'] else 'no'} | {s['jobs_cpu_s_per_gb']:.2f} | "
               f"{s['jobs_over_floor']:.1f}× | "
               f"{'-' if s['jobs_met'] is None else 'yes' if s['jobs_met'] else 'no'} |")
-    print(f"met ({os.cpu_count()} cores): with a core free, lost against the stall bound; with "
+    print(f"met ({cores_available()} cores): with a core free, lost against the stall bound; with "
           "none, the CPU per GB against 1.5 × the floor (the background's CPU with its start-up, "
           "then the jobs' alone)")
 
@@ -217,7 +220,7 @@ def plot(summary: list[dict], path: Path) -> None:
                      [s["lost_max_ms"] - s["lost_ms"] for s in mine]], capsize=3)
         ax.plot(names, [s["bound_ms"] for s in mine], "k_", markersize=20,
                 label="2·stall + 0.1·writer CPU")
-        ax.set_title(f"{n} rank(s) on {os.cpu_count()} cores")
+        ax.set_title(f"{n} rank(s) on {cores_available()} cores")
         ax.set_ylabel("ms per checkpoint")
         ax.legend(fontsize=8)
     fig.tight_layout()
