@@ -343,7 +343,7 @@ def test_second_deaths_while_the_generation_forms_randomized(tmp_path, clean_dig
     rng = random.Random(seed)
     target = rng.choice(["replacement", "survivor"])
     job, t = _second_death_trial(tmp_path, seed, target,
-                                 rng.uniform(0.0, 0.8 if target == "replacement" else 1.5))
+                                 rng.uniform(0.0, 0.8 if target == "replacement" else 1.0))
     out = job.output
     assert t["during"], f"the second kill came after the recovery:\n{out}"
     assert f"its trainer (pid {t['victim']}) was killed by SIGKILL" in out, out
