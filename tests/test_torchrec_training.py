@@ -3,7 +3,8 @@ DistributedModelParallel, fused row-wise Adagrad, gloo) with mpickpt's features 
 the same flags as for the built-in model: a job SIGKILLed at a random step resumes from a full
 or an incremental (incrcp) checkpoint to the uninterrupted digest; 4-bit checkpoints stay within the
 codec's bound of the float32 ones; parity rebuilds a lost shard while training goes on, to the
-failure-free digest; partial recovery reloads the lost shard without a rollback; a real death
+failure-free digest, its sweep beside the step joined from the lookup's gradient hook;
+partial recovery reloads the lost shard without a rollback; a real death
 under mpickpt-run is recovered in place (survivors keep their processes); copy-on-update
 checkpoints equal stop-the-world ones byte for byte; a table-wise
 checkpoint restores on 1 rank and under a row-wise plan with the same digest. Skipped where
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import random
+import re
 import subprocess
 
 import numpy as np
@@ -87,11 +89,19 @@ def test_4bit_checkpoints_stay_within_the_codec_bound_and_resume(root, tmp_path)
     assert resumed_step(resumed.stdout) == last and "digest" in resumed.stdout
 
 
-def test_parity_rebuilds_a_lost_shard_while_training_goes_on(root):
+@pytest.mark.parametrize("sweep", ["beside", "lookup"])
+def test_parity_rebuilds_a_lost_shard_while_training_goes_on(root, sweep):
+    """The sweep in the lookup's round, or beside the step (the round reads the step's rows, a
+    thread sweeps the rest through the forward and backward, and the lookup output's gradient
+    hook joins it before the fused update)."""
     at = random.Random().randint(3, 20)
-    proc = _train(2, "table_wise", "--parity-k", "1", "--inject-failure", f"{at}:1")
+    proc = _train(2, "table_wise", "--parity-k", "1", "--inject-failure", f"{at}:1",
+                  "--rebuild-sweep", sweep)
     assert f"parity: ranks [1] lost their shards after step {at}" in proc.stdout, proc.stdout
-    assert "parity: rebuilt ranks [1]" in proc.stdout
+    rebuilt = re.search(r"parity: rebuilt ranks \[1\] .* reading the group's memory"
+                        r"(, (\d+) swept beside the steps)?", proc.stdout)
+    assert rebuilt, proc.stdout
+    assert (int(rebuilt[2] or 0) >= 1) == (sweep == "beside"), rebuilt[0]
     assert digest_of(proc) == _clean("table_wise", root)[0]
 
 

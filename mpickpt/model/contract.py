@@ -12,10 +12,12 @@ Invariants no protocol can state, which every model keeps:
   half-applied step.
 - Index hooks see, in every lookup that updates rows, the sorted unique local rows the update
   touches (int64, on the model's device); update hooks bracket every sparse update.
-- Embeddings that offer `add_gradient_hook(fn)` (HybridDLRM's) call every such `fn()` in each
-  training step after the lookup and before any rank can change a row of the step (before the
-  pooled gradients leave); parity's sweeps beside the step rely on it. Embeddings without it
-  (TorchRec's) are never asked to.
+- Embeddings that offer `add_gradient_hook(fn)` call every such `fn()` on every rank in each
+  training step after the lookup and before that rank changes a row of the step (HybridDLRM's
+  before the pooled gradients leave for their owners; the TorchRec adapter's when they have
+  come back to the lookup's output, before the fused backward's update); parity's sweeps beside
+  the step rely on it (a collective hook then holds every rank until all have called it).
+  Embeddings without it are never asked to.
 - A model that keeps the process groups it was built on (the TorchRec adapter: its DMP) has
   `regroup()`, which in-place recovery calls on the survivors right after the next generation
   formed; a model that reads `topo.pg` at every call (HybridDLRM) needs none. Construction must

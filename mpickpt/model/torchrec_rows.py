@@ -9,8 +9,10 @@ sharded collection's lookup reads them from the KeyedJaggedTensor after the inpu
 ids to local rows of the fused buffer. During a training step (`TorchRecModel.train_step`
 opens it) that hook calls the index and count hooks and the update hooks' `rows_known` and
 `before_update` (the rows' old values: nothing else changes them before the backward);
-`after_backward` then calls `after_update`, and `finish_step` `step_done`. Lookups outside a
-training step (predictions) call no hook.
+the gradient reaching the lookup's output (back from the ranks that pooled it, right before the
+fused backward updates this rank's rows) calls the gradient hooks; `after_backward` then calls
+`after_update`, and `finish_step` `step_done`. Lookups outside a training step (predictions) call
+no hook.
 Local unless a hook is collective.
 """
 from __future__ import annotations
@@ -69,6 +71,7 @@ class FusedRows:
         self.index_hooks: list = []
         self.count_hooks: list = []
         self.update_hooks: list = []
+        self.gradient_hooks: list[Callable[[], None]] = []
         self._training = False
         self._pending: tuple | None = None
         """(rows, update-hook tokens) of the training lookup whose backward has not run."""
@@ -93,6 +96,15 @@ class FusedRows:
         """Bracket the fused update (see the module doc). Local to register; a remover."""
         self.update_hooks.append(hook)
         return lambda: self.update_hooks.remove(hook)
+
+    def add_gradient_hook(self, hook: Callable[[], None]) -> Callable[[], None]:
+        """Call `hook()` on every rank in each training step when the gradient reaches this
+        rank's lookup output, before the fused backward updates its rows and before the update
+        lock is taken: no rank changes a row of the step before its own hooks have run (a
+        rebuild joins its sweep here). Runs on the thread that runs the backward. Local unless
+        the hook is collective. Returns a remover."""
+        self.gradient_hooks.append(hook)
+        return lambda: self.gradient_hooks.remove(hook)
 
     def rows_of(self, kjt) -> tuple[torch.Tensor, torch.Tensor]:
         """(sorted unique local rows, index into them of each id) of a lookup's ids. Local."""
@@ -128,14 +140,17 @@ class FusedRows:
     def _guard_update(self, module, inputs, output) -> None:
         """The lookup's forward hook: in a training step, the gradient reaching the lookup's
         output (right before the fused backward updates the rows) takes `state_lock`, and
-        `training(False)` gives it back, so a survivor dump never sees a half-applied update.
-        On CUDA the backward may run in autograd's device thread, which cannot take a lock the
+        `training(False)` gives it back, so a survivor dump never sees a half-applied update;
+        the gradient hooks run first, outside the lock (they may be collective, and a dump
+        must not wait on a collective a dead peer never joins). On CUDA the backward may run in autograd's device thread, which cannot take a lock the
         training thread gives back: there the update is not guarded (the step undo still
         restores the rows' old values)."""
         if self._training and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(self._enter_update)
 
     def _enter_update(self, grad):
+        for hook in self.gradient_hooks:
+            hook()
         if threading.get_ident() == self._trainer_thread and not self._update_locked:
             self.state_lock.acquire()
             self._update_locked = True

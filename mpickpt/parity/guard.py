@@ -52,8 +52,8 @@ class ParityConfig:
     before the step's gradients leave: costs training little where the node has a core free,
     more than lookup where it has none), lookup (inside the lookup's round, as over the
     network), or auto (beside where every rank's share of its node leaves a core free,
-    else lookup). Beside needs mpickpt's own model, whose embeddings call a gradient hook;
-    a model without it (TorchRec's) sweeps in the lookup"""
+    else lookup). Beside needs embeddings that call a gradient hook (mpickpt's own and the
+    TorchRec adapter's); a model without one sweeps in the lookup"""
 
     def __post_init__(self):
         if self.k is None:

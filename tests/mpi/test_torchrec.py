@@ -7,6 +7,8 @@ buckets change the summation order at 4 ranks); the row hooks see exactly the ro
 update changes; the step undo takes a fused step back; column-wise tables are refused. The
 trainer's jobs with every feature are in tests/test_torchrec_training.py. Skipped where torchrec
 is not installed."""
+import threading
+
 import pytest
 import torch
 
@@ -115,6 +117,13 @@ def _by_gid(topo, model, name: str) -> torch.Tensor:
     return torch.cat([t for _, t in parts])[torch.argsort(gids)]
 
 
+def _take(lock) -> bool:
+    if lock.acquire(blocking=False):
+        lock.release()
+        return True
+    return False
+
+
 class Recorder:
     """An update hook and index/count hooks that keep what they were told."""
 
@@ -124,6 +133,18 @@ class Recorder:
         emb.add_index_hook(self.seen.append)
         emb.add_count_hook(lambda rows, counts: self.counts.append((rows, counts)))
         emb.add_update_hook(self)
+        emb.add_gradient_hook(self.gradient)
+
+    def gradient(self):
+        """Keeps the rows as they are when the gradient hook runs, and whether another thread
+        (a survivor dump) could take the state lock then."""
+        self.calls.append("gradient")
+        self.rows_at_gradient = self.model.embeddings.weight.clone()
+        free = []
+        probe = threading.Thread(target=lambda: free.append(_take(self.model.state_lock)))
+        probe.start()
+        probe.join()
+        self.lock_free_at_gradient = free == [True]
 
     def before_update(self, rows):
         self.calls.append("before")
@@ -143,7 +164,8 @@ class Recorder:
 def test_row_hooks_see_exactly_the_rows_a_step_updates(topology, sharding):
     """The ids after the input distribution, mapped to local rows, are the rows the fused
     backward changes: no changed row is missed, every seen row changed (row-wise Adagrad moves
-    every row with a gradient), the update hooks bracket it, predictions call no hook."""
+    every row with a gradient), the update hooks bracket it, the gradient hooks run between
+    the lookup and the update, outside the update lock, predictions call no hook."""
     from mpickpt.model.contract import CAPABILITIES, capabilities_of
 
     model = build(topology, sharding, seed=0)
@@ -154,7 +176,8 @@ def test_row_hooks_see_exactly_the_rows_a_step_updates(topology, sharding):
     assert rec.seen == [] and rec.calls == []
     before = model.embeddings.weight.clone()
     model.train_step(batch(topology.rank, 0))
-    assert rec.calls == ["before", "after", "done"]
+    assert rec.calls == ["before", "gradient", "after", "done"]
+    assert torch.equal(rec.rows_at_gradient, before) and rec.lock_free_at_gradient
     (rows,) = rec.seen
     changed = torch.nonzero(~(model.embeddings.weight == before).all(dim=1)).flatten()
     assert torch.equal(rows, changed) and bool(rec.changed.all())
