@@ -101,7 +101,7 @@ def rework(report: dict, clean: dict) -> list[int]:
     for k, r in enumerate(recoveries):
         end = recoveries[k + 1]["executed"] if k + 1 < len(recoveries) else len(executed)
         tol, excess, steps = REWORK_TOL * reference[r["after_step"]], 0.0, end - r["executed"]
-        for n, (step, loss, _) in enumerate(executed[r["executed"]:end], start=1):
+        for n, (step, loss, *_) in enumerate(executed[r["executed"]:end], start=1):
             excess = (1 - EMA) * excess + EMA * (loss - reference[step])
             # bias correction: the average starts at 0, which would put the first smoothed value
             # at a tenth of the first difference (back on track within 1 %, not 0.1 %)

@@ -1,7 +1,8 @@
 """RunReport: what a training run did, as JSON for benchmarks (`--run-report PATH`, rank 0).
 
 Per executed step its training step and loss (replays after a rollback appear again), the time of
-the step, every checkpoint save's cost (foreground, and its background write until commit), every loss of shards with its recovery (policy, the step
+the step and when it ended (seconds since the report began: the differences between steps hold
+everything the loop did between them, reading and checkpoint calls too), every checkpoint save's cost (foreground, and its background write until commit), every loss of shards with its recovery (policy, the step
 training went on from, seconds), the final test metrics, PLS, and the interval planner's history.
 Local: rank 0 keeps and writes it; the other ranks keep nothing.
 """
@@ -34,7 +35,7 @@ class RunReport:
 
     def step(self, step: int, loss: float, seconds: float) -> None:
         if self.on:
-            self.doc["steps"].append([step, loss, seconds])
+            self.doc["steps"].append([step, loss, seconds, time.perf_counter() - self.started])
 
     def looped(self, seconds: float) -> None:
         """The training loop's wall time (steps, reading, checkpoint calls; not start-up or the
