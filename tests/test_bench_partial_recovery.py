@@ -1,20 +1,15 @@
 """bench/partial_recovery.py's metrics on hand-made series (the benchmark itself takes 35 minutes):
 SCAR's rework, whose smoothing must not start the run as back on track, and the PLS-AUC
 correlation, against the AUC loss as CPR reports it."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "partial_recovery.py"
+from tests.bench_module import load_bench
+
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_partial_recovery", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("partial_recovery")
 
 
 def _report(losses: dict[int, float], after_step: int, executed_before: int) -> dict:

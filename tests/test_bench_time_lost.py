@@ -1,22 +1,17 @@
 """bench/time_lost.py's paired estimate on hand-made run reports (the benchmark itself takes
 minutes): the half interval after each checkpoint against the next, the run without checkpoints
 taking out what the windows differ by anyway, the bootstrap interval and the verdict."""
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "time_lost.py"
+from tests.bench_module import load_bench
+
 INTERVAL, STEPS = 10, 200
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_time_lost", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("time_lost")
 
 
 def _report(step_s, writes=None) -> dict:
