@@ -1,7 +1,23 @@
-"""Fixtures shared by the serial test modules."""
+"""Fixtures shared by the serial test modules, and the session's cleanup of the MPI
+shared-memory segments its killed jobs left."""
 import subprocess
+import time
 
 import pytest
+
+from mpickpt.launch.mpich_shm import remove_orphans
+
+_SESSION_START = time.time()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fault tests SIGKILL ranks of plain `mpiexec` jobs, whose MPI segments then stay in
+    /dev/shm: delete those that appeared during this session and that no process holds (a job
+    still running, the multi-rank session's own included, keeps its own)."""
+    removed = remove_orphans(_SESSION_START)
+    if removed:
+        print(f"\nremoved {len(removed)} MPI shared-memory segment(s) the session's killed jobs "
+              f"left in /dev/shm")
 
 
 @pytest.fixture
