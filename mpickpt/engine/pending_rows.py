@@ -5,10 +5,15 @@ training stream, so every copy lands in stream order before the update that foll
 waits for them). `CopyOnUpdate` owns one and serializes the calls (its locks). Local.
 
 Both offer: `arm(rows, selected)` (make rows pending; on the training thread, in the stall),
-`copy_chunk(sources, targets, a, b)` (the copier's pending rows of a..b-1), `copy_listed(sources,
-targets, rows)` (the pending ones among a step's updated rows, before the update), `drain()`
-(every copy so far is in the targets), `done()` (after the last chunk), `hooked()` (rows the
-update hook copied in this snapshot).
+`copy_listed(sources, targets, rows)` (the pending ones among a step's updated rows, before the
+update), `drain()` (every copy so far is in the targets), `done()` (after the last chunk),
+`hooked()` (rows the update hook copied in this snapshot). The copier's chunks differ:
+`DevicePendingRows.copy_chunk(sources, targets, a, b)` enqueues the pending rows of a..b-1 (the
+caller holds the state lock, so no update is enqueued between); `HostPendingRows` copies a chunk
+beside the updates (`beside_updates`): `begin_chunk(a, b)` (under the caller's mask lock),
+`read_chunk(sources, targets)` (no lock: rows may change meanwhile), `end_chunk(targets)` (under
+the mask lock: rows the hook took during the chunk get back the values it copied, the chunk is
+pending no more).
 """
 from __future__ import annotations
 
@@ -16,7 +21,14 @@ import torch
 
 
 class HostPendingRows:
-    """A pending mask on the host; copies by torch on the calling thread. Local."""
+    """A pending mask on the host; copies by torch on the calling thread (they release the GIL).
+    The copier reads a chunk while updates go on, so that a step never waits for it: the update
+    hook's copy of a row is the row's value at the snapshot (its first update since then has not
+    begun), and where the copier's read of the same chunk may have seen the update, the chunk's
+    end puts the hook's value back. A row the hook has not taken by the chunk's end was not
+    being updated while the copier read it (an update begins after its hook). Local."""
+
+    beside_updates = True
 
     def __init__(self):
         self._mask: torch.Tensor | None = None
@@ -24,6 +36,10 @@ class HostPendingRows:
         self._full = False
         """The mask is all True already: `done` refilled it for the next full snapshot."""
         self._hooked = 0
+        self._chunk: tuple[int, int] | None = None
+        """The rows a..b-1 the copier is reading (set and cleared under the mask lock)."""
+        self._taken: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+        """(rows, their values by source) the hook copied inside the chunk being read."""
 
     @property
     def rows(self) -> int:
@@ -42,14 +58,31 @@ class HostPendingRows:
             self._mask.zero_()
             self._mask[torch.as_tensor(selected, dtype=torch.int64)] = True
 
-    def copy_chunk(self, sources, targets, a: int, b: int) -> None:
+    def begin_chunk(self, a: int, b: int) -> None:
+        """The copier is about to read rows a..b-1. The caller holds the mask lock."""
+        self._chunk, self._taken = (a, b), []
+
+    def read_chunk(self, sources, targets) -> None:
+        """Copy the chunk's pending rows (as the mask shows them now; the hook only clears
+        bits) from the live sources into the targets. No lock: an update may change a row
+        meanwhile, which `end_chunk` mends."""
+        a, b = self._chunk
         mask = self._mask[a:b]
         if bool(mask.all()):
             for name, src in sources.items():
                 targets[name][a:b].copy_(src[a:b])
         elif bool(mask.any()):
             self._copy(sources, targets, torch.nonzero(mask).flatten() + a)
-        mask.zero_()
+
+    def end_chunk(self, targets) -> None:
+        """The rows the hook took during the read get the values it copied back; the chunk is
+        pending no more. The caller holds the mask lock."""
+        a, b = self._chunk
+        for rows, values in self._taken:
+            for name, target in targets.items():
+                target.index_copy_(0, rows, values[name])
+        self._mask[a:b] = False
+        self._chunk, self._taken = None, []
 
     def copy_listed(self, sources, targets, rows: torch.Tensor) -> None:
         idx = rows.cpu()
@@ -58,6 +91,12 @@ class HostPendingRows:
             self._copy(sources, targets, idx)
             self._mask[idx] = False
             self._hooked += len(idx)
+            if self._chunk is not None:
+                a, b = self._chunk
+                inside = idx[(idx >= a) & (idx < b)]
+                if len(inside):  # the copier's read may overwrite them with updated values
+                    self._taken.append((inside, {name: src.index_select(0, inside)
+                                                 for name, src in sources.items()}))
 
     @staticmethod
     def _copy(sources, targets, idx: torch.Tensor) -> None:
@@ -79,6 +118,8 @@ class HostPendingRows:
 class DevicePendingRows:
     """A pending mask on the GPU; copies by kernels on the stream that was current when the
     snapshot was armed (the training stream), writing into mapped host staging. Local."""
+
+    beside_updates = False
 
     def __init__(self, device: torch.device):
         from mpickpt.engine.pending_rows_cuda import PendingRowKernels
