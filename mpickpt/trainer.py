@@ -177,7 +177,10 @@ class Trainer:
         return PrefetchReader(self.source, global_batch=cfg.global_batch, rank=self.topo.rank,
                               world=self.topo.world_size, state=start,
                               depth=cfg.data.prefetch_depth,
-                              allowance=allowance)
+                              allowance=allowance, read_ahead=cfg.data.prefetch_depth)
+        # the reader keeps its queue full through a checkpoint: drained there, its refill (the
+        # batch after it read after the save, then depth more at once) slowed the step after
+        # every checkpoint by 4-8 ms here (its reads hold the GIL the step's waits need)
 
     def run(self) -> None:
         """Train up to `num_batches` steps (or to the end of the data, or a stop signal).

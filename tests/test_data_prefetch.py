@@ -137,6 +137,26 @@ def test_close_twice_and_after_close(stream):
         r.next()
 
 
+def test_read_ahead_reads_past_the_allowance_but_delivers_only_within_it(stream):
+    counting = CountingSource(stream)
+    expected, _ = direct(stream, SyntheticPosition(), 4)
+    with reader(counting, SyntheticPosition(), depth=8, allowance=2, read_ahead=1) as r:
+        wait_for(lambda: counting.calls == 3)
+        time.sleep(0.05)
+        assert counting.calls == 3  # the allowance's 2 and one more
+        got = [r.next(), r.next()]
+        with pytest.raises(RuntimeError, match="allow"):
+            r.next()  # the third was read but is not delivered
+        assert r.state() == SyntheticPosition(sample_index=2 * GLOBAL)  # the consumer's
+        r.allow(2)
+        got += [r.next(), r.next()]
+        wait_for(lambda: counting.calls == 5)
+        time.sleep(0.05)
+        assert counting.calls == 5
+    for a, b in zip(expected, got, strict=True):
+        assert_same(a, b)
+
+
 def test_dropped_reader_stops_its_thread(stream):
     r = reader(stream, SyntheticPosition(), depth=1)
     thread = r._thread
@@ -146,7 +166,8 @@ def test_dropped_reader_stops_its_thread(stream):
 
 
 @pytest.mark.parametrize("kwargs, word", [(dict(depth=0), "depth"), (dict(limit=-1), "limit"),
-                                          (dict(allowance=-2), "allowance")])
+                                          (dict(allowance=-2), "allowance"),
+                                          (dict(read_ahead=-1), "read_ahead")])
 def test_rejects_bad_arguments(stream, kwargs, word):
     with pytest.raises(ValueError, match=word):
         reader(stream, SyntheticPosition(), **kwargs)

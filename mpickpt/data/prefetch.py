@@ -4,10 +4,13 @@ A daemon thread calls ``source.read_slice`` ahead of the consumer and queues at 
 batches. The consumer-side `state()` is the position of the next batch `next()` will return, so a
 checkpoint taken between batches records exactly what was consumed, whatever has been read ahead.
 
-Gap control (Check-N-Run): ``allow(n)`` lets the producer read only ``n`` more batches beyond those
-delivered so far. When the consumer has taken them, nothing is in flight and nothing was read
-ahead, so the checkpoint at that step neither waits for nor discards prefetched data. Calling
-``next()`` with the allowance used up is a programming error and raises RuntimeError at once.
+Gap control (Check-N-Run): ``allow(n)`` lets the consumer take only ``n`` more batches beyond those
+delivered so far, and the producer read only ``read_ahead`` (0 by default) beyond those. With 0,
+when the consumer has taken them nothing is in flight and nothing was read ahead, so the checkpoint
+at that step neither waits for nor discards prefetched data; with the queue's depth (the trainer's),
+the producer keeps its rhythm through the checkpoint instead of refilling the whole queue right
+after it, and a stop after that checkpoint discards what was read ahead. Calling ``next()`` with
+the allowance used up is a programming error and raises RuntimeError at once.
 """
 from __future__ import annotations
 
@@ -32,9 +35,10 @@ class _Failure:
 class _Gate:
     """How many reads the producer may do: shared by consumer and producer under one condition."""
 
-    def __init__(self, bound: int | None, limit: int | None):
+    def __init__(self, bound: int | None, limit: int | None, ahead: int = 0):
         self.cond = threading.Condition()
-        self.bound = bound  # total reads allowed so far (delivered + allowance); None = unbounded
+        self.bound = bound  # total deliveries allowed so far (delivered + allowance); None = any
+        self.ahead = ahead  # reads allowed beyond the bound
         self.limit = limit  # total reads ever (the reader's limit); None = until end of data
         self.produced = 0
         self.closed = False
@@ -42,7 +46,8 @@ class _Gate:
     def acquire(self) -> bool:
         """Block until one more read is allowed; False once closed or at the limit. Local."""
         with self.cond:
-            while not self.closed and self.bound is not None and self.produced >= self.bound:
+            while not self.closed and self.bound is not None and \
+                    self.produced >= self.bound + self.ahead:
                 self.cond.wait()
             if self.closed or (self.limit is not None and self.produced >= self.limit):
                 return False
@@ -104,19 +109,22 @@ class PrefetchReader:
     ``limit`` (None = until the source ends) caps how many batches this reader delivers before
     `next()` returns None; ``allowance`` is the initial `allow` value (None = unbounded). Pass the
     allowance here rather than calling `allow` after construction when no read-ahead may happen.
+    ``read_ahead``: batches the producer may read beyond the allowance (delivered only once `allow`
+    raises it).
     """
 
     def __init__(self, source: SliceSource, *, global_batch: int, rank: int, world: int,
                  state: ReaderState, depth: int = 4, limit: int | None = None,
-                 allowance: int | None = None):
+                 allowance: int | None = None, read_ahead: int = 0):
         local_slice(global_batch, rank, world)
         _check_count("depth", depth, 1, optional=False)
         _check_count("limit", limit, 0, optional=True)
         _check_count("allowance", allowance, 0, optional=True)
+        _check_count("read_ahead", read_ahead, 0, optional=False)
         self._state, self._delivered, self._limit = state, 0, limit
         self._ended, self._failure = False, None
         self._items: queue.Queue = queue.Queue(maxsize=depth)
-        self._gate = _Gate(allowance, limit)
+        self._gate = _Gate(allowance, limit, read_ahead)
         self._thread = threading.Thread(
             target=_produce, args=(source, state, (global_batch, rank, world), self._items, self._gate),
             name=f"mpickpt-prefetch-rank{rank}", daemon=True)
@@ -133,7 +141,8 @@ class PrefetchReader:
         return self._state
 
     def allow(self, n: int | None) -> None:
-        """Let ``n`` more batches be read and delivered from now on; None removes the bound. Local.
+        """Let ``n`` more batches be delivered (and ``read_ahead`` more read) from now on; None
+        removes the bound. Local.
 
         The producer never reads past the bound in force when it starts a read. Lowering a bound
         cannot un-read batches already queued: they stay queued and are delivered, in order, once
