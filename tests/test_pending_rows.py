@@ -118,37 +118,58 @@ def test_a_row_the_hook_took_before_the_chunk_is_not_read_again():
     assert not torch.equal(sources["weight"][5], at_snapshot)
 
 
-@pytest.mark.timeout(60)
-def test_a_copier_racing_the_updates_stages_the_snapshot():
-    """Big rows, so that the copier's reads (which release the GIL) overlap the updates."""
-    rows, dim = 20000, 256
+def _race(rows: int, dim: int, chunk: int, per_step: int, selected, seed: int) -> None:
+    """A copier thread reads chunks (the caller's lock around begin and end only, as
+    `CopyOnUpdate` does) while this thread's steps copy their pending rows and update them; the
+    staged rows must be those of the snapshot, and the copier must not fail."""
     sources = {"weight": torch.randn(rows, dim), "state/sum": torch.rand(rows)}
     snapshot = {k: v.clone() for k, v in sources.items()}
     targets = {k: torch.zeros_like(v) for k, v in sources.items()}
     pending, lock = HostPendingRows(), threading.Lock()
-    pending.arm(rows, None)
-    done = threading.Event()
+    pending.arm(rows, None if selected is None else selected.tolist())
+    done, failed = threading.Event(), []
 
     def copier():
-        for a in range(0, rows, 4000):
-            with lock:
-                pending.begin_chunk(a, a + 4000)
-            pending.read_chunk(sources, targets)
-            with lock:
-                pending.end_chunk(targets)
-        done.set()
+        try:
+            for a in range(0, rows, chunk):
+                with lock:
+                    pending.begin_chunk(a, min(rows, a + chunk))
+                pending.read_chunk(sources, targets)
+                with lock:
+                    pending.end_chunk(targets)
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            failed.append(e)
+        finally:
+            done.set()
 
     thread = threading.Thread(target=copier)
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(seed)
     thread.start()
     steps = 0
     while not done.is_set() or steps < 5:
-        stepped = torch.randint(0, rows, (500,), generator=g).unique()
+        stepped = torch.randint(0, rows, (per_step,), generator=g).unique()
         with lock:
             pending.copy_listed(sources, targets, stepped)
         _update(sources, stepped)
         steps += 1
     thread.join()
+    assert failed == []
+    wanted = torch.arange(rows) if selected is None else selected
     for name in sources:
-        assert torch.equal(targets[name], snapshot[name]), name
+        assert torch.equal(targets[name][wanted], snapshot[name][wanted]), name
     assert pending.hooked() > 0
+
+
+@pytest.mark.timeout(60)
+def test_a_copier_racing_the_updates_stages_the_snapshot():
+    """Big rows, so that the copier's reads (which release the GIL) overlap the updates."""
+    _race(20000, 256, 4000, 500, None, seed=3)
+
+
+@pytest.mark.timeout(60)
+def test_a_copier_racing_small_steps_over_a_selection_does_not_fail():
+    """Many small steps clearing bits of the chunk being read, which the copier reads by
+    index (a selection): the list of a chunk's pending rows is taken under the lock (torch's
+    nonzero over bits that changed between its two passes raised, ~half the snapshots)."""
+    for seed in range(10):
+        _race(200000, 4, 20000, 20, torch.arange(0, 200000, 2), seed=seed)

@@ -36,8 +36,9 @@ class HostPendingRows:
         self._full = False
         """The mask is all True already: `done` refilled it for the next full snapshot."""
         self._hooked = 0
-        self._chunk: tuple[int, int] | None = None
-        """The rows a..b-1 the copier is reading (set and cleared under the mask lock)."""
+        self._chunk: tuple[int, int, torch.Tensor | None] | None = None
+        """(a, b, the chunk's pending rows when it began, None: all of a..b-1) of the chunk
+        the copier is reading (set and cleared under the mask lock)."""
         self._taken: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
         """(rows, their values by source) the hook copied inside the chunk being read."""
 
@@ -51,6 +52,7 @@ class HostPendingRows:
         if self._mask is None or len(self._mask) != rows:
             self._mask, self._full = torch.empty(rows, dtype=torch.bool), False
         full, self._full, self._hooked = self._full, False, 0
+        self._chunk, self._taken = None, []
         if selected is None:
             if not full:
                 self._mask.fill_(True)
@@ -59,30 +61,36 @@ class HostPendingRows:
             self._mask[torch.as_tensor(selected, dtype=torch.int64)] = True
 
     def begin_chunk(self, a: int, b: int) -> None:
-        """The copier is about to read rows a..b-1. The caller holds the mask lock."""
-        self._chunk, self._taken = (a, b), []
+        """The copier is about to read rows a..b-1: their pending ones are listed now (a hook
+        that clears one later records it for `end_chunk`; the mask is not read unlocked, where
+        torch's two passes of `nonzero` over bits that change between them fail). The caller
+        holds the mask lock."""
+        mask = self._mask[a:b]
+        rows = None if bool(mask.all()) else torch.nonzero(mask).flatten() + a
+        self._chunk, self._taken = (a, b, rows), []
 
     def read_chunk(self, sources, targets) -> None:
-        """Copy the chunk's pending rows (as the mask shows them now; the hook only clears
-        bits) from the live sources into the targets. No lock: an update may change a row
-        meanwhile, which `end_chunk` mends."""
-        a, b = self._chunk
-        mask = self._mask[a:b]
-        if bool(mask.all()):
+        """Copy the chunk's rows pending when it began from the live sources into the targets.
+        No lock: an update may change a row meanwhile, which `end_chunk` mends."""
+        a, b, rows = self._chunk
+        if rows is None:
             for name, src in sources.items():
                 targets[name][a:b].copy_(src[a:b])
-        elif bool(mask.any()):
-            self._copy(sources, targets, torch.nonzero(mask).flatten() + a)
+        elif len(rows):
+            self._copy(sources, targets, rows)
 
     def end_chunk(self, targets) -> None:
         """The rows the hook took during the read get the values it copied back; the chunk is
-        pending no more. The caller holds the mask lock."""
-        a, b = self._chunk
-        for rows, values in self._taken:
-            for name, target in targets.items():
-                target.index_copy_(0, rows, values[name])
-        self._mask[a:b] = False
-        self._chunk, self._taken = None, []
+        pending no more (also where putting them back fails). The caller holds the mask
+        lock."""
+        a, b, _ = self._chunk
+        try:
+            for rows, values in self._taken:
+                for name, target in targets.items():
+                    target.index_copy_(0, rows, values[name])
+        finally:
+            self._mask[a:b] = False
+            self._chunk, self._taken = None, []
 
     def copy_listed(self, sources, targets, rows: torch.Tensor) -> None:
         idx = rows.cpu()
@@ -92,7 +100,7 @@ class HostPendingRows:
             self._mask[idx] = False
             self._hooked += len(idx)
             if self._chunk is not None:
-                a, b = self._chunk
+                a, b, _ = self._chunk
                 inside = idx[(idx >= a) & (idx < b)]
                 if len(inside):  # the copier's read may overwrite them with updated values
                     self._taken.append((inside, {name: src.index_select(0, inside)
