@@ -143,27 +143,31 @@ def step_ends(report: dict) -> dict[int, float]:
     return {int(s[0]): float(s[3]) for s in report["steps"] if len(s) > 3}
 
 
+def paired_steps(ends: dict[int, float], interval: int) -> list[int]:
+    """The checkpoint steps c = k x interval (k >= WARM_INTERVALS) whose two half intervals
+    after them the run completed (steps c, c + h and c + 2h ended; h = half the interval).
+    Local."""
+    half, last = interval // 2, max(ends, default=0)
+    return [c for c in range(WARM_INTERVALS * interval, last - 2 * half + 1, interval)
+            if c in ends and c + half in ends and c + 2 * half in ends]
+
+
 def window_differences(report: dict, interval: int) -> list[float]:
-    """For each checkpoint step c = k x interval (k >= WARM_INTERVALS) with a whole interval of
-    the run after it: the wall time of steps c+1..c+h minus that of steps c+h+1..c+2h (h = half
-    the interval). The save call after step c lies in the first window. Local."""
+    """For each of the `paired_steps` c: the wall time of steps c+1..c+h minus that of steps
+    c+h+1..c+2h. The save call after step c lies in the first window. Local."""
     ends, half = step_ends(report), interval // 2
-    out, c = [], WARM_INTERVALS * interval
-    while c + 2 * half in ends:
-        if c in ends and c + half in ends:
-            out.append((ends[c + half] - ends[c]) - (ends[c + 2 * half] - ends[c + half]))
-        c += interval
-    return out
+    return [(ends[c + half] - ends[c]) - (ends[c + 2 * half] - ends[c + half])
+            for c in paired_steps(ends, interval)]
 
 
 def committed_within(report: dict, interval: int) -> float:
-    """Share of the paired checkpoints whose background write (`write_seconds`, save to
-    commit) ended inside their first half interval. Local."""
+    """Share of the `paired_steps` checkpoints whose background write (`write_seconds`, save to
+    commit; the k-th is step (k + 1) x interval's) ended inside their first half interval.
+    Local."""
     ends, half = step_ends(report), interval // 2
     writes = report.get("write_seconds") or []
-    inside = [w <= ends[c + half] - ends[c]
-              for k, w in enumerate(writes) if (c := (k + 1) * interval) >= WARM_INTERVALS *
-              interval and c in ends and c + half in ends]
+    inside = [writes[k] <= ends[c + half] - ends[c] for c in paired_steps(ends, interval)
+              if (k := c // interval - 1) < len(writes)]
     return sum(inside) / len(inside) if inside else float("nan")
 
 
