@@ -96,20 +96,23 @@ class HostPendingRows:
         idx = rows.cpu()
         idx = idx[self._mask[idx]]
         if len(idx):
-            self._copy(sources, targets, idx)
+            values = self._copy(sources, targets, idx)
             self._mask[idx] = False
             self._hooked += len(idx)
             if self._chunk is not None:
                 a, b, _ = self._chunk
-                inside = idx[(idx >= a) & (idx < b)]
-                if len(inside):  # the copier's read may overwrite them with updated values
-                    self._taken.append((inside, {name: src.index_select(0, inside)
-                                                 for name, src in sources.items()}))
+                inside = (idx >= a) & (idx < b)
+                if bool(inside.any()):  # the copier's read may overwrite them, updated
+                    self._taken.append((idx[inside], {name: v[inside]
+                                                      for name, v in values.items()}))
 
     @staticmethod
-    def _copy(sources, targets, idx: torch.Tensor) -> None:
-        for name, src in sources.items():
-            targets[name].index_copy_(0, idx, src.index_select(0, idx))
+    def _copy(sources, targets, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Rows `idx` of each source into its target; returns the values copied, by source."""
+        values = {name: src.index_select(0, idx) for name, src in sources.items()}
+        for name, v in values.items():
+            targets[name].index_copy_(0, idx, v)
+        return values
 
     def drain(self) -> None:
         """Nothing to wait for: every copy was done in its call."""
