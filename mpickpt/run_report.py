@@ -2,9 +2,10 @@
 
 Per executed step its training step and loss (replays after a rollback appear again), the time of
 the step and when it ended (seconds since the report began: the differences between steps hold
-everything the loop did between them, reading and checkpoint calls too), every checkpoint save's cost (foreground, and its background write until commit), every loss of shards with its recovery (policy, the step
-training went on from, seconds), the final test metrics, PLS, and the interval planner's history.
-Local: rank 0 keeps and writes it; the other ranks keep nothing.
+everything the loop did between them, reading and checkpoint calls too), every checkpoint save's
+cost (foreground, and its background write until commit), every loss of shards with its recovery
+(policy, the step training went on from, seconds), the final test metrics, PLS, and the interval
+planner's history. Local: rank 0 keeps and writes it; the other ranks keep nothing.
 """
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ copier's read may have seen their update) and clears the chunk (`HostPendingRows
 hook has not taken by then was not being updated during the read. So a step never waits for a
 chunk (it did while the copier held the model's state lock: ~1-3 ms in each of the ~15 steps
 after a checkpoint of 750k rows). On CUDA the copies are enqueued under the state lock, and
-stream order does the rest (below). Anything else that rewrites rows (a recovery, a restore, an emulated loss) must
-call `finish()` first; the trainer does.
+stream order does the rest (below). Anything else that rewrites rows (a recovery, a restore, an
+emulated loss) must call `finish()` first; the trainer does.
 
 A failure of the copy (the copier's or the hook's) abandons the snapshot, never training: the
 rows stop being pending, the hook copies nothing more, and `finish()` raises it for the manager,

@@ -142,9 +142,11 @@ class FusedRows:
         output (right before the fused backward updates the rows) takes `state_lock`, and
         `training(False)` gives it back, so a survivor dump never sees a half-applied update;
         the gradient hooks run first, outside the lock (they may be collective, and a dump
-        must not wait on a collective a dead peer never joins). On CUDA the backward may run in autograd's device thread, which cannot take a lock the
-        training thread gives back: there the update is not guarded (the step undo still
-        restores the rows' old values)."""
+        must not wait on a collective a dead peer never joins). On CUDA the backward may run
+        in autograd's device thread, which cannot take a lock the training thread gives
+        back: there the update is not guarded (the step undo still restores the rows' old
+        values).
+        """
         if self._training and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(self._enter_update)
 
