@@ -16,7 +16,8 @@ worker starts later inherit from the thread that starts them. An unprivileged pr
 its children from SCHED_IDLE back to SCHED_OTHER (within RLIMIT_NICE, default 0, which is where
 they start) and between best-effort I/O levels, so every mode can be reached both ways without
 root. Where the kernel refuses (another OS, a seccomp profile), `apply` says why and the workers
-run as they are. Local: nothing here uses MPI.
+run as they are. `Background` adds where they run: the background cores of a core split
+(`mpickpt.engine.core_split`), or anywhere. Local: nothing here uses MPI.
 """
 from __future__ import annotations
 
@@ -40,6 +41,45 @@ class Setting:
     policy: int
     io_class: int
     io_level: int
+
+
+@dataclass(frozen=True)
+class Background:
+    """How and where background work runs: the priority `mode` and the `cores` it is kept on
+    (None: anywhere the process may run)."""
+
+    mode: str = "idle"
+    cores: tuple[int, ...] | None = None
+
+    @classmethod
+    def of(cls, value) -> "Background":
+        """`value` itself, or a mode name as a Background that runs anywhere. Local."""
+        return value if isinstance(value, Background) else cls(setting_mode(value))
+
+    def at(self, mode: str) -> "Background":
+        """The same cores at priority `mode` (`normal` for a last checkpoint). Local."""
+        return Background(setting_mode(mode), self.cores)
+
+    def apply(self, pid: int) -> str | None:
+        """Every thread of process `pid` at this priority and on these cores; None when done,
+        else why not (it keeps running as it was). Local."""
+        return self.apply_to_threads(threads_of(pid))
+
+    def apply_to_threads(self, tids: list[int]) -> str | None:
+        """The threads `tids` at this priority and on these cores, as `apply`. Local."""
+        problems = [apply_to_threads(tids, self.mode)]
+        for tid in tids if self.cores is not None else ():
+            try:
+                os.sched_setaffinity(tid, self.cores)
+            except (OSError, AttributeError) as e:
+                problems.append(f"cores of thread {tid}: {e}")
+        return "; ".join(p for p in problems if p) or None
+
+
+def setting_mode(mode: str) -> str:
+    """`mode` when it names a mode; ValueError naming the choices otherwise. Local."""
+    setting(mode)
+    return mode
 
 
 def setting(mode: str) -> Setting:

@@ -61,12 +61,14 @@ class Trainer:
         self.log = log or ProgressLog(topo.is_root, config.num_batches, config.run.print_freq)
         self.source, first, self.test_source, self.test_start = make_sources(config)
         self.ckpt = self.restorer = None
+        self.split = self._core_split()
         if config.checkpoint is not None:
-            self.ckpt = CheckpointManager(topo, config.checkpoint, self.model, self.log.say)
+            self.ckpt = CheckpointManager(topo, config.checkpoint, self.model, self.log.say,
+                                          self.split)
             self.restorer = Restorer(topo, config.checkpoint.directory, self.model, self.ckpt.say,
                                      config.checkpoint.resume)
-        self.parity = ParityGuard(topo, self.model, config.parity, self.log.say) \
-            if config.parity is not None else None
+        self.parity = ParityGuard(topo, self.model, config.parity, self.log.say,
+                                  self._widen) if config.parity is not None else None
         rec = config.recovery
         self.survival = Survival(topo, self.model, self.parity, config.checkpoint and
                                  config.checkpoint.directory,
@@ -98,6 +100,10 @@ class Trainer:
         self.votes = torch.zeros(1)
         self.stopped: str | None = None
         self.stop_committed = False
+        if self.split is not None:  # last: the counts of free cores above read the whole mask
+            problem = self.split.pin_training()
+            if problem:
+                self.log.say(f"--ckpt-cores: training keeps every core: {problem}")
         """The emergency checkpoint of the step a stop signal ended at was committed."""
         self.survival.start_watch(self._boundary)  # first: a death during recovery is seen
         if lost:
@@ -171,13 +177,37 @@ class Trainer:
                 self.ckpt.schedule.interval = joined.interval
                 self.ckpt.schedule.restart(joined.step)
 
+    def _core_split(self):
+        """The split of this rank's cores that --ckpt-cores asks for (None: shared), said on
+        rank 0. Local."""
+        from mpickpt.engine import core_split
+
+        cfg = self.config.checkpoint
+        if cfg is None:
+            return None
+        split, why = core_split.plan(cfg.cores, self.topo.local_rank, self.topo.local_size,
+                                     self.topo.device.type, torch.get_num_threads())
+        if split is not None:
+            self.log.say(f"--ckpt-cores {cfg.cores}: {split.describe()} (rank 0)")
+        elif why is not None:
+            self.log.say(f"--ckpt-cores {cfg.cores}: no split ({why}); training and the "
+                         f"background share the cores")
+        return split
+
+    def _widen(self) -> None:
+        """On a helper thread training starts (the reader, the rebuild's): the whole share of a
+        core split, not just training's cores. Local."""
+        if self.split is not None:
+            self.split.widen()
+
     def _make_reader(self, start) -> PrefetchReader:
         cfg = self.config
         allowance = self.ckpt.allowance(self.step, cfg.num_batches) if self.ckpt else None
         return PrefetchReader(self.source, global_batch=cfg.global_batch, rank=self.topo.rank,
                               world=self.topo.world_size, state=start,
                               depth=cfg.data.prefetch_depth,
-                              allowance=allowance, read_ahead=cfg.data.prefetch_depth)
+                              allowance=allowance, read_ahead=cfg.data.prefetch_depth,
+                              place=self._widen)
         # the reader keeps its queue full through a checkpoint: drained there, its refill (the
         # batch after it read after the save, then depth more at once) slowed the step after
         # every checkpoint by 4-8 ms here (its reads hold the GIL the step's waits need)

@@ -319,16 +319,23 @@ def test_readers_take_the_next_job_not_taken():
 
     from mpickpt.parity.memory_reads import MemoryReads
 
+    import threading
+
     words = SimpleNamespace(widths=[DIM, 1], width=DIM + 1)
-    reads = MemoryReads(SimpleNamespace(layout=LAYOUT, words=words))
+    placed = set()  # `place` (a core split's widening) runs on each pool thread as it starts
+    reads = MemoryReads(SimpleNamespace(layout=LAYOUT, words=words),
+                        place=lambda: placed.add(threading.get_ident()))
     reads.readers = [_reader(), _reader()]
+    ran_on = set()
 
     def work(reader, job):
+        ran_on.add(threading.get_ident())
         time.sleep(0.4 if job == 0 else 0.01)
         return job * 10, reads.readers.index(reader)
 
     out = reads._each_reader([(j,) for j in range(9)], work)
     reads.close()
+    assert placed == ran_on and len(placed) == 2 and threading.get_ident() not in placed
     assert [got for _, (got, _) in out] == [j * 10 for j in range(9)]
     assert all(i == ran_on for i, (_, ran_on) in out)
     slow = out[0][0]

@@ -173,3 +173,12 @@ def test_rejects_bad_arguments(stream, kwargs, word):
         reader(stream, SyntheticPosition(), **kwargs)
     with pytest.raises(ValueError, match="multiple"):
         PrefetchReader(stream, global_batch=30, rank=0, world=4, state=SyntheticPosition())
+
+
+def test_place_runs_on_the_producer_thread_before_its_first_read(stream):
+    """`place` (a core split's widening) runs once, on the producer thread, not the caller's."""
+    placed = []
+    with reader(stream, SyntheticPosition(), limit=3,
+                place=lambda: placed.append(threading.get_ident())) as r:
+        assert len(list(r)) == 3
+    assert len(placed) == 1 and placed[0] != threading.get_ident()

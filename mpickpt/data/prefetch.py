@@ -79,12 +79,14 @@ def _put(items: queue.Queue, gate: _Gate, item) -> bool:
 
 
 def _produce(source: SliceSource, state: ReaderState, args: tuple[int, int, int],
-             items: queue.Queue, gate: _Gate) -> None:
+             items: queue.Queue, gate: _Gate, place=None) -> None:
     """Producer thread body: read allowed slices into ``items``; end on None or an error. Local.
 
     Holds no reference to the PrefetchReader, so dropping the reader runs its ``__del__``.
     """
     try:
+        if place is not None:
+            place()
         while gate.acquire():
             batch, state = source.read_slice(state, *args)
             if not _put(items, gate, (batch, state)) or batch is None:
@@ -110,12 +112,13 @@ class PrefetchReader:
     `next()` returns None; ``allowance`` is the initial `allow` value (None = unbounded). Pass the
     allowance here rather than calling `allow` after construction when no read-ahead may happen.
     ``read_ahead``: batches the producer may read beyond the allowance (delivered only once `allow`
-    raises it).
+    raises it). ``place``: called on the producer thread when it starts (its cores: the whole
+    share under a core split, `mpickpt.engine.core_split`).
     """
 
     def __init__(self, source: SliceSource, *, global_batch: int, rank: int, world: int,
                  state: ReaderState, depth: int = 4, limit: int | None = None,
-                 allowance: int | None = None, read_ahead: int = 0):
+                 allowance: int | None = None, read_ahead: int = 0, place=None):
         local_slice(global_batch, rank, world)
         _check_count("depth", depth, 1, optional=False)
         _check_count("limit", limit, 0, optional=True)
@@ -126,7 +129,8 @@ class PrefetchReader:
         self._items: queue.Queue = queue.Queue(maxsize=depth)
         self._gate = _Gate(allowance, limit, read_ahead)
         self._thread = threading.Thread(
-            target=_produce, args=(source, state, (global_batch, rank, world), self._items, self._gate),
+            target=_produce, args=(source, state, (global_batch, rank, world), self._items, self._gate,
+                  place),
             name=f"mpickpt-prefetch-rank{rank}", daemon=True)
         self._thread.start()
         self._closed = False

@@ -16,7 +16,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from mpickpt import background_priority
+from mpickpt.background_priority import Background
 from mpickpt.store.manifest import Manifest, apply_retention, list_manifests, write_manifest
 
 REPORT_TAG = 0x4D43  # "MC"
@@ -36,12 +36,13 @@ class PendingCheckpoint:
 class CommitCoordinator:
     """Per-rank reporting plus rank 0's bookkeeping. Methods are local unless they say otherwise."""
 
-    def __init__(self, topo, root: str, keep: int, log, background: str = "normal"):
-        """`background`: the commit thread's CPU and I/O priority (`--ckpt-background`): its
-        work is the manifest and the retention, whose deletes cost the kernel ~160 ms per
-        synced GB (measured here), taken from training at normal priority."""
+    def __init__(self, topo, root: str, keep: int, log, background: Background | str = "normal"):
+        """`background`: the commit thread's CPU and I/O priority (`--ckpt-background`) and
+        cores (a `Background`, or a mode name: anywhere): its work is the manifest and the
+        retention, whose deletes cost the kernel ~160 ms per synced GB (measured here), taken
+        from training at normal priority."""
         self.topo, self.root, self.keep, self.log = topo, root, keep, log
-        self.background = background
+        self.background = Background.of(background)
         self._tid: int | None = None
         self.priority_problem: str | None = None
         self.pending: dict[int, PendingCheckpoint] = {}
@@ -56,14 +57,14 @@ class CommitCoordinator:
     def _lower(self) -> None:
         """On the commit thread, once: take the background priority. Local."""
         self._tid = threading.get_native_id()
-        self.prioritize(self.background)
+        self.prioritize(self.background.mode)
 
     def prioritize(self, background: str) -> None:
         """Run the commit thread at `background` priority from now on (`normal` once training
-        is over or stopping). Local."""
-        self.background = background
+        is over or stopping), on the same cores. Local."""
+        self.background = self.background.at(background)
         if self._tid is not None:
-            problem = background_priority.apply_to_threads([self._tid], background)
+            problem = self.background.apply_to_threads([self._tid])
             if problem and self.priority_problem is None:
                 self.priority_problem = problem
 

@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from mpickpt.engine.core_split import MODES as CORE_MODES
 from mpickpt.kinds.incrcp import RESETS as INCRCP_RESETS
 from mpickpt.kinds.priority import DEFAULT_FRACTION
 from mpickpt.kinds.priority import RULES as PRIORITY_RULES
@@ -86,6 +87,11 @@ class CheckpointConfig:
     """CPU and I/O priority of the writers (CRC, quantizer) and the IncrCP extractor: idle
     (SCHED_IDLE, idle I/O: only what training leaves), low (SCHED_BATCH, best-effort 7), normal
     (see mpickpt.background_priority); a checkpoint before a stop runs at normal"""
+    cores: str = option("shared", flag="--ckpt-cores", choices=CORE_MODES)
+    """where the background runs: shared (anywhere in the rank's cores, as training), split
+    (training's thread on the cores it needs, the writers, extractor, copier and commit thread
+    on the rest of the rank's share; no split where training needs them all), auto (split
+    where a core is free); see mpickpt/engine/core_split.py"""
     overlap: str = option("wait", flag="--ckpt-overlap", choices=OVERLAP_POLICIES)
     """when the previous checkpoint is still being written: wait for it, or skip this one"""
     kind: str = option("full", flag="--ckpt-kind", choices=KINDS)

@@ -55,9 +55,12 @@ class CopyOnUpdate:
     writers' memory traffic), and the copier is one thread for the manager's life, woken per
     snapshot (starting a thread took up to 7 ms)."""
 
-    def __init__(self, model, chunk_rows: int = CHUNK_ROWS, pause_s: float = 0.0):
-        """`pause_s`: the copier sleeps this long between chunks (0: only yields the lock)."""
+    def __init__(self, model, chunk_rows: int = CHUNK_ROWS, pause_s: float = 0.0, place=None):
+        """`pause_s`: the copier sleeps this long between chunks (0: only yields the lock).
+        `place`: called on the copier thread when it starts (its cores: a core split's
+        background cores, `mpickpt.engine.core_split`)."""
         self.model, self.chunk_rows, self.pause_s = model, chunk_rows, pause_s
+        self._place = place
         self._mask_lock = threading.Lock()
         self._pending: HostPendingRows | DevicePendingRows | None = None
         """The current snapshot's pending rows (None: nothing pending)."""
@@ -174,6 +177,8 @@ class CopyOnUpdate:
 
     def _serve(self) -> None:
         """The copier thread: one snapshot per `go`, until `close`."""
+        if self._place is not None:
+            self._place()
         while True:
             with self._wake:
                 while self._state != "queued" and not self._closed:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from mpickpt.background_priority import Background
 from mpickpt.model.contract import INCREMENTAL, require
 from mpickpt.kinds.base import SavePlan
 from mpickpt.kinds.planner import KindPlanner
@@ -19,7 +20,9 @@ class IncrementalSaves:
     """One rank's kind planner, row tracker and companion. Construction is local; `plan` is
     collective."""
 
-    def __init__(self, topo, config, model, root: str, say):
+    def __init__(self, topo, config, model, root: str, say, background=None):
+        """`background`: how and where the companion's process runs (a
+        `mpickpt.background_priority.Background`; default: --ckpt-background, anywhere)."""
         self.topo = topo
         kind = kind_named(config.kind, int(sum(model.plan.table_sizes)), config)
         self.planner = KindPlanner(kind, model.plan.local_rows(topo.rank), self._allreduce("SUM"),
@@ -33,7 +36,8 @@ class IncrementalSaves:
         attached = kind.attach(model)
         if attached:
             say(attached)
-        self.companion = kind.companion(root, config, say)
+        self.companion = kind.companion(root, config, say,
+                                        background or Background.of(config.background))
         self.companion_cpu_seconds = 0.0
         """CPU the companion's process spent on its answered jobs, kept past `close`."""
 

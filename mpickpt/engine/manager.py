@@ -27,6 +27,7 @@ import uuid
 
 import numpy as np
 
+from mpickpt.background_priority import Background
 from mpickpt.control import MAX
 from mpickpt.engine.commit import CommitCoordinator, PendingCheckpoint
 from mpickpt.engine.config import DEFAULT_INTERVAL, CheckpointConfig
@@ -42,8 +43,10 @@ from mpickpt.store.file_spec import checkpoint_id
 class CheckpointManager:
     """Snapshots, background writers and commit for one rank. Construction is collective."""
 
-    def __init__(self, topo, config: CheckpointConfig, model, log=None):
-        """`on_saved(step)`, when set, may re-plan `schedule` after each save."""
+    def __init__(self, topo, config: CheckpointConfig, model, log=None, split=None):
+        """`on_saved(step)`, when set, may re-plan `schedule` after each save. `split`: a
+        `mpickpt.engine.core_split.CoreSplit` whose background cores the writers, the
+        extractor, the copier and the commit thread keep to (None: they run anywhere)."""
         self.topo, self.config, self.model = topo, config, model
         self.log = log or (lambda line: print(line, flush=True) if topo.is_root else None)
         self.root = os.path.abspath(config.directory)
@@ -52,15 +55,15 @@ class CheckpointManager:
             topo.control.bcast(uuid.uuid4().hex[:8] if topo.is_root else None, root=0)
         remove_stale_areas()
         self.snapshots = Snapshotter(model, with_dense=topo.is_root)
-        self.copier = self._copier(config, model, self.say)
+        background = Background(config.background, split.background if split else None)
+        self.copier = self._copier(config, model, self.say, split)
         self._deferred: list | None = None
         """The writer jobs of a snapshot whose rows are still being copied (copy-on-update)."""
-        self.writers = WriterPool(config.writers, config.background)
+        self.writers = WriterPool(config.writers, background)
         if self.writers.priority_problem:
             self.say(f"the checkpoint writers run at their start priority: "
                      f"{self.writers.priority_problem}")
-        self.commits = CommitCoordinator(topo, self.root, config.keep, self.say,
-                                         config.background)
+        self.commits = CommitCoordinator(topo, self.root, config.keep, self.say, background)
         self.counters = {"saved": 0, "waits": 0, "skips": 0, "wait_seconds": 0.0}
         self.stalls: list[float] = []
         self._in_flight: dict | None = None
@@ -68,7 +71,8 @@ class CheckpointManager:
         if self.copier is not None and not self.snapshots.copier_can_write:
             self.say("--ckpt-snapshot copy-on-update: the staging area could not be page-locked "
                      "and mapped for the GPU; snapshots stay stop-the-world")
-        self.incremental = IncrementalSaves(topo, config, model, self.root, self.say)
+        self.incremental = IncrementalSaves(topo, config, model, self.root, self.say,
+                                            background)
         self.schedule = CheckpointSchedule(config.fixed_interval or DEFAULT_INTERVAL)
         self.on_saved = None
         self.stats_sources: list = []
@@ -104,7 +108,7 @@ class CheckpointManager:
         return threads
 
     @staticmethod
-    def _copier(config, model, say):
+    def _copier(config, model, say, split=None):
         """The copy-on-update hook, when asked for and the rows' device can run it (CPU, or a
         CUDA device with the kernels of kernels/pending_rows.cu; else stop-the-world, saying
         why). Local."""
@@ -113,10 +117,12 @@ class CheckpointManager:
         from mpickpt.model.contract import COPY_ON_UPDATE, require
 
         require(model, COPY_ON_UPDATE)
-        slow = {} if config.inject_slow_copy is None else \
+        options = {} if config.inject_slow_copy is None else \
             {"chunk_rows": SLOW_COPY_ROWS, "pause_s": config.inject_slow_copy}  # fault tests
+        if split is not None:
+            options["place"] = lambda: split.pin_background([0])
         if model.topo.device.type == "cpu":
-            return CopyOnUpdate(model, **slow)
+            return CopyOnUpdate(model, **options)
         from mpickpt.engine.pending_rows_cuda import unusable
 
         why = unusable(model.topo.device)
@@ -125,7 +131,7 @@ class CheckpointManager:
             why = f"row arrays {loose} are not contiguous" if loose else None
         if why is None:
             try:
-                return CopyOnUpdate(model, **slow)  # compiles the kernels
+                return CopyOnUpdate(model, **options)  # compiles the kernels
             except Exception as e:  # a CuPy or driver problem: checkpoints go on as they were
                 why = f"its kernels failed to load ({type(e).__name__}: {e})"
         say(f"--ckpt-snapshot copy-on-update: {why}; snapshots stay stop-the-world")

@@ -3,17 +3,18 @@ from __future__ import annotations
 
 import time
 
-from mpickpt import background_priority
 from mpickpt.background import WorkerStartError, start_worker
+from mpickpt.background_priority import Background
 from mpickpt.engine.writer_process import writer_main
 
 
 class WriterPool:
     """`count` writer processes; one job (a list of per-writer jobs) in flight at a time. Local."""
 
-    def __init__(self, count: int, background: str = "idle"):
-        """`background`: the writers' CPU and I/O priority (`mpickpt.background_priority`)."""
-        self.background = background
+    def __init__(self, count: int, background: Background | str = "idle"):
+        """`background`: the writers' CPU and I/O priority and cores (a
+        `mpickpt.background_priority.Background`, or a mode name: anywhere)."""
+        self.background = Background.of(background)
         self.priority_problem: str | None = None
         """Why the priority could not be set (the writers then run as they are), once."""
         self._procs: list = [None] * count
@@ -29,14 +30,14 @@ class WriterPool:
         self._prioritize(self._procs[i])
 
     def _prioritize(self, proc) -> None:
-        problem = background_priority.apply(proc.pid, self.background)
+        problem = self.background.apply(proc.pid)
         if problem and self.priority_problem is None:
             self.priority_problem = problem
 
     def prioritize(self, background: str) -> None:
         """Run the writers at `background` priority from now on (`normal` for a last checkpoint
-        before a stop). Local."""
-        self.background = background
+        before a stop), on the same cores. Local."""
+        self.background = self.background.at(background)
         for proc in self._procs:
             if proc is not None and proc.is_alive():
                 self._prioritize(proc)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import time
 
-from mpickpt import background_priority
 from mpickpt.background import WorkerStartError, start_worker
+from mpickpt.background_priority import Background
 from mpickpt.incrcp.extractor_process import extractor_main
 
 
@@ -12,9 +12,11 @@ class ExtractorClient:
     """Hands ingestion jobs to one background extractor, in order; restarts it if it dies and hands
     it every unanswered job again (ingestion is idempotent). Never blocks unless asked to drain."""
 
-    def __init__(self, root: str, ratio: float, log=None, background: str = "idle"):
-        """`background`: the extractor's CPU and I/O priority (`mpickpt.background_priority`)."""
-        self.root, self.ratio, self.background = root, ratio, background
+    def __init__(self, root: str, ratio: float, log=None, background: Background | str = "idle"):
+        """`background`: the extractor's CPU and I/O priority and cores (a
+        `mpickpt.background_priority.Background`, or a mode name: anywhere)."""
+        self.root, self.ratio = root, ratio
+        self.background = Background.of(background)
         self.log = log or (lambda line: None)
         self.pending: list[dict] = []
         self.results: list[dict] = []
@@ -24,12 +26,12 @@ class ExtractorClient:
     def _start(self) -> None:
         self.proc, self.conn = start_worker(extractor_main, "mpickpt-extractor", self.root,
                                             self.ratio)
-        self.prioritize(self.background)
+        self.prioritize(self.background.mode)
 
     def prioritize(self, background: str) -> None:
-        """Run the extractor at `background` priority from now on. Local."""
-        self.background = background
-        problem = background_priority.apply(self.proc.pid, background)
+        """Run the extractor at `background` priority from now on, on the same cores. Local."""
+        self.background = self.background.at(background)
+        problem = self.background.apply(self.proc.pid)
         if problem:
             self.log(f"the extractor runs at its start priority: {problem}")
 

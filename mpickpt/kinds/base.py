@@ -130,9 +130,10 @@ class Kind:
     def detach(self) -> None:
         """Undo `attach`. Local. Safe twice."""
 
-    def companion(self, root: str, config, say):
+    def companion(self, root: str, config, say, background):
         """A background service this kind's increments need after they are durable (IncrCP's
-        extractor), or None. Local."""
+        extractor), or None; `background` (a `mpickpt.background_priority.Background`): how
+        and where its process runs. Local."""
         return None
 
     # ---- files ------------------------------------------------------------------------------

@@ -87,9 +87,9 @@ class Incrcp(Kind):
         if chain and chain == self.chain:
             self.cost.restores.append((step, seconds))
 
-    def companion(self, root, config, say):
+    def companion(self, root, config, say, background):
         return Ingestion(root, config.incrcp_ratio, config.inject_extract_crash, say, config.align,
-                         config.background, time_restore=self.reset == "cost", io=config.io)
+                         background, time_restore=self.reset == "cost", io=config.io)
 
     def shard_location(self, save, ckpt_id, rank, step, part):
         return column_relpath(save.chain, rank, step, part), "chunk"
@@ -151,10 +151,11 @@ class Ingestion:
     logged and fed back into the cost model. Local."""
 
     def __init__(self, root: str, ratio: float, crash_at: int | None, say, align: int = 0,
-                 background: str = "idle", time_restore: bool = True, io: str = "buffered"):
+                 background="idle", time_restore: bool = True, io: str = "buffered"):
         """`time_restore`: whether the extractor reports R for the cost model (only baselines by
         cost read it; `incrcp.restore_probe` decides when it is timed). `io`: --ckpt-io, how
-        the extractor writes its bundles."""
+        the extractor writes its bundles. `background`: the extractor's priority and cores (a
+        `mpickpt.background_priority.Background`, or a mode name)."""
         self.root, self.crash_at, self.say, self.align = root, crash_at, say, align
         self.io = io
         self.time_restore = time_restore

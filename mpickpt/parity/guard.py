@@ -78,9 +78,11 @@ class ParityGuard:
     (it creates the upkeep process group), local after; `encode`, `fail`, `settle`
     and the hooks it installs are collective."""
 
-    def __init__(self, topo, model, config: ParityConfig, say):
+    def __init__(self, topo, model, config: ParityConfig, say, place=None):
+        """`place`: called on each rebuild thread when it starts (`MemoryReads`)."""
         require(model, PARITY)
         self.topo, self.config, self.say = topo, config, say
+        self._place = place
         self.embeddings = model.embeddings
         self.store = ParityStore(topo, model.embeddings, model.plan, config.k, config.r)
         model.embeddings.add_update_hook(self.store)
@@ -120,7 +122,7 @@ class ParityGuard:
                 st.words.memory() is None or st.parity.device.type != "cpu" or \
                 st.topo.local_size < st.layout.g:
             return None
-        reads = MemoryReads(st)
+        reads = MemoryReads(st, self._place)
         reads.reserve()
         return reads
 

@@ -31,8 +31,10 @@ MAX_THREADS = 4
 class MemoryReads:
     """Reads and decodes of one lost rank. Local; `close` ends its threads."""
 
-    def __init__(self, store):
-        self.store = store
+    def __init__(self, store, place=None):
+        """`place`: called on each of its threads when it starts (their cores: the whole share
+        under a core split, `mpickpt.engine.core_split`)."""
+        self.store, self._place = store, place
         threads = min(MAX_THREADS, len(os.sched_getaffinity(0)))
         self.readers = [PeerReader(store) for _ in range(threads)]
         self._pool: ThreadPoolExecutor | None = None
@@ -142,7 +144,8 @@ class MemoryReads:
         future gives the sweep's seconds; the caller must let nothing change the group's rows
         or parity until it has waited for it. Local."""
         if self._sweeper is None:
-            self._sweeper = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-sweep")
+            self._sweeper = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-sweep",
+                                               initializer=self._place)
         self._cancel.clear()
 
         def sweep() -> float | None:
@@ -224,7 +227,8 @@ class MemoryReads:
         if n == 1 or len(jobs) <= 1:
             return [(0, work(self.readers[0], *job)) for job in jobs]
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(n, thread_name_prefix="mpickpt-rebuild")
+            self._pool = ThreadPoolExecutor(n, thread_name_prefix="mpickpt-rebuild",
+                                            initializer=self._place)
         taken, failed = itertools.count(), threading.Event()
         out: list = [None] * len(jobs)
 
