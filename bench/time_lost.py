@@ -5,8 +5,8 @@ and background priority (issue 23).
     python bench/time_lost.py --ranks 1,2 --rounds 2 --steps 600 --interval 50
 
 Each round runs, one after the other and in a rotating order, a run without checkpoints and one
-run per (kind, --ckpt-background, --ckpt-snapshot) case, all on the same synthetic stream (26 Criteo Kaggle tables
-/ --scale-down, D = 16, global batch --batch). From each run's `--run-report`: the training loop's
+run per (kind, --ckpt-background, --ckpt-snapshot, --ckpt-io, --ckpt-cores) case, all on the same
+synthetic stream (26 Criteo Kaggle tables / --scale-down, D = 16, global batch --batch). From each run's `--run-report`: the training loop's
 wall time (steps, reading and checkpoint calls), the checkpoints taken, the stall of each save
 (`save_seconds`) and the writers' CPU seconds (rank 0's). *lost per checkpoint* = (loop time −
 the same round's loop time without checkpoints) / checkpoints; the spread is over rounds.
@@ -76,14 +76,15 @@ def run(ranks: int, args, workdir: Path, name: str, extra: tuple) -> dict:
 SNAPSHOTS = {"stop-the-world": "stw", "copy-on-update": "cou"}
 
 
-def cases(args) -> list[tuple[str, str, str, str]]:
-    """(kind, background, snapshot, io) of every checkpointing run of a round."""
-    return [(k, b, s, io) for k in args.kinds.split(",") for b in args.backgrounds.split(",")
-            for s in args.snapshots.split(",") for io in args.ios.split(",")]
+def cases(args) -> list[tuple[str, str, str, str, str]]:
+    """(kind, background, snapshot, io, cores) of every checkpointing run of a round."""
+    return [(k, b, s, io, c) for k in args.kinds.split(",") for b in args.backgrounds.split(",")
+            for s in args.snapshots.split(",") for io in args.ios.split(",")
+            for c in args.cores.split(",")]
 
 
 def case_name(case) -> str:
-    return f"{case[0]}-{case[1]}-{SNAPSHOTS[case[2]]}-{case[3]}"
+    return f"{case[0]}-{case[1]}-{SNAPSHOTS[case[2]]}-{case[3]}-{case[4]}"
 
 
 def measure(args) -> list[dict]:
@@ -101,7 +102,7 @@ def measure(args) -> list[dict]:
                     extra = () if case is None else (
                         "--ckpt-dir", str(work / name), "--ckpt-interval", str(args.interval),
                         "--ckpt-background", case[1], "--ckpt-snapshot", case[2],
-                        "--ckpt-io", case[3], *KINDS[case[0]])
+                        "--ckpt-io", case[3], "--ckpt-cores", case[4], *KINDS[case[0]])
                     results[name] = run(ranks, args, work, name, extra)
                     print(f"ranks {ranks} round {rnd}: {name} loop "
                           f"{results[name].get('loop_seconds', float('nan')):.2f} s", flush=True)
@@ -114,6 +115,7 @@ def measure(args) -> list[dict]:
                 written = sum(r.get("write_bytes", [])) or float("nan")
                 rows.append({"ranks": ranks, "round": rnd, "kind": case[0],
                              "background": case[1], "snapshot": case[2], "io": case[3],
+                             "core_split": case[4],
                              "checkpoints": n,
                              "lost_s": (r["loop_seconds"] - base) / n,
                              "stall_s": statistics.median(r["save_seconds"]),
@@ -212,15 +214,14 @@ def floor_cpu_per_gb(nbytes: int, directory: str, repeats: int = 7) -> float:
 
 
 def summarize(rows: list[dict], floors: dict[str, float]) -> list[dict]:
-    """Per (ranks, kind, background, snapshot, io): medians and spread over rounds, and the
-    targets: against the stall where the ranks (of one thread each) leave a core free on this
-    machine, against the floor of the kind's bytes where they do not. Local."""
-    fields = ("ranks", "kind", "background", "snapshot", "io")
-    keys = sorted({tuple(r.get(f, "buffered") for f in fields) for r in rows})
+    """Per (ranks, kind, background, snapshot, io, core split): medians and spread over rounds,
+    and the targets: against the stall where the ranks (of one thread each) leave a core free on
+    this machine, against the floor of the kind's bytes where they do not. Rows of results
+    older than a field count as its old default. Local."""
+    keys = sorted({case_of(r) for r in rows})
     out = []
-    for ranks, kind, background, snapshot, io in keys:
-        mine = [r for r in rows if tuple(r.get(f, "buffered") for f in fields) ==
-                (ranks, kind, background, snapshot, io)]
+    for ranks, kind, background, snapshot, io, split in keys:
+        mine = [r for r in rows if case_of(r) == (ranks, kind, background, snapshot, io, split)]
         lost = [r["lost_s"] for r in mine]
         stall = statistics.median(r["stall_s"] for r in mine)
         cpu = statistics.median(r["cpu_s"] for r in mine)
@@ -233,7 +234,7 @@ def summarize(rows: list[dict], floors: dict[str, float]) -> list[dict]:
         within = [r["within"] for r in mine if r.get("within") == r.get("within")]
         out.append({"ranks": ranks, "cores": cores_available(), "free_core": free,
                     "kind": kind, "background": background,
-                    "snapshot": snapshot, "io": io,
+                    "snapshot": snapshot, "io": io, "core_split": split,
                     "lost_ms": statistics.median(lost) * 1e3,
                     "lost_min_ms": min(lost) * 1e3, "lost_max_ms": max(lost) * 1e3,
                     "paired_ms": pair * 1e3, "paired_low_ms": pair_low * 1e3,
@@ -249,6 +250,16 @@ def summarize(rows: list[dict], floors: dict[str, float]) -> list[dict]:
                     else per_gb <= 1.5 * floor,
                     "jobs_met": None if free else jobs_gb <= 1.5 * floor})
     return out
+
+
+FIELD_DEFAULTS = {"io": "buffered", "core_split": "shared"}
+"""What a run recorded before the field existed ran with."""
+
+
+def case_of(row: dict) -> tuple:
+    """(ranks, kind, background, snapshot, io, core split) of one run's row. Local."""
+    return tuple(row.get(f, FIELD_DEFAULTS.get(f)) for f in
+                 ("ranks", "kind", "background", "snapshot", "io", "core_split"))
 
 
 def free_core(ranks: int) -> bool:
@@ -269,12 +280,13 @@ def floors_of(rows: list[dict], directory: str) -> dict[str, float]:
 
 
 def print_table(summary: list[dict]) -> None:
-    print("\n| ranks | kind | background | snapshot | io | lost ms / ckpt (min–max) | stall ms | "
-          "writer CPU ms / ckpt | bound 2·stall + 0.1·CPU ms | background CPU s/GB | "
+    print("\n| ranks | kind | background | snapshot | io | cores | lost ms / ckpt (min–max) | "
+          "stall ms | writer CPU ms / ckpt | bound 2·stall + 0.1·CPU ms | background CPU s/GB | "
           "floor s/GB | ratio | met | jobs' CPU s/GB | ratio | met |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in summary:
         print(f"| {s['ranks']} | {s['kind']} | {s['background']} | {s['snapshot']} | {s['io']} | "
+              f"{s['core_split']} | "
               f"{s['lost_ms']:.0f} "
               f"({s['lost_min_ms']:.0f}–{s['lost_max_ms']:.0f}) | {s['stall_ms']:.1f} | "
               f"{s['cpu_ms']:.0f} | {s['bound_ms']:.0f} | {s['background_cpu_s_per_gb']:.2f} | "
@@ -282,11 +294,12 @@ def print_table(summary: list[dict]) -> None:
               f"{'yes' if s['met'] else 'no'} | {s['jobs_cpu_s_per_gb']:.2f} | "
               f"{s['jobs_over_floor']:.1f}× | "
               f"{'-' if s['jobs_met'] is None else 'yes' if s['jobs_met'] else 'no'} |")
-    print("\n| ranks | kind | background | snapshot | io | paired lost ms / ckpt (95 % interval) "
-          "| checkpoints | committed within | bound ms | paired verdict |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| ranks | kind | background | snapshot | io | cores | paired lost ms / ckpt (95 % "
+          "interval) | checkpoints | committed within | bound ms | paired verdict |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for s in summary:
         print(f"| {s['ranks']} | {s['kind']} | {s['background']} | {s['snapshot']} | {s['io']} | "
+              f"{s['core_split']} | "
               f"{s['paired_ms']:.1f} ({s['paired_low_ms']:.1f} – {s['paired_high_ms']:.1f}) | "
               f"{s['paired_n']} | {s['within']:.0%} | {s['bound_ms']:.0f} | "
               f"{s['paired_verdict']} |")
@@ -304,8 +317,8 @@ def plot(summary: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(ranks), figsize=(8 * len(ranks), 4.2), squeeze=False)
     for ax, n in zip(axes[0], ranks):
         mine = [s for s in summary if s["ranks"] == n]
-        names = [f"{s['kind']}\n{s['background']}\n{SNAPSHOTS[s['snapshot']]}\n{s['io']}"
-                 for s in mine]
+        names = [f"{s['kind']}\n{s['background']}\n{SNAPSHOTS[s['snapshot']]}\n{s['io']}\n"
+                 f"{s['core_split']}" for s in mine]
         ax.bar(names, [s["lost_ms"] for s in mine], label="lost / ckpt",
                yerr=[[s["lost_ms"] - s["lost_min_ms"] for s in mine],
                      [s["lost_max_ms"] - s["lost_ms"] for s in mine]], capsize=3)
@@ -336,6 +349,8 @@ def main() -> None:
     p.add_argument("--snapshots", default="stop-the-world,copy-on-update")
     p.add_argument("--ios", default="direct,buffered",
                    help="--ckpt-io values: O_DIRECT writes against the page cache, same rounds")
+    p.add_argument("--cores", default="shared",
+                   help="--ckpt-cores values: training and background on shared or split cores")
     p.add_argument("--dir", default=tempfile.gettempdir())
     p.add_argument("--out", default=str(HERE / "results" / "time_lost.json"))
     args = p.parse_args()
