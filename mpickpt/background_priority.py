@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 MODES = ("idle", "low", "normal")
@@ -59,6 +60,23 @@ class Background:
     def at(self, mode: str) -> "Background":
         """The same cores at priority `mode` (`normal` for a last checkpoint). Local."""
         return Background(setting_mode(mode), self.cores)
+
+    @contextmanager
+    def spawning(self):
+        """The calling thread on these cores while inside, as it was after: a process spawned
+        inside starts its interpreter there, not on training's cores. Local."""
+        saved = None
+        if self.cores is not None:
+            try:
+                saved = os.sched_getaffinity(0)
+                os.sched_setaffinity(0, self.cores)
+            except (OSError, AttributeError):
+                saved = None
+        try:
+            yield
+        finally:
+            if saved is not None:
+                os.sched_setaffinity(0, saved)
 
     def apply(self, pid: int) -> str | None:
         """Every thread of process `pid` at this priority and on these cores; None when done,

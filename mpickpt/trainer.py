@@ -93,6 +93,7 @@ class Trainer:
         self.resumed_step = self.step
         self.faults = FaultTolerance(config, topo, self.model, self.ckpt, self.restorer,
                                      self.parity, self.log.say, self.step, pls, first.to_dict())
+        self._pin_training()  # after the counts of free cores above, which read the whole mask
         self.reader = self._make_reader(start)
         self.log.restart_at(self.step)
         self.report = RunReport(config.run.run_report, topo.is_root, self.step)
@@ -100,10 +101,6 @@ class Trainer:
         self.votes = torch.zeros(1)
         self.stopped: str | None = None
         self.stop_committed = False
-        if self.split is not None:  # last: the counts of free cores above read the whole mask
-            problem = self.split.pin_training()
-            if problem:
-                self.log.say(f"--ckpt-cores: training keeps every core: {problem}")
         """The emergency checkpoint of the step a stop signal ended at was committed."""
         self.survival.start_watch(self._boundary)  # first: a death during recovery is seen
         if lost:
@@ -179,20 +176,36 @@ class Trainer:
 
     def _core_split(self):
         """The split of this rank's cores that --ckpt-cores asks for (None: shared), said on
-        rank 0. Local."""
+        rank 0 (`auto` says nothing where it does not split). Collective unless shared or
+        this process replaces a dead rank (it does not know its node's masks, and the
+        survivors are not starting: it shares its cores)."""
         from mpickpt.engine import core_split
 
         cfg = self.config.checkpoint
-        if cfg is None:
+        if cfg is None or cfg.cores == "shared":
             return None
-        split, why = core_split.plan(cfg.cores, self.topo.local_rank, self.topo.local_size,
-                                     self.topo.device.type, torch.get_num_threads())
+        if getattr(self.topo, "replacement", False):
+            why = "a replacement process does not know its node's other ranks"
+            split = None
+        else:
+            index, masks = core_split.node_masks(self.topo.control)
+            split, why = core_split.plan(cfg.cores, index, masks, self.topo.device.type,
+                                         torch.get_num_threads())
         if split is not None:
             self.log.say(f"--ckpt-cores {cfg.cores}: {split.describe()} (rank 0)")
-        elif why is not None:
-            self.log.say(f"--ckpt-cores {cfg.cores}: no split ({why}); training and the "
-                         f"background share the cores")
+        elif cfg.cores == "split":
+            self.log.say(f"--ckpt-cores split: no split ({why}); training and the background "
+                         f"share the cores")
         return split
+
+    def _pin_training(self) -> None:
+        """Training's threads on the split's training cores (a CPU rank's torch workers and
+        gloo threads too; a GPU rank's feeding thread alone). Local."""
+        if self.split is None:
+            return
+        problem = self.split.pin_training(workers=self.topo.device.type != "cuda")
+        if problem:
+            self.log.say(f"--ckpt-cores: training keeps every core: {problem}")
 
     def _widen(self) -> None:
         """On a helper thread training starts (the reader, the rebuild's): the whole share of a

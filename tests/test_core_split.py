@@ -13,7 +13,7 @@ import pytest
 
 from mpickpt.background_priority import Background, IOPRIO_CLASS_IDLE, current, threads_of
 from mpickpt.engine.commit import CommitCoordinator
-from mpickpt.engine.core_split import CoreSplit, plan, rank_share
+from mpickpt.engine.core_split import CoreSplit, node_masks, plan, rank_share
 from mpickpt.engine.writer_pool import WriterPool
 from mpickpt.incrcp.client import ExtractorClient
 
@@ -22,41 +22,56 @@ two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
 
 
 def test_one_rank_on_two_cores_trains_on_the_first_and_writes_on_the_second():
-    split, why = plan("split", 0, 1, "cpu", 1, mask={0, 1}, node_cores=2)
+    split, why = plan("split", 0, [{0, 1}], "cpu", 1)
     assert why is None and split == CoreSplit((0,), (1,))
-    assert plan("auto", 0, 1, "cpu", 1, mask={0, 1}, node_cores=2)[0] == split
+    assert plan("auto", 0, [{0, 1}], "cpu", 1)[0] == split
 
 
 def test_shared_splits_nothing_and_says_nothing():
-    assert plan("shared", 0, 1, "cpu", 1, mask={0, 1}, node_cores=2) == (None, None)
+    assert plan("shared", 0, [{0, 1}], "cpu", 1) == (None, None)
 
 
-def test_unbound_ranks_deal_the_node_out_by_local_rank():
-    """mpiexec's default: every rank's mask is the node's; a GPU rank's training takes one
-    core of its eighth of 16."""
-    split, _ = plan("auto", 3, 4, "cuda", 1, mask=set(range(16)), node_cores=16)
-    assert split == CoreSplit((12,), (13, 14, 15))
-    assert rank_share(1, 2, range(8), 8) == ((4, 5, 6, 7), None)
+def test_unbound_ranks_deal_their_cores_out_in_rank_order():
+    """mpiexec's default: every rank's mask is the node's (or the job's cgroup's, 16 of a
+    larger host here); a GPU rank's training takes one core of its quarter."""
+    cgroup = set(range(32, 48))
+    split, _ = plan("auto", 3, [cgroup] * 4, "cuda", 1)
+    assert split == CoreSplit((44,), (45, 46, 47))
+    assert rank_share(1, [range(8)] * 2) == ((4, 5, 6, 7), None)
 
 
 def test_a_rank_bound_to_its_own_cores_splits_its_mask():
-    split, _ = plan("split", 1, 2, "cpu", 2, mask={4, 5, 6}, node_cores=8)
+    split, _ = plan("split", 1, [{0, 1, 2}, {4, 5, 6}], "cpu", 2)
     assert split == CoreSplit((4, 5), (6,))
 
 
 def test_no_split_where_training_needs_every_core_or_the_share_is_unknown():
-    split, why = plan("split", 1, 2, "cpu", 1, mask={0, 1}, node_cores=2)  # 2 ranks, 2 cores
+    split, why = plan("split", 1, [{0, 1}, {0, 1}], "cpu", 1)  # 2 ranks, 2 cores
     assert split is None and "training needs all of this rank's 1 core(s)" in why
-    split, why = plan("auto", 0, 4, "cuda", 1, mask=set(range(8)), node_cores=16)  # sockets
-    assert split is None and "which cores each takes is not known" in why
+    sockets = [set(range(8)), set(range(8)), set(range(4, 12)), set(range(8, 16))]
+    split, why = plan("auto", 0, sockets, "cuda", 1)
+    assert split is None and "overlap without being equal" in why
+    split, why = plan("split", 2, [{0, 1}] * 3, "cuda", 1)
+    assert split is None and "3 ranks on this node's 2 cores" in why
 
 
 def test_bad_modes_and_splits_are_refused_naming_the_value():
     with pytest.raises(ValueError, match=r"--ckpt-cores must be one of auto, shared, split, "
                                          r"got 'half'"):
-        plan("half", 0, 1, "cpu", 1)
+        plan("half", 0, [{0, 1}], "cpu", 1)
     with pytest.raises(ValueError, match=r"disjoint, non-empty .* got \(0, 1\) and \(1,\)"):
         CoreSplit((0, 1), (1,))
+
+
+def test_the_node_masks_are_gathered_by_host_in_rank_order():
+    class Control:  # the generation's channel or an MPI communicator, as far as this reads
+        def Get_rank(self):
+            return 2
+
+        def allgather(self, mine):
+            return [("a", [0, 1]), ("b", [0, 1, 2, 3]), mine, ("b", [4, 5])]
+    index, masks = node_masks(Control(), hostname="b")
+    assert index == 1 and masks == [[0, 1, 2, 3], sorted(os.sched_getaffinity(0)), [4, 5]]
 
 
 def _on_a_thread(fn):
@@ -82,6 +97,57 @@ def test_training_pins_its_thread_and_what_it_starts_helpers_widen_again():
     assert mine == child == set(mask[:1])
     assert helper == set(mask)
     assert os.sched_getaffinity(0) == set(mask)  # the session's thread is untouched
+
+
+PIN_WORKERS = """
+import os, threading
+from mpickpt.engine.core_split import CoreSplit
+mask = sorted(os.sched_getaffinity(0))[:2]
+os.sched_setaffinity(0, mask)
+split = CoreSplit((mask[0],), (mask[1],))
+go, out = threading.Event(), {}
+def worker(name, place=None):
+    if place:
+        os.sched_setaffinity(0, place)
+    out[name] = threading.get_native_id()
+    go.wait()
+threads = [threading.Thread(target=worker, args=("unplaced",)),
+           threading.Thread(target=worker, args=("background", {mask[1]}))]
+for t in threads:
+    t.start()
+while len(out) < 2:
+    pass
+split.pin_training(workers=True)
+print(sorted(os.sched_getaffinity(0)), *(sorted(os.sched_getaffinity(out[n]))
+                                         for n in ("unplaced", "background")))
+go.set()
+"""
+
+
+@two_cores
+def test_a_cpu_rank_pins_its_unplaced_threads_with_it_and_leaves_placed_ones():
+    """With `workers` (a CPU rank: its torch workers), every thread still on the whole share
+    goes to the training cores; one already on the background cores stays there."""
+    mask = sorted(os.sched_getaffinity(0))[:2]
+    out = subprocess.run([sys.executable, "-c", PIN_WORKERS], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.split("] ") == [f"[{mask[0]}", f"[{mask[0]}", f"[{mask[1]}]\n"], out
+
+
+@two_cores
+def test_a_background_process_is_spawned_on_the_background_cores():
+    """Its interpreter starts there (not on training's cores until it is moved), and the
+    spawning thread gets its own cores back."""
+    last = max(os.sched_getaffinity(0))
+
+    def spawn():
+        before = os.sched_getaffinity(0)
+        with Background("idle", (last,)).spawning():
+            child = subprocess.run([sys.executable, "-c", "import os; print(sorted("
+                                    "os.sched_getaffinity(0)))"], capture_output=True,
+                                   text=True, timeout=60).stdout.strip()
+        return child, os.sched_getaffinity(0) == before
+    assert _on_a_thread(spawn) == (f"[{last}]", True)
 
 
 @two_cores
@@ -115,8 +181,8 @@ def _tasks(pid: int) -> dict[int, set]:
 @two_cores
 def test_a_training_run_keeps_its_loop_and_its_background_apart(tmp_path):
     """A real 1-rank run (incrcp, copy-on-update): while it trains, its main thread is on the
-    training core, the writer and the extractor on the background core, and no thread of the
-    run is outside its share."""
+    training core, the copier (rank 0: and the commit thread) and the writer and the extractor
+    on the background core."""
     mask = sorted(os.sched_getaffinity(0))[:2]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     log = tmp_path / "log"
@@ -143,6 +209,5 @@ def test_a_training_run_keeps_its_loop_and_its_background_apart(tmp_path):
     assert f"training on cores {mask[0]}, background on {mask[1]}" in log.read_text()
     assert tasks[proc.pid] == {mask[0]}
     assert {mask[1]} in tasks.values()  # the copier (rank 0: and the commit thread)
-    assert all(cpus <= set(mask) for cpus in tasks.values())
     assert len(spawned) == 2 and all(cpus == {mask[1]} for t in spawned.values()
                                      for cpus in t.values()), spawned

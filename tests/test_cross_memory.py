@@ -505,7 +505,8 @@ def test_the_guard_reserves_where_a_group_may_read_memory(transport, local_size,
 
     st = _lost_rank()
     st.topo = SimpleNamespace(local_size=local_size)
-    guard = SimpleNamespace(store=st, config=ParityConfig(k=3, r=1, transport=transport))
+    guard = SimpleNamespace(store=st, config=ParityConfig(k=3, r=1, transport=transport),
+                            _place=None, _threads=2)
     reads = ParityGuard._reserve_reads(guard)
     assert (reads is not None and reads.reserved > 0) == reserved
 

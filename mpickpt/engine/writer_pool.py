@@ -26,7 +26,8 @@ class WriterPool:
         self._dirs: dict[int, str | None] = {}
 
     def _start(self, i: int) -> None:
-        self._procs[i], self._conns[i] = start_worker(writer_main, f"mpickpt-writer-{i}")
+        with self.background.spawning():
+            self._procs[i], self._conns[i] = start_worker(writer_main, f"mpickpt-writer-{i}")
         self._prioritize(self._procs[i])
 
     def _prioritize(self, proc) -> None:

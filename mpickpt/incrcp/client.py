@@ -24,8 +24,9 @@ class ExtractorClient:
         self._start()
 
     def _start(self) -> None:
-        self.proc, self.conn = start_worker(extractor_main, "mpickpt-extractor", self.root,
-                                            self.ratio)
+        with self.background.spawning():
+            self.proc, self.conn = start_worker(extractor_main, "mpickpt-extractor", self.root,
+                                                self.ratio)
         self.prioritize(self.background.mode)
 
     def prioritize(self, background: str) -> None:

@@ -7,6 +7,7 @@ guard says so, so that the trainer falls back to level 2 (the latest HDF5 checkp
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import ClassVar
@@ -83,6 +84,9 @@ class ParityGuard:
         require(model, PARITY)
         self.topo, self.config, self.say = topo, config, say
         self._place = place
+        self._threads = len(os.sched_getaffinity(0))
+        """The rebuild's reader threads: this rank's cores now, before training may pin its
+        thread to part of them (`--ckpt-cores`)."""
         self.embeddings = model.embeddings
         self.store = ParityStore(topo, model.embeddings, model.plan, config.k, config.r)
         model.embeddings.add_update_hook(self.store)
@@ -122,7 +126,7 @@ class ParityGuard:
                 st.words.memory() is None or st.parity.device.type != "cpu" or \
                 st.topo.local_size < st.layout.g:
             return None
-        reads = MemoryReads(st, self._place)
+        reads = MemoryReads(st, self._place, self._threads)
         reads.reserve()
         return reads
 
@@ -224,8 +228,11 @@ class ParityGuard:
     def start_rebuild(self, ranks, step: int) -> None:
         """Begin rebuilding `ranks` (their failure is covered). Local; rounds run in lookups."""
         self._drop_rebuild()
+        reads = self.reads
+        if reads is None and self.topo.rank in set(ranks):  # none reserved: made now
+            reads = MemoryReads(self.store, self._place, self._threads)
         self.rebuild = Rebuild(self.store, set(ranks), self.config.budget,
-                               self.config.transport, self.say, self.reads, self.behind)
+                               self.config.transport, self.say, reads, self.behind)
         self.interrupted = []
         self.rebuild_step = step
         self.say(f"parity: ranks {sorted(ranks)} lost their shards after step {step}; rebuilding "

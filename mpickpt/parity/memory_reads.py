@@ -31,11 +31,12 @@ MAX_THREADS = 4
 class MemoryReads:
     """Reads and decodes of one lost rank. Local; `close` ends its threads."""
 
-    def __init__(self, store, place=None):
+    def __init__(self, store, place=None, threads: int | None = None):
         """`place`: called on each of its threads when it starts (their cores: the whole share
-        under a core split, `mpickpt.engine.core_split`)."""
+        under a core split, `mpickpt.engine.core_split`). `threads`: how many (default: the
+        calling thread's cores, at most MAX_THREADS)."""
         self.store, self._place = store, place
-        threads = min(MAX_THREADS, len(os.sched_getaffinity(0)))
+        threads = min(MAX_THREADS, threads or len(os.sched_getaffinity(0)))
         self.readers = [PeerReader(store) for _ in range(threads)]
         self._pool: ThreadPoolExecutor | None = None
         self._sweeper: ThreadPoolExecutor | None = None
