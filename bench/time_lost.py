@@ -6,9 +6,10 @@ and background priority (issue 23).
 
 Each round runs, one after the other and in a rotating order, a run without checkpoints and one
 run per (kind, --ckpt-background, --ckpt-snapshot, --ckpt-io, --ckpt-cores) case, all on the same
-synthetic stream (26 Criteo Kaggle tables / --scale-down, D = 16, global batch --batch). From each run's `--run-report`: the training loop's
-wall time (steps, reading and checkpoint calls), the checkpoints taken, the stall of each save
-(`save_seconds`) and the writers' CPU seconds (rank 0's). *lost per checkpoint* = (loop time −
+synthetic stream (26 Criteo Kaggle tables / --scale-down, D = 16, global batch --batch). From
+each run's `--run-report`: the training loop's wall time (steps, reading and checkpoint calls),
+the checkpoints taken, the stall of each save (`save_seconds`) and the background's CPU seconds
+(rank 0's writers, extractor and copier). *lost per checkpoint* = (loop time −
 the same round's loop time without checkpoints) / checkpoints; the spread is over rounds.
 
 Targets (issue 23): with a free core, lost per checkpoint ≤ 2 × the stall + 10 % of the
@@ -31,7 +32,17 @@ what the windows differ by anyway. Lost per checkpoint = the mean of a case's di
 all its rounds minus the mean of the runs without, with a 95 % bootstrap interval; *within*: the
 share of checkpoints whose background write committed inside their half interval (the IncrCP
 extractor's work after the commit is not checked). The target is met where the interval lies
-below the bound, missed where it lies above it, not separated where it straddles it.
+below the bound, missed where it lies above it, not separated where it straddles it. The
+background's CPU in the bound is all of it: the writers' jobs, the IncrCP extractor's and the
+copy-on-update copier's (`copy_cpu_seconds` of the run report), per checkpoint.
+
+*Interference probe* (the machine's own floor, where the ranks leave a core free): runs without
+checkpoints, alone and beside a process that does a writer's memory passes (a memcpy and a
+CRC32 of 64 MB, over and over) at the idle priority; the loop time it adds per CPU second it
+used is what memory-bound work on the free core costs training on this machine, whoever does
+it (the cores share the memory bandwidth and the last-level cache). The *machine floor* is
+2 × the stall + that share × the background's CPU, the issue's bound with the machine's share in
+place of its 10 %.
 
 Prints a table, writes bench/results/time_lost.json and .png.
 """
@@ -121,6 +132,8 @@ def measure(args) -> list[dict]:
                              "stall_s": statistics.median(r["save_seconds"]),
                              "cpu_s": statistics.mean(r["write_cpu_seconds"])
                              if r.get("write_cpu_seconds") else float("nan"),
+                             "companion_cpu_s": r.get("companion_cpu_seconds", 0.0) / n,
+                             "copy_cpu_s": r.get("copy_cpu_seconds", 0.0) / n,
                              "loop_s": r["loop_seconds"], "base_loop_s": base,
                              "window_diffs_s": windows, "base_window_diffs_s": base_windows,
                              "within": committed_within(r, args.interval),
@@ -188,8 +201,9 @@ def paired(mine: list[dict], seed: int = 0) -> tuple[float, float, float]:
 
 
 def verdict(low: float, high: float, bound: float) -> str:
-    """The paired estimate against the bound: met, missed or not separated. Local."""
-    if not low == low:
+    """The paired estimate against the bound: met, missed or not separated ('-' where either
+    is unknown). Local."""
+    if not (low == low and bound == bound):
         return "-"
     return "met" if high <= bound else "missed" if low > bound else "not separated"
 
@@ -213,11 +227,102 @@ def floor_cpu_per_gb(nbytes: int, directory: str, repeats: int = 7) -> float:
     return best / (nbytes / 1e9)
 
 
-def summarize(rows: list[dict], floors: dict[str, float]) -> list[dict]:
+def background_cpu(row: dict) -> float:
+    """CPU seconds of a checkpoint's background work in one run: the writers' jobs, the IncrCP
+    extractor's and the copy-on-update copier's, per checkpoint (rows from before the latter
+    two were recorded count the writers alone). Local."""
+    return row["cpu_s"] + row.get("companion_cpu_s", 0.0) + row.get("copy_cpu_s", 0.0)
+
+
+HOG_BYTES = 64 << 20
+"""The interference probe's buffer: larger than the last-level cache, as a checkpoint is."""
+
+
+def hog() -> None:
+    """The interference probe's background process: a memcpy and a CRC32 of HOG_BYTES over and
+    over (a writer's passes over its bytes, without the file), at the idle priority as the
+    writers run, until SIGTERM. Once set up it prints its CPU seconds so far: the probe counts
+    only what follows. Local."""
+    import signal
+
+    from mpickpt import background_priority
+
+    background_priority.apply(os.getpid(), "idle")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    src = np.random.default_rng(0).integers(0, 255, HOG_BYTES, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # its pages faulted in
+    print(time.process_time(), flush=True)
+    while True:
+        np.copyto(dst, src)
+        crc32(dst)
+
+
+def probe_round(ranks: int, args, workdir: Path, rnd: int) -> dict:
+    """One round of the interference probe: a run without checkpoints alone and one beside the
+    hog (the order alternates by round). The hog's CPU during the loop is its CPU rate from the
+    end of its set-up to its end, times the loop's wall time. RuntimeError where the hog did not
+    run. Local (launches mpiexec)."""
+    out = {"ranks": ranks, "round": rnd}
+    for which in (("alone", "beside") if rnd % 2 == 0 else ("beside", "alone")):
+        if which == "alone":
+            out["alone_s"] = run(ranks, args, workdir, "probe-alone", ())["loop_seconds"]
+            continue
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--hog"],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            set_up = float(proc.stdout.readline() or "nan")
+            started = time.perf_counter()
+            out["beside_s"] = run(ranks, args, workdir, "probe-beside", ())["loop_seconds"]
+        finally:
+            proc.terminate()
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            proc.stdout.close()
+        cpu = usage.ru_utime + usage.ru_stime - set_up
+        if proc.returncode != 0 or not cpu > 0:
+            raise RuntimeError(f"the interference probe's hog did not run (exit code "
+                               f"{proc.returncode}, {cpu} CPU s after its set-up)")
+        out["hog_cpu_s"] = cpu / (time.perf_counter() - started) * out["beside_s"]
+    out["share"] = (out["beside_s"] - out["alone_s"]) / out["hog_cpu_s"]
+    return out
+
+
+def probe(args) -> list[dict]:
+    """The interference probe's rounds for each --ranks value that leaves a core free. Local."""
+    out = []
+    for ranks in (int(r) for r in args.ranks.split(",")):
+        if not free_core(ranks):
+            continue
+        for rnd in range(args.interference_rounds):
+            with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+                out.append(probe_round(ranks, args, Path(tmp), rnd))
+            p = out[-1]
+            print(f"ranks {ranks} probe {rnd}: loop {p['alone_s']:.2f} s alone, "
+                  f"{p['beside_s']:.2f} s beside {p['hog_cpu_s']:.1f} CPU s of memcpy + CRC: "
+                  f"{p['share']:.3f} s lost per CPU s", flush=True)
+    return out
+
+
+def interference_share(probes: list[dict]) -> dict[int, float]:
+    """Ranks -> the median over rounds of the training loop time lost per CPU second of the
+    hog: what memory-bound background work on the free core costs training on this machine
+    whatever does it (shared memory bandwidth and cache). Local."""
+    by_ranks: dict[int, list[float]] = {}
+    for p in probes:
+        by_ranks.setdefault(p["ranks"], []).append(p["share"])
+    return {r: statistics.median(v) for r, v in by_ranks.items()}
+
+
+def summarize(rows: list[dict], floors: dict[str, float],
+              interference: dict | None = None) -> list[dict]:
     """Per (ranks, kind, background, snapshot, io, core split): medians and spread over rounds,
     and the targets: against the stall where the ranks (of one thread each) leave a core free on
-    this machine, against the floor of the kind's bytes where they do not. Rows of results
-    older than a field count as its old default. Local."""
+    this machine, against the floor of the kind's bytes where they do not. `interference`:
+    ranks -> the machine's training time lost per CPU second of memory-bound work on the free
+    core (`interference_share`), for the second, physical bound. Rows of results older than a
+    field count as its old default. Local."""
+    interference = interference or {}
     keys = sorted({case_of(r) for r in rows})
     out = []
     for ranks, kind, background, snapshot, io, split in keys:
@@ -225,7 +330,10 @@ def summarize(rows: list[dict], floors: dict[str, float]) -> list[dict]:
         lost = [r["lost_s"] for r in mine]
         stall = statistics.median(r["stall_s"] for r in mine)
         cpu = statistics.median(r["cpu_s"] for r in mine)
-        bound = 2 * stall + 0.1 * cpu
+        bg_cpu = statistics.median(background_cpu(r) for r in mine)
+        bound = 2 * stall + 0.1 * bg_cpu
+        share = interference.get(ranks, float("nan"))
+        machine = 2 * stall + share * bg_cpu
         per_gb = statistics.median(r["background_cpu_per_gb"] for r in mine)
         jobs_gb = statistics.median(r.get("jobs_cpu_per_gb", float("nan")) for r in mine)
         floor = floors[kind]
@@ -243,6 +351,9 @@ def summarize(rows: list[dict], floors: dict[str, float]) -> list[dict]:
                     "within": statistics.mean(within) if within else float("nan"),
                     "paired_verdict": verdict(pair_low, pair_high, bound) if free else "-",
                     "stall_ms": stall * 1e3, "cpu_ms": cpu * 1e3, "bound_ms": bound * 1e3,
+                    "background_ms": bg_cpu * 1e3, "interference": share,
+                    "machine_floor_ms": machine * 1e3,
+                    "machine_verdict": verdict(pair_low, pair_high, machine) if free else "-",
                     "background_cpu_s_per_gb": per_gb, "floor_cpu_s_per_gb": floor,
                     "cpu_over_floor": per_gb / floor,
                     "jobs_cpu_s_per_gb": jobs_gb, "jobs_over_floor": jobs_gb / floor,
@@ -281,31 +392,36 @@ def floors_of(rows: list[dict], directory: str) -> dict[str, float]:
 
 def print_table(summary: list[dict]) -> None:
     print("\n| ranks | kind | background | snapshot | io | cores | lost ms / ckpt (min–max) | "
-          "stall ms | writer CPU ms / ckpt | bound 2·stall + 0.1·CPU ms | background CPU s/GB | "
-          "floor s/GB | ratio | met | jobs' CPU s/GB | ratio | met |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "stall ms | writer CPU ms / ckpt | background CPU ms / ckpt | bound 2·stall + "
+          "0.1·background CPU ms | background CPU s/GB | floor s/GB | ratio | met | "
+          "jobs' CPU s/GB | ratio | met |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in summary:
         print(f"| {s['ranks']} | {s['kind']} | {s['background']} | {s['snapshot']} | {s['io']} | "
               f"{s['core_split']} | "
               f"{s['lost_ms']:.0f} "
               f"({s['lost_min_ms']:.0f}–{s['lost_max_ms']:.0f}) | {s['stall_ms']:.1f} | "
-              f"{s['cpu_ms']:.0f} | {s['bound_ms']:.0f} | {s['background_cpu_s_per_gb']:.2f} | "
+              f"{s['cpu_ms']:.0f} | {s.get('background_ms', s['cpu_ms']):.0f} | "
+              f"{s['bound_ms']:.0f} | {s['background_cpu_s_per_gb']:.2f} | "
               f"{s['floor_cpu_s_per_gb']:.2f} | {s['cpu_over_floor']:.1f}× | "
               f"{'yes' if s['met'] else 'no'} | {s['jobs_cpu_s_per_gb']:.2f} | "
               f"{s['jobs_over_floor']:.1f}× | "
               f"{'-' if s['jobs_met'] is None else 'yes' if s['jobs_met'] else 'no'} |")
     print("\n| ranks | kind | background | snapshot | io | cores | paired lost ms / ckpt (95 % "
-          "interval) | checkpoints | committed within | bound ms | paired verdict |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "interval) | checkpoints | committed within | bound ms | paired verdict | "
+          "machine floor ms | against it |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in summary:
         print(f"| {s['ranks']} | {s['kind']} | {s['background']} | {s['snapshot']} | {s['io']} | "
               f"{s['core_split']} | "
               f"{s['paired_ms']:.1f} ({s['paired_low_ms']:.1f} – {s['paired_high_ms']:.1f}) | "
-              f"{s['paired_n']} | {s['within']:.0%} | {s['bound_ms']:.0f} | "
-              f"{s['paired_verdict']} |")
+              f"{s['paired_n']} | {s['within']:.0%} | {s['bound_ms']:.1f} | "
+              f"{s['paired_verdict']} | {s.get('machine_floor_ms', float('nan')):.1f} | "
+              f"{s.get('machine_verdict', '-')} |")
     print(f"met ({cores_available()} cores): with a core free, lost against the stall bound; with "
           "none, the CPU per GB against 1.5 × the floor (the background's CPU with its start-up, "
-          "then the jobs' alone)")
+          "then the jobs' alone); machine floor: 2·stall + the probe's interference share × "
+          "background CPU")
 
 
 def plot(summary: list[dict], path: Path) -> None:
@@ -327,7 +443,12 @@ def plot(summary: list[dict], path: Path) -> None:
                           [s["paired_high_ms"] - s["paired_ms"] for s in mine]], capsize=4,
                     label="paired windows (95 %)")
         ax.plot(names, [s["bound_ms"] for s in mine], "k_", markersize=20,
-                label="2·stall + 0.1·writer CPU")
+                label="2·stall + 0.1·background CPU")
+        if any(s.get("machine_floor_ms", float("nan")) == s.get("machine_floor_ms")
+               for s in mine):
+            ax.plot(names, [s.get("machine_floor_ms", float("nan")) for s in mine], "_",
+                    color="tab:green", markersize=20,
+                    label="2·stall + interference share·background CPU")
         ax.set_title(f"{n} rank(s) on {cores_available()} cores")
         ax.set_ylabel("ms per checkpoint")
         ax.legend(fontsize=8)
@@ -351,20 +472,27 @@ def main() -> None:
                    help="--ckpt-io values: O_DIRECT writes against the page cache, same rounds")
     p.add_argument("--cores", default="shared",
                    help="--ckpt-cores values: training and background on shared or split cores")
+    p.add_argument("--interference-rounds", type=int, default=2,
+                   help="rounds of the interference probe (runs without checkpoints alone and "
+                        "beside a memory-bound idle process) where the ranks leave a core free")
     p.add_argument("--dir", default=tempfile.gettempdir())
     p.add_argument("--out", default=str(HERE / "results" / "time_lost.json"))
+    if sys.argv[1:] == ["--hog"]:
+        return hog()
     args = p.parse_args()
     for kind in args.kinds.split(","):
         if kind not in KINDS:
             p.error(f"--kinds: {kind!r} is not one of {', '.join(KINDS)}")
     rows = measure(args)
+    probes = probe(args)
     floors = floors_of(rows, args.dir)
-    summary = summarize(rows, floors)
+    summary = summarize(rows, floors, interference_share(probes))
     print_table(summary)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": " ".join(sys.argv), "args": vars(args), "runs": rows,
-                               "floors_cpu_s_per_gb": floors, "summary": summary}, indent=1))
+                               "floors_cpu_s_per_gb": floors, "interference": probes,
+                               "summary": summary}, indent=1))
     plot(summary, out.with_suffix(".png"))
     print(f"\nwrote {out} and {out.with_suffix('.png')}")
 

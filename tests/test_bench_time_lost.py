@@ -1,6 +1,8 @@
 """bench/time_lost.py's paired estimate on hand-made run reports (the benchmark itself takes
 minutes): the half interval after each checkpoint against the next, the run without checkpoints
 taking out what the windows differ by anyway, the bootstrap interval and the verdict."""
+import time
+
 import numpy as np
 import pytest
 
@@ -61,3 +63,51 @@ def test_reports_without_step_ends_give_no_paired_estimate(bench):
     assert mine["window_diffs_s"] == []
     mean, low, high = bench.paired([mine])
     assert mean != mean and bench.verdict(low, high, 0.01) == "-"
+
+
+def _row(cpu_s, diffs, **extra) -> dict:
+    return {"ranks": 1, "kind": "full", "background": "idle", "snapshot": "copy-on-update",
+            "io": "direct", "lost_s": 0.01, "stall_s": 0.001, "cpu_s": cpu_s,
+            "background_cpu_per_gb": 0.3, "jobs_cpu_per_gb": 0.25, "within": 1.0,
+            "window_diffs_s": diffs, "base_window_diffs_s": [0.0, 0.0, 0.001, -0.001],
+            **extra}
+
+
+def test_the_bounds_count_all_background_cpu_and_the_machine_floor_its_interference(bench):
+    """The issue's bound counts the background's CPU: the writers', the extractor's and the
+    copier's; the machine floor weighs the same CPU by the probe's measured interference
+    share; a row recorded before the extractor's and the copier's CPU counts the writers."""
+    diffs = [0.0095, 0.0105, 0.010, 0.010]  # ~10 ms lost per checkpoint, tight
+    rows = [_row(0.014, diffs, companion_cpu_s=0.0, copy_cpu_s=0.012),
+            _row(0.014, diffs, companion_cpu_s=0.0, copy_cpu_s=0.012)]
+    (s,) = bench.summarize(rows, {"full": 0.3}, {1: 0.4})
+    assert (s["kind"], s["background"], s["core_split"]) == ("full", "idle", "shared")
+    assert s["background_ms"] == pytest.approx(26.0)
+    assert s["bound_ms"] == pytest.approx(2 * 1.0 + 0.1 * 26.0)
+    assert s["machine_floor_ms"] == pytest.approx(2 * 1.0 + 0.4 * 26.0)
+    if bench.free_core(1):  # a 2-core machine or more
+        assert s["paired_verdict"] == "missed" and s["machine_verdict"] == "met"
+    (old,) = bench.summarize([_row(0.014, diffs)], {"full": 0.3})
+    assert old["background_ms"] == pytest.approx(14.0) and old["machine_floor_ms"] != \
+        old["machine_floor_ms"]  # no probe: no machine floor, and no verdict against it
+    assert old["machine_verdict"] == "-"
+    assert bench.verdict(0.001, 0.002, float("nan")) == "-"
+
+
+def test_the_interference_share_is_the_median_of_the_rounds_per_rank_count(bench):
+    probes = [{"ranks": 1, "share": 0.2}, {"ranks": 1, "share": 0.3},
+              {"ranks": 1, "share": 0.25}, {"ranks": 3, "share": 0.5}]
+    assert bench.interference_share(probes) == {1: 0.25, 3: 0.5}
+
+
+def test_the_probe_runs_its_hog_beside_one_run_and_counts_its_cpu(bench, monkeypatch, tmp_path):
+    """The interference probe's hog (a real idle-priority process) runs only beside the second
+    run, ends cleanly, and its CPU from its set-up on is what the share divides by."""
+    def fake_run(ranks, args, workdir, name, extra):  # the training runs take minutes
+        time.sleep(0.4)
+        return {"loop_seconds": 0.40 if name == "probe-alone" else 0.46}
+    monkeypatch.setattr(bench, "run", fake_run)
+    p = bench.probe_round(1, None, tmp_path, 0)
+    assert (p["alone_s"], p["beside_s"]) == (0.40, 0.46)
+    assert 0.05 < p["hog_cpu_s"] <= 0.46 * 1.2  # at most one core's worth while the run ran
+    assert p["share"] == pytest.approx(0.06 / p["hog_cpu_s"])

@@ -38,3 +38,24 @@ def test_a_failing_copy_abandons_the_snapshot_and_training_goes_on(who):
         assert all(torch.equal(staging[n], want[n]) for n in tables)
     finally:
         cou.close()
+
+
+def test_the_copier_runs_where_it_is_placed_and_counts_its_cpu():
+    """`place` (a core split's background cores) runs on the copier thread, once; the copier's
+    CPU (background work that the time-lost bench's bound counts) grows with each snapshot."""
+    import threading
+
+    tables = {"weight": torch.randn(200_000, 16), "state/sum": torch.zeros(200_000)}
+    placed = []
+    cou = CopyOnUpdate(RowTables(tables), place=lambda: placed.append(threading.get_ident()))
+    try:
+        staging = {n: torch.empty_like(t) for n, t in tables.items()}
+        for _ in range(2):
+            cou.start(tables, staging)
+            cou.go()
+            cou.finish()
+        assert all(torch.equal(staging[n], tables[n]) for n in tables)
+        assert placed == [cou._thread.ident] and placed[0] != threading.get_ident()
+        assert cou.cpu_seconds > 0
+    finally:
+        cou.close()

@@ -76,6 +76,9 @@ class CopyOnUpdate:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        self.cpu_seconds = 0.0
+        """CPU the copier thread spent copying, all snapshots (background work: the issue's
+        bound on the time a checkpoint costs counts it)."""
         device = getattr(getattr(model, "topo", None), "device", None)
         if device is not None and device.type == "cuda":
             self._pending_rows(device)  # compiles the kernels now (not in the first stall),
@@ -186,7 +189,9 @@ class CopyOnUpdate:
                 if self._closed:
                     return
                 self._state = "copying"
+            cpu = time.thread_time()
             self._copy_all()
+            self.cpu_seconds += time.thread_time() - cpu
             with self._wake:
                 self._state = "idle"
                 self._wake.notify_all()
