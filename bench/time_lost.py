@@ -37,12 +37,14 @@ background's CPU in the bound is all of it: the writers' jobs, the IncrCP extrac
 copy-on-update copier's (`copy_cpu_seconds` of the run report), per checkpoint.
 
 *Interference probe* (the machine's own floor, where the ranks leave a core free): runs without
-checkpoints, alone and beside a process that does a writer's memory passes (a memcpy and a
-CRC32 of 64 MB, over and over) at the idle priority; the loop time it adds per CPU second it
-used is what memory-bound work on the free core costs training on this machine, whoever does
-it (the cores share the memory bandwidth and the last-level cache). The *machine floor* is
-2 × the stall + that share × the background's CPU, the issue's bound with the machine's share in
-place of its 10 %.
+checkpoints, alone and beside a process that does, over and over on 64 MB at the idle
+priority, a copy (a memcpy and a CRC32) or a write (the same, then an O_DIRECT write and an
+fsync: the floor's work); the loop time each adds per CPU second it used is what that work on
+the free core costs training on this machine, whoever does it (the cores share the memory
+bandwidth and the last-level cache, and the disk's DMA and the kernel's I/O work are in no
+process's CPU). The *machine floor* is 2 × the stall + the copy's share × the copier's CPU +
+the write's share × the writers' and the extractor's: the issue's bound with the machine's
+shares in place of its 10 %.
 
 Prints a table, writes bench/results/time_lost.json and .png.
 """
@@ -238,53 +240,87 @@ HOG_BYTES = 64 << 20
 """The interference probe's buffer: larger than the last-level cache, as a checkpoint is."""
 
 
-def hog() -> None:
-    """The interference probe's background process: a memcpy and a CRC32 of HOG_BYTES over and
-    over (a writer's passes over its bytes, without the file), at the idle priority as the
-    writers run, until SIGTERM. Once set up it prints its CPU seconds so far: the probe counts
-    only what follows. Local."""
+HOGS = ("copy", "write")
+"""The probe's kinds of background work: a copy (a memcpy and a CRC32, the copier's and a
+writer's passes over memory) and a write (the same, then an O_DIRECT write and an fsync)."""
+
+
+def hog(kind: str, directory: str) -> None:
+    """The interference probe's background process: `kind`'s work (HOGS) on HOG_BYTES over and
+    over, at the idle priority as the writers run, until SIGTERM; a write goes to a file in
+    `directory` (buffered where the filesystem refuses O_DIRECT). Once set up it prints its
+    CPU seconds so far: the probe counts only what follows. Local."""
+    import mmap
     import signal
 
     from mpickpt import background_priority
+    from mpickpt.store.direct_io import DirectFile
 
     background_priority.apply(os.getpid(), "idle")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     src = np.random.default_rng(0).integers(0, 255, HOG_BYTES, dtype=np.uint8)
-    dst = np.empty_like(src)
+    dst = np.frombuffer(mmap.mmap(-1, HOG_BYTES), dtype=np.uint8)  # page-aligned
     np.copyto(dst, src)  # its pages faulted in
-    print(time.process_time(), flush=True)
-    while True:
-        np.copyto(dst, src)
-        crc32(dst)
+    path = os.path.join(directory, f"hog-{os.getpid()}.bin")
+    open(path, "wb").close()
+    try:
+        print(time.process_time(), flush=True)
+        while True:
+            np.copyto(dst, src)
+            crc32(dst)
+            if kind == "write":
+                _write_synced(DirectFile(path), dst)
+    finally:
+        os.unlink(path)
+
+
+def _write_synced(sink, data: np.ndarray) -> None:
+    try:
+        sink.write_at(0, data)
+    finally:
+        sink.close()
+    fd = os.open(sink.path, os.O_WRONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def beside_hog(kind: str, ranks: int, args, workdir: Path) -> tuple[float, float]:
+    """A run without checkpoints beside a `kind` hog: (its loop seconds, the hog's CPU seconds
+    during the loop: its CPU rate from the end of its set-up to its end times the loop's wall
+    time). RuntimeError where the hog did not run. Local (launches mpiexec)."""
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--hog", kind,
+                             str(workdir)], stdout=subprocess.PIPE, text=True)
+    try:
+        set_up = float(proc.stdout.readline() or "nan")
+        started = time.perf_counter()
+        loop = run(ranks, args, workdir, f"probe-{kind}", ())["loop_seconds"]
+    finally:
+        proc.terminate()
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        proc.stdout.close()
+    cpu = usage.ru_utime + usage.ru_stime - set_up
+    if proc.returncode != 0 or not cpu > 0:
+        raise RuntimeError(f"the interference probe's {kind} hog did not run (exit code "
+                           f"{proc.returncode}, {cpu} CPU s after its set-up)")
+    return loop, cpu / (time.perf_counter() - started) * loop
 
 
 def probe_round(ranks: int, args, workdir: Path, rnd: int) -> dict:
-    """One round of the interference probe: a run without checkpoints alone and one beside the
-    hog (the order alternates by round). The hog's CPU during the loop is its CPU rate from the
-    end of its set-up to its end, times the loop's wall time. RuntimeError where the hog did not
-    run. Local (launches mpiexec)."""
+    """One round of the interference probe: a run without checkpoints alone and one beside each
+    kind of hog, in an order that rotates by round; per kind, the loop time it added per CPU
+    second it used (`share_<kind>`). Local (launches mpiexec)."""
     out = {"ranks": ranks, "round": rnd}
-    for which in (("alone", "beside") if rnd % 2 == 0 else ("beside", "alone")):
+    order = ("alone",) + HOGS
+    for which in order[rnd % len(order):] + order[:rnd % len(order)]:
         if which == "alone":
             out["alone_s"] = run(ranks, args, workdir, "probe-alone", ())["loop_seconds"]
-            continue
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--hog"],
-                                stdout=subprocess.PIPE, text=True)
-        try:
-            set_up = float(proc.stdout.readline() or "nan")
-            started = time.perf_counter()
-            out["beside_s"] = run(ranks, args, workdir, "probe-beside", ())["loop_seconds"]
-        finally:
-            proc.terminate()
-            _, status, usage = os.wait4(proc.pid, 0)
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            proc.stdout.close()
-        cpu = usage.ru_utime + usage.ru_stime - set_up
-        if proc.returncode != 0 or not cpu > 0:
-            raise RuntimeError(f"the interference probe's hog did not run (exit code "
-                               f"{proc.returncode}, {cpu} CPU s after its set-up)")
-        out["hog_cpu_s"] = cpu / (time.perf_counter() - started) * out["beside_s"]
-    out["share"] = (out["beside_s"] - out["alone_s"]) / out["hog_cpu_s"]
+        else:
+            out[f"{which}_s"], out[f"{which}_cpu_s"] = beside_hog(which, ranks, args, workdir)
+    for kind in HOGS:
+        out[f"share_{kind}"] = (out[f"{kind}_s"] - out["alone_s"]) / out[f"{kind}_cpu_s"]
     return out
 
 
@@ -298,20 +334,24 @@ def probe(args) -> list[dict]:
             with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
                 out.append(probe_round(ranks, args, Path(tmp), rnd))
             p = out[-1]
-            print(f"ranks {ranks} probe {rnd}: loop {p['alone_s']:.2f} s alone, "
-                  f"{p['beside_s']:.2f} s beside {p['hog_cpu_s']:.1f} CPU s of memcpy + CRC: "
-                  f"{p['share']:.3f} s lost per CPU s", flush=True)
+            print(f"ranks {ranks} probe {rnd}: loop {p['alone_s']:.2f} s alone; "
+                  + "; ".join(f"{p[f'{k}_s']:.2f} s beside {p[f'{k}_cpu_s']:.1f} CPU s of "
+                              f"{k}: {p[f'share_{k}']:.3f} s lost per CPU s" for k in HOGS),
+                  flush=True)
     return out
 
 
-def interference_share(probes: list[dict]) -> dict[int, float]:
-    """Ranks -> the median over rounds of the training loop time lost per CPU second of the
-    hog: what memory-bound background work on the free core costs training on this machine
-    whatever does it (shared memory bandwidth and cache). Local."""
-    by_ranks: dict[int, list[float]] = {}
+def interference_share(probes: list[dict]) -> dict[int, dict[str, float]]:
+    """Ranks -> hog kind -> the median over rounds of the training loop time lost per CPU
+    second of that hog: what that work on the free core costs training on this machine,
+    whoever does it (shared memory bandwidth and cache; the disk's DMA and the kernel's I/O
+    work, in no process's CPU). Local."""
+    by_ranks: dict[int, dict[str, list[float]]] = {}
     for p in probes:
-        by_ranks.setdefault(p["ranks"], []).append(p["share"])
-    return {r: statistics.median(v) for r, v in by_ranks.items()}
+        for kind in HOGS:
+            by_ranks.setdefault(p["ranks"], {}).setdefault(kind, []).append(p[f"share_{kind}"])
+    return {r: {k: statistics.median(v) for k, v in kinds.items()}
+            for r, kinds in by_ranks.items()}
 
 
 def summarize(rows: list[dict], floors: dict[str, float],
@@ -319,8 +359,9 @@ def summarize(rows: list[dict], floors: dict[str, float],
     """Per (ranks, kind, background, snapshot, io, core split): medians and spread over rounds,
     and the targets: against the stall where the ranks (of one thread each) leave a core free on
     this machine, against the floor of the kind's bytes where they do not. `interference`:
-    ranks -> the machine's training time lost per CPU second of memory-bound work on the free
-    core (`interference_share`), for the second, physical bound. Rows of results older than a
+    ranks -> hog kind -> the machine's training time lost per CPU second of that work on the
+    free core (`interference_share`), for the second, physical bound: the copier's CPU weighed
+    by the copy's share, the writers' and the extractor's by the write's. Rows of results older than a
     field count as its old default. Local."""
     interference = interference or {}
     keys = sorted({case_of(r) for r in rows})
@@ -332,8 +373,10 @@ def summarize(rows: list[dict], floors: dict[str, float],
         cpu = statistics.median(r["cpu_s"] for r in mine)
         bg_cpu = statistics.median(background_cpu(r) for r in mine)
         bound = 2 * stall + 0.1 * bg_cpu
-        share = interference.get(ranks, float("nan"))
-        machine = 2 * stall + share * bg_cpu
+        share = interference.get(ranks, {})
+        copied = statistics.median(r.get("copy_cpu_s", 0.0) for r in mine)
+        machine = 2 * stall + share.get("copy", float("nan")) * copied + \
+            share.get("write", float("nan")) * (bg_cpu - copied)
         per_gb = statistics.median(r["background_cpu_per_gb"] for r in mine)
         jobs_gb = statistics.median(r.get("jobs_cpu_per_gb", float("nan")) for r in mine)
         floor = floors[kind]
@@ -477,8 +520,8 @@ def main() -> None:
                         "beside a memory-bound idle process) where the ranks leave a core free")
     p.add_argument("--dir", default=tempfile.gettempdir())
     p.add_argument("--out", default=str(HERE / "results" / "time_lost.json"))
-    if sys.argv[1:] == ["--hog"]:
-        return hog()
+    if sys.argv[1:2] == ["--hog"]:
+        return hog(sys.argv[2], sys.argv[3])
     args = p.parse_args()
     for kind in args.kinds.split(","):
         if kind not in KINDS:

@@ -75,16 +75,17 @@ def _row(cpu_s, diffs, **extra) -> dict:
 
 def test_the_bounds_count_all_background_cpu_and_the_machine_floor_its_interference(bench):
     """The issue's bound counts the background's CPU: the writers', the extractor's and the
-    copier's; the machine floor weighs the same CPU by the probe's measured interference
-    share; a row recorded before the extractor's and the copier's CPU counts the writers."""
+    copier's; the machine floor weighs the copier's by the probe's copy share and the rest by
+    its write share; a row recorded before the extractor's and the copier's CPU counts the
+    writers."""
     diffs = [0.0095, 0.0105, 0.010, 0.010]  # ~10 ms lost per checkpoint, tight
-    rows = [_row(0.014, diffs, companion_cpu_s=0.0, copy_cpu_s=0.012),
-            _row(0.014, diffs, companion_cpu_s=0.0, copy_cpu_s=0.012)]
-    (s,) = bench.summarize(rows, {"full": 0.3}, {1: 0.4})
+    rows = [_row(0.014, diffs, companion_cpu_s=0.002, copy_cpu_s=0.010),
+            _row(0.014, diffs, companion_cpu_s=0.002, copy_cpu_s=0.010)]
+    (s,) = bench.summarize(rows, {"full": 0.3}, {1: {"copy": 0.2, "write": 0.8}})
     assert (s["kind"], s["background"], s["core_split"]) == ("full", "idle", "shared")
     assert s["background_ms"] == pytest.approx(26.0)
     assert s["bound_ms"] == pytest.approx(2 * 1.0 + 0.1 * 26.0)
-    assert s["machine_floor_ms"] == pytest.approx(2 * 1.0 + 0.4 * 26.0)
+    assert s["machine_floor_ms"] == pytest.approx(2 * 1.0 + 0.2 * 10.0 + 0.8 * 16.0)
     if bench.free_core(1):  # a 2-core machine or more
         assert s["paired_verdict"] == "missed" and s["machine_verdict"] == "met"
     (old,) = bench.summarize([_row(0.014, diffs)], {"full": 0.3})
@@ -94,20 +95,31 @@ def test_the_bounds_count_all_background_cpu_and_the_machine_floor_its_interfere
     assert bench.verdict(0.001, 0.002, float("nan")) == "-"
 
 
-def test_the_interference_share_is_the_median_of_the_rounds_per_rank_count(bench):
-    probes = [{"ranks": 1, "share": 0.2}, {"ranks": 1, "share": 0.3},
-              {"ranks": 1, "share": 0.25}, {"ranks": 3, "share": 0.5}]
-    assert bench.interference_share(probes) == {1: 0.25, 3: 0.5}
+def test_the_interference_share_is_the_median_of_the_rounds_per_kind(bench):
+    probes = [{"ranks": 1, "share_copy": c, "share_write": w}
+              for c, w in ((0.2, 0.9), (0.3, 0.8), (0.25, 1.0))]
+    probes.append({"ranks": 3, "share_copy": 0.5, "share_write": 0.6})
+    assert bench.interference_share(probes) == {1: {"copy": 0.25, "write": 0.9},
+                                                3: {"copy": 0.5, "write": 0.6}}
 
 
-def test_the_probe_runs_its_hog_beside_one_run_and_counts_its_cpu(bench, monkeypatch, tmp_path):
-    """The interference probe's hog (a real idle-priority process) runs only beside the second
-    run, ends cleanly, and its CPU from its set-up on is what the share divides by."""
+def test_the_probe_runs_each_hog_beside_one_run_and_counts_its_cpu(bench, monkeypatch, tmp_path):
+    """The interference probe's hogs (real idle-priority processes; the write hog writes to the
+    run's directory) each run beside one run only, end cleanly, and their CPU from their set-up
+    on is what each share divides by."""
+    loops = {"probe-alone": 0.40, "probe-copy": 0.46, "probe-write": 0.50}
+
     def fake_run(ranks, args, workdir, name, extra):  # the training runs take minutes
+        hogs = [p for p in tmp_path.glob("hog-*")]
+        seen.append((name, len(hogs)))
         time.sleep(0.4)
-        return {"loop_seconds": 0.40 if name == "probe-alone" else 0.46}
+        return {"loop_seconds": loops[name]}
+    seen = []
     monkeypatch.setattr(bench, "run", fake_run)
-    p = bench.probe_round(1, None, tmp_path, 0)
-    assert (p["alone_s"], p["beside_s"]) == (0.40, 0.46)
-    assert 0.05 < p["hog_cpu_s"] <= 0.46 * 1.2  # at most one core's worth while the run ran
-    assert p["share"] == pytest.approx(0.06 / p["hog_cpu_s"])
+    p = bench.probe_round(1, None, tmp_path, 1)
+    assert [n for n, _ in seen] == ["probe-copy", "probe-write", "probe-alone"]  # rotated
+    assert dict(seen) == {"probe-copy": 1, "probe-write": 1, "probe-alone": 0}
+    for kind, added in (("copy", 0.06), ("write", 0.10)):
+        assert 0.05 < p[f"{kind}_cpu_s"] <= loops[f"probe-{kind}"] * 1.2
+        assert p[f"share_{kind}"] == pytest.approx(added / p[f"{kind}_cpu_s"])
+    assert not list(tmp_path.glob("hog-*"))  # their files went with them
