@@ -361,8 +361,8 @@ def summarize(rows: list[dict], floors: dict[str, float],
     this machine, against the floor of the kind's bytes where they do not. `interference`:
     ranks -> hog kind -> the machine's training time lost per CPU second of that work on the
     free core (`interference_share`), for the second, physical bound: the copier's CPU weighed
-    by the copy's share, the writers' and the extractor's by the write's. Rows of results older than a
-    field count as its old default. Local."""
+    by the copy's share, the writers' and the extractor's by the write's. Rows of results older
+    than a field count as its old default. Local."""
     interference = interference or {}
     keys = sorted({case_of(r) for r in rows})
     out = []
@@ -463,8 +463,8 @@ def print_table(summary: list[dict]) -> None:
               f"{s.get('machine_verdict', '-')} |")
     print(f"met ({cores_available()} cores): with a core free, lost against the stall bound; with "
           "none, the CPU per GB against 1.5 × the floor (the background's CPU with its start-up, "
-          "then the jobs' alone); machine floor: 2·stall + the probe's interference share × "
-          "background CPU")
+          "then the jobs' alone); machine floor: 2·stall + the probe's copy share × the copier's "
+          "CPU + its write share × the writers' and the extractor's")
 
 
 def plot(summary: list[dict], path: Path) -> None:
@@ -491,7 +491,7 @@ def plot(summary: list[dict], path: Path) -> None:
                for s in mine):
             ax.plot(names, [s.get("machine_floor_ms", float("nan")) for s in mine], "_",
                     color="tab:green", markersize=20,
-                    label="2·stall + interference share·background CPU")
+                    label="2·stall + the probe's shares·background CPU")
         ax.set_title(f"{n} rank(s) on {cores_available()} cores")
         ax.set_ylabel("ms per checkpoint")
         ax.legend(fontsize=8)

@@ -85,13 +85,21 @@ class Background:
 
     def apply_to_threads(self, tids: list[int]) -> str | None:
         """The threads `tids` at this priority and on these cores, as `apply`. Local."""
-        problems = [apply_to_threads(tids, self.mode)]
-        for tid in tids if self.cores is not None else ():
-            try:
-                os.sched_setaffinity(tid, self.cores)
-            except (OSError, AttributeError) as e:
-                problems.append(f"cores of thread {tid}: {e}")
+        problems = [apply_to_threads(tids, self.mode),
+                    set_cores(tids, self.cores) if self.cores is not None else None]
         return "; ".join(p for p in problems if p) or None
+
+
+def set_cores(tids, cores) -> str | None:
+    """Keep the threads `tids` (0: the calling one; of this process or another) on `cores`;
+    None when done, else why not for each that refused. Local."""
+    problems = []
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cores)
+        except (OSError, AttributeError) as e:
+            problems.append(f"cores of thread {tid or 'self'}: {e}")
+    return "; ".join(problems) or None
 
 
 def setting_mode(mode: str) -> str:

@@ -29,6 +29,8 @@ import os
 import threading
 from dataclasses import dataclass
 
+from mpickpt.background_priority import set_cores
+
 MODES = ("auto", "shared", "split")
 
 
@@ -58,16 +60,16 @@ class CoreSplit:
         if workers:
             me, share = threading.get_native_id(), set(self.share)
             tids += [t for t in _threads() if t != me and _affinity(t) >= share]
-        return _pin(tids, self.training)
+        return set_cores(tids, self.training)
 
     def pin_background(self, tids) -> str | None:
         """Move the threads `tids` (of this process or another) to the background cores. Local."""
-        return _pin(tids, self.background)
+        return set_cores(tids, self.background)
 
     def widen(self) -> str | None:
         """Let the calling thread run on the whole share (a helper of training started by the
         training thread: the reader, the rebuild's readers). Local."""
-        return _pin([0], self.share)
+        return set_cores([0], self.share)
 
     def describe(self) -> str:
         return (f"training on cores {_ranges(self.training)}, background on "
@@ -86,16 +88,6 @@ def _affinity(tid: int) -> set:
         return os.sched_getaffinity(tid)
     except OSError:
         return set()
-
-
-def _pin(tids, cpus) -> str | None:
-    problems = []
-    for tid in tids:
-        try:
-            os.sched_setaffinity(tid, cpus)
-        except (OSError, AttributeError) as e:
-            problems.append(f"affinity of thread {tid or 'self'}: {e}")
-    return "; ".join(problems) or None
 
 
 def _ranges(cpus) -> str:

@@ -58,8 +58,8 @@ class Rebuild:
         """`transport`: "auto" reads the survivors' memory where the whole group shares a host
         and the kernel allows it (`peer_rows`), else uses the process group; "network" always
         uses the process group (`ParityConfig` checks it). `say`: the log, for a refused
-        memory read. `reads`: the lost rank's readers with their scratch reserved ahead
-        (`MemoryReads.reserve`); made here where None. `behind`: this rank would have a
+        memory read. `reads`: the lost rank's readers (required there; ignored elsewhere),
+        their scratch reserved ahead where the guard could (`MemoryReads.reserve`). `behind`: this rank would have a
         round that reads memory leave its sweep running beside the step; every rank's
         gradient hook then calls `join` before any row of the step changes. A round does so
         only where every rank would (their votes travel with its first exchange), so the
@@ -81,7 +81,9 @@ class Rebuild:
         self.sizes: list[tuple[int, float]] = []  # (stripes, seconds) of this rank's rounds
         self.started = time.perf_counter()
         self.finished_at = None
-        self.reads = (reads or MemoryReads(store)) if self.mine else None
+        if self.mine and reads is None:
+            raise ValueError(f"rank {me} is being rebuilt and needs its MemoryReads")
+        self.reads = reads if self.mine else None
         self.probed = False  # this lost rank has read each of its survivors' memory once
         self.memory_rounds = 0
         self.behind = behind
