@@ -140,9 +140,10 @@ class Rebuild:
             else:
                 lefts = agreed
         g = st.layout.g
-        if vote and peers is not None and not defer:
-            # the chunk is read in this round after all: its rows need no degraded read (the
-            # network path keeps them: the survivors were told their count)
+        if peers is not None and not defer:
+            # the chunk is read in this round (a vote kept its rows among the degraded; a probe
+            # round grew it past the chunk they were asked for): its rows need no degraded read
+            # (the network path keeps them: the survivors were told their count)
             keep = (degraded < p0 * g) | (degraded >= p1 * g)
             self.degraded_rows -= int((~keep).sum())
             degraded = degraded[keep]

@@ -201,3 +201,38 @@ def test_the_probe_round_decodes_every_row_its_step_reads(topology):
     assert _all_ok(topology, ok)
     guard.settle()
     assert _all_ok(topology, torch.equal(words.gather(torch.arange(words.rows)), truth))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_round_that_sweeps_everything_reads_no_row_twice_and_reports_later(topology):
+    """A step long enough for the whole sweep: the probe round grows the chunk it asked for to
+    every period, so none of the rows its step reads is read again by a degraded read. The
+    rebuild's report is reduced beside training: said at the next lookup, not in the round that
+    ended it, with the job's totals and the step from which the rows are whole."""
+    k, r, failed = _shapes(topology.world_size)[0]
+    model = _model(topology, "adagrad")
+    said = []
+    guard = ParityGuard(topology, model, ParityConfig(k=k, r=r), say=said.append)
+    guard.encode()
+    state = _train(topology, model, 2)
+    words = guard.store.words
+    truth = words.gather(torch.arange(words.rows))
+    guard.fail(failed)
+    guard.start_rebuild(failed, step=2)
+    rb = guard.rebuild
+    rb.chunk = 256
+    want = torch.arange(0, words.rows, 5)
+    guard.step_seconds = 10.0
+    guard._on_lookup(want if topology.rank in failed else torch.empty(0, dtype=torch.int64))
+    whole = torch.equal(words.gather(torch.arange(words.rows)), truth)
+    ok = whole and not rb.active and rb.rounds == 1 and rb.degraded_rows == 0
+    assert _all_ok(topology, ok), (rb.rounds, rb.degraded_rows)
+    assert guard._report_due is not None and not [line for line in said if line.startswith("parity: rebuilt")]
+    _train(topology, model, 1, state)  # the next step's lookup says it
+    lines = [line for line in said if line.startswith("parity: rebuilt")]
+    record = guard.history[-1]
+    units = topology.control.allreduce(rb.total)
+    ok = len(lines) == 1 and len(guard.history) == 1 and record["units"] == units > 0
+    ok = ok and record["done_step"] == 3 and record["degraded_rows"] == 0
+    ok = ok and "whole from step 3 on" in lines[0] and "slowest rank" in lines[0]
+    assert _all_ok(topology, ok), (lines, record)
