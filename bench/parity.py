@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -128,12 +129,13 @@ def rebuild_figures(run, before: float, a) -> dict:
     lines = run["lines"]
     logged = next(l for _, l in lines if l.startswith("parity: rebuilt"))
     t_fail = first_line(lines, "lost their shards after step")
-    t_done = first_line(lines, "parity: rebuilt")
+    wall = float(re.search(r"([0-9.]+) s while training went on", logged).group(1))
+    done_step = int(re.search(r"whole from step (\d+) on", logged).group(1))
+    t_done = t_fail + wall  # the line itself comes a step later: its report is reduced meanwhile
     times = step_times(lines)
-    t_end = min(t for t, _ in times if t >= t_done)
+    t_end = min(t for t, s in times if s == done_step)
     steps = len([s for t, s in times if t_fail < t <= t_end])
     partial = max(1, len([s for t, s in times if t_fail <= t <= t_done]))
-    wall = t_done - t_fail
     return {"log": logged, "wall_s": wall, "steps": steps, "t_fail": t_fail,
             "throughput_ratio": before * steps / max(t_end - t_fail, 1e-9),
             "throughput_to_rebuilt": before * partial / max(wall, 1e-9),

@@ -21,6 +21,7 @@ from mpickpt.parity import cross_memory
 from mpickpt.parity.layout import check_parity_shape
 from mpickpt.parity.memory_reads import MemoryReads
 from mpickpt.parity.rebuild import TRANSPORTS, Rebuild
+from mpickpt.parity.rebuild_report import RebuildReport
 from mpickpt.parity.upkeep import ParityStore
 
 NAN_BITS = 0x7FC00000
@@ -102,7 +103,11 @@ class ParityGuard:
         """Ranks whose rebuild a further death interrupted (`interrupt_rebuild`): their rows are
         not whole, and parity does not cover a loss again until rows are replaced (`resync`)."""
         self.step_seconds: float | None = None
-        self.history: list[dict] = []
+        self._history: list[dict] = []
+        self._report_due: RebuildReport | None = None
+        """The last rebuild's report, its reductions in flight (`_report`)."""
+        self._steps_rebuilding = 0
+        """Steps trained since the running rebuild began."""
         self.reads = self._reserve_reads()
         """This rank's readers for a rebuild by memory reads, their scratch faulted in now
         (None where its rebuilds go over the network)."""
@@ -143,8 +148,16 @@ class ParityGuard:
                  + (f"; {self.reads.reserved / 1e6:.1f} MB of scratch held for a rebuild "
                     f"that reads the group's memory" if self.reads else ""))
 
+    @property
+    def history(self) -> list[dict]:
+        """One record per finished rebuild. Local (it waits for the last one's report, whose
+        reductions every rank started when that rebuild ended)."""
+        self._complete_report()
+        return self._history
+
     def note_step(self, seconds: float) -> None:
         """Time of the last training step (for rebuild chunk sizing). Local."""
+        self._steps_rebuilding += 1
         if self.rebuild is None or not self.rebuild.active:
             self.step_seconds = seconds if self.step_seconds is None else \
                 0.8 * self.step_seconds + 0.2 * seconds
@@ -235,10 +248,12 @@ class ParityGuard:
                                self.config.transport, self.say, reads, self.behind)
         self.interrupted = []
         self.rebuild_step = step
+        self._steps_rebuilding = 0
         self.say(f"parity: ranks {sorted(ranks)} lost their shards after step {step}; rebuilding "
                  f"from their groups while training continues")
 
     def _on_lookup(self, rows: torch.Tensor) -> None:
+        self._complete_report()
         self._before_gradients(in_step=False)  # a sweep an evaluation lookup's round left
         if self.rebuild is not None and self.rebuild.active:
             self.rebuild.round(rows, self.step_seconds)
@@ -260,35 +275,45 @@ class ParityGuard:
             self._report()
 
     def settle(self) -> None:
-        """Finish a running rebuild now (before a checkpoint or the end). Collective."""
+        """Finish a running rebuild now (before a checkpoint or the end), and its report.
+        Collective."""
         self._before_gradients(in_step=False)  # one an evaluation lookup's round left
         if self.rebuild is not None and self.rebuild.active:
             self.rebuild.finish()
             self._report()
+        self._complete_report()
 
     @staticmethod
-    def _transport_note(rb: Rebuild) -> str:
-        if rb.memory_rounds == 0:
+    def _transport_note(record: dict) -> str:
+        memory, rounds, beside = (record[k] for k in ("memory_rounds", "rounds", "beside_rounds"))
+        if memory == 0:
             return ""
-        beside = f", {rb.beside_rounds} swept beside the steps" if rb.beside_rounds else ""
-        if rb.memory_rounds == rb.rounds:
+        beside = f", {beside} swept beside the steps" if beside else ""
+        if memory == rounds:
             return f" reading the group's memory{beside}"
-        return f" ({rb.memory_rounds} reading the group's memory{beside})"
+        return f" ({memory} reading the group's memory{beside})"
 
     def _report(self) -> None:
-        rb = self.rebuild
-        totals = self.topo.control.allreduce(
-            np.array([rb.total, rb.degraded_rows, rb.received_bytes], dtype=np.int64)).tolist()
-        wall = rb.finished_at - rb.started
-        record = {"ranks": sorted(rb.failed), "after_step": self.rebuild_step,
-                  "units": totals[0], "degraded_rows": totals[1], "received_bytes": totals[2],
-                  "rounds": rb.rounds, "memory_rounds": rb.memory_rounds,
-                  "beside_rounds": rb.beside_rounds, "seconds": wall,
-                  "round_seconds": max(self.topo.control.allgather(rb.seconds))}
-        self.history.append(record)
+        """The rebuild ended: start its report's reductions (every rank ends it at the same
+        point) and go on; `_complete_report` says it. Collective (started, not waited for)."""
+        self._complete_report()
+        self._report_due = RebuildReport(self.topo.control, self.rebuild, self.rebuild_step,
+                                         self.rebuild_step + self._steps_rebuilding + 1)
+
+    def _complete_report(self) -> None:
+        """Say the last rebuild's report and keep its record, once its reductions are in.
+        Local (waits for the reductions every rank started)."""
+        due, self._report_due = self._report_due, None
+        if due is None:
+            return
+        record, partial = due.result()
+        self._history.append(record)
+        wall = record["seconds"]
         self.say(f"parity: rebuilt ranks {record['ranks']} ({record['units']} units, "
                  f"{record['degraded_rows']} rows by degraded reads, "
                  f"{record['received_bytes'] / 1e6:.1f} MB received, "
                  f"{record['received_bytes'] / 1e6 / max(wall, 1e-9):.0f} MB/s) in "
-                 f"{rb.rounds} rounds{self._transport_note(rb)}, {wall:.2f} s while training "
-                 f"went on ({record['round_seconds']:.2f} s of round work, slowest rank)")
+                 f"{record['rounds']} rounds{self._transport_note(record)}, {wall:.3f} s while "
+                 f"training went on, whole from step {record['done_step']} on "
+                 f"({record['round_seconds']:.2f} s of round work, "
+                 + (f"{partial})" if partial else "slowest rank)"))
