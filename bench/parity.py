@@ -133,7 +133,8 @@ def rebuild_figures(run, before: float, a) -> dict:
     done_step = int(re.search(r"whole from step (\d+) on", logged).group(1))
     t_done = t_fail + wall  # the line itself comes a step later: its report is reduced meanwhile
     times = step_times(lines)
-    t_end = min(t for t, s in times if s == done_step)
+    # the rows were whole from a step that never ran (a settle at the run's end): its last
+    t_end = min((t for t, s in times if s == done_step), default=times[-1][0])
     steps = len([s for t, s in times if t_fail < t <= t_end])
     partial = max(1, len([s for t, s in times if t_fail <= t <= t_done]))
     return {"log": logged, "wall_s": wall, "steps": steps, "t_fail": t_fail,

@@ -81,7 +81,7 @@ STRATEGIES = {
 IN_PLACE = ("parity-inplace", "partial-inplace", "full-inplace", "parity-spare", "parity-warm")
 _IN_PLACE = re.compile(r"in-place recovery: generation \d+ at step (\d+): .*?; ([\d.]+) s on the "
                        r"survivors \(join ([\d.]+) s, agree ([\d.]+) s\)")
-_REBUILT = re.compile(r"parity: rebuilt ranks")
+_REBUILT = re.compile(r"parity: rebuilt ranks .* whole from step (\d+) on")
 _STEP = re.compile(r"^step (\d+)/")
 _DIED = re.compile(r"peer rank\(s\) \[(\d+)\] died after step (\d+)")
 _DUMPED = re.compile(r"\(([\d.]+) MB in ([\d.]+) s\); exiting")
@@ -212,8 +212,11 @@ def measure_in_place(job: StampedJob, strategy: str, killed: float) -> dict:
     resumed = after[0][1] - 1  # a full rollback goes back to its checkpoint after agreeing
     again = next(t for t, s in after if s == reached + 1)
     step_s = median_step_seconds(before)
-    rebuilt = next((t for t, line in job.lines if t > logged and _REBUILT.search(line)), None)
-    during = [(t, s) for t, s in after if rebuilt is not None and t <= rebuilt]
+    whole = next((int(m.group(1)) for t, line in job.lines
+                  if t > logged and (m := _REBUILT.search(line))), None)
+    # the steps up to the one from which the rows were whole (the line itself comes a step
+    # later: the rebuild's report is reduced beside training)
+    during = [(t, s) for t, s in after if whole is not None and s <= whole]
     rate_ratio = step_s / median_step_seconds(during) if len(during) > 2 else None
     return {
         "strategy": strategy, "killed_after_step": reached, "resumed_at_step": resumed,

@@ -78,6 +78,18 @@ class _Reduction:
             self.work = None
         return self.recvbuf
 
+    def Finished(self) -> np.ndarray | None:  # noqa: N802 (as Wait)
+        """The filled receive buffer if the reduction has completed, even on a channel aborted
+        since (its result stands: every rank took part); None while it runs. Raises the
+        operation's own error. Local."""
+        if self.work is not None:
+            if not self.work.is_completed():
+                return None
+            self.work.wait()
+            self.recvbuf[...] = self.tensor.numpy()
+            self.work = None
+        return self.recvbuf
+
 
 class StoreControl:
     """The control channel of one generation. Construction is collective (the gloo group's

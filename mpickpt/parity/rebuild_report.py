@@ -17,8 +17,8 @@ from mpickpt.control import MAX, SUM
 class RebuildReport:
     """One finished rebuild's figures, their reductions in flight: sums of the units, degraded
     rows and bytes; the slowest rank's round work and wall time (failure to its last unit). Construction starts them
-    (collective over the control channel: every rank constructs it at the same point); `result`
-    waits for them (local)."""
+    (collective over the control channel: every rank constructs it at the same point; on a
+    channel already aborted it starts none); `result` waits for them (local)."""
 
     def __init__(self, control, rb, after_step: int, done_step: int):
         """`rb`: the finished `Rebuild`; `after_step`: the step after which its ranks were lost;
@@ -32,16 +32,23 @@ class RebuildReport:
         self._sums = np.zeros(3, dtype=np.int64)
         self._slowest = np.zeros(2, dtype=np.float64)
         sums = np.array([rb.total, rb.degraded_rows, rb.received_bytes], dtype=np.int64)
-        self._requests = [control.Iallreduce(sums, self._sums, SUM),
-                          control.Iallreduce(np.array([rb.seconds, self.local["seconds"]]),
-                                             self._slowest, MAX)]
+        self._requests, self._failed = [], None
+        try:
+            self._requests = [control.Iallreduce(sums, self._sums, SUM),
+                              control.Iallreduce(np.array([rb.seconds, self.local["seconds"]]),
+                                                 self._slowest, MAX)]
+        except RuntimeError as e:  # the channel was aborted already (a death is known)
+            self._failed = e
 
     def result(self) -> tuple[dict, str | None]:
         """(the record, None), the job's totals in it; or, where the reductions failed (a death
         ended the generation), (this rank's own figures, why). Local."""
         try:
-            for request in self._requests:
-                request.Wait()
+            if self._failed is not None:
+                raise self._failed
+            for request in self._requests:  # done before a death aborted the channel: kept
+                if request.Finished() is None:
+                    request.Wait()
         except RuntimeError as e:
             return dict(self.local), f"this rank's figures only: {e}"
         units, degraded, received = (int(v) for v in self._sums)
