@@ -133,7 +133,7 @@ def rebuild_figures(run, before: float, a) -> dict:
     done_step = int(re.search(r"whole from step (\d+) on", logged).group(1))
     t_done = t_fail + wall  # the line itself comes a step later: its report is reduced meanwhile
     times = step_times(lines)
-    # the rows were whole from a step that never ran (a settle at the run's end): its last
+    # whole from a step that never ran (a settle at the run's end): up to the last step's end
     t_end = min((t for t, s in times if s == done_step), default=times[-1][0])
     steps = len([s for t, s in times if t_fail < t <= t_end])
     partial = max(1, len([s for t, s in times if t_fail <= t <= t_done]))

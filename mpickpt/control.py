@@ -74,8 +74,7 @@ class _Reduction:
         """Wait (an abort of the channel ends the wait) and fill the receive buffer."""
         if self.work is not None:
             self.control._wait(self.work)
-            self.recvbuf[...] = self.tensor.numpy()
-            self.work = None
+            self._take()
         return self.recvbuf
 
     def Finished(self) -> np.ndarray | None:  # noqa: N802 (as Wait)
@@ -86,9 +85,12 @@ class _Reduction:
             if not self.work.is_completed():
                 return None
             self.work.wait()
-            self.recvbuf[...] = self.tensor.numpy()
-            self.work = None
+            self._take()
         return self.recvbuf
+
+    def _take(self) -> None:
+        self.recvbuf[...] = self.tensor.numpy()
+        self.work = None
 
 
 class StoreControl:

@@ -1,11 +1,11 @@
 """The report of a finished rebuild, reduced over the control channel beside training.
 
 When a rebuild ends, every rank starts two reductions of its figures (sums of units, degraded
-rows and bytes received; the slowest rank's round work) and goes on training; the report is
-completed at the next place that needs it (the next lookup, a settle, the history). Waiting for
-them at the end of the rebuild's last round put two blocking collectives of 4 processes on 2
-cores into that step: measured 14 ms on the lost rank and 20-26 ms on the others, a third of
-the rebuild's whole cost to training in `bench/parity.py`.
+rows and bytes received; the slowest rank's round work and wall time) and goes on training;
+the report is completed at the next place that needs it (the next lookup, a settle, the
+history). Waiting for them at the end of the rebuild's last round put two blocking
+collectives of 4 processes on 2 cores into that step: measured 14 ms on the lost rank and
+20-26 ms on the others, a third of the rebuild's whole cost to training in `bench/parity.py`.
 """
 from __future__ import annotations
 
@@ -14,11 +14,17 @@ import numpy as np
 from mpickpt.control import MAX, SUM
 
 
+SUMMED = ("units", "degraded_rows", "received_bytes")
+"""Figures the report sums over the ranks."""
+SLOWEST = ("round_seconds", "seconds")
+"""Figures the report takes the slowest rank's of (round work; wall, failure to last unit)."""
+
+
 class RebuildReport:
-    """One finished rebuild's figures, their reductions in flight: sums of the units, degraded
-    rows and bytes; the slowest rank's round work and wall time (failure to its last unit). Construction starts them
-    (collective over the control channel: every rank constructs it at the same point; on a
-    channel already aborted it starts none); `result` waits for them (local)."""
+    """One finished rebuild's figures, their reductions (SUMMED, SLOWEST) in flight.
+    Construction starts them (collective over the control channel: every rank constructs it at
+    the same point; on a channel already aborted it starts none); `result` waits for them
+    (local)."""
 
     def __init__(self, control, rb, after_step: int, done_step: int):
         """`rb`: the finished `Rebuild`; `after_step`: the step after which its ranks were lost;
@@ -29,14 +35,15 @@ class RebuildReport:
                       "rounds": rb.rounds, "memory_rounds": rb.memory_rounds,
                       "beside_rounds": rb.beside_rounds,
                       "seconds": rb.finished_at - rb.started, "round_seconds": rb.seconds}
-        self._sums = np.zeros(3, dtype=np.int64)
-        self._slowest = np.zeros(2, dtype=np.float64)
-        sums = np.array([rb.total, rb.degraded_rows, rb.received_bytes], dtype=np.int64)
+        self._sums = np.zeros(len(SUMMED), dtype=np.int64)
+        self._slowest = np.zeros(len(SLOWEST), dtype=np.float64)
         self._requests, self._failed = [], None
         try:
-            self._requests = [control.Iallreduce(sums, self._sums, SUM),
-                              control.Iallreduce(np.array([rb.seconds, self.local["seconds"]]),
-                                                 self._slowest, MAX)]
+            self._requests = [
+                control.Iallreduce(np.array([self.local[k] for k in SUMMED], dtype=np.int64),
+                                   self._sums, SUM),
+                control.Iallreduce(np.array([self.local[k] for k in SLOWEST], dtype=np.float64),
+                                   self._slowest, MAX)]
         except RuntimeError as e:  # the channel was aborted already (a death is known)
             self._failed = e
 
@@ -51,7 +58,5 @@ class RebuildReport:
                     request.Wait()
         except RuntimeError as e:
             return dict(self.local), f"this rank's figures only: {e}"
-        units, degraded, received = (int(v) for v in self._sums)
-        return {**self.local, "units": units, "degraded_rows": degraded,
-                "received_bytes": received, "round_seconds": float(self._slowest[0]),
-                "seconds": float(self._slowest[1])}, None
+        return {**self.local, **{k: int(v) for k, v in zip(SUMMED, self._sums)},
+                **{k: float(v) for k, v in zip(SLOWEST, self._slowest)}}, None
