@@ -15,6 +15,7 @@ import ctypes
 import multiprocessing as mp
 import multiprocessing.util  # noqa: F401  (its exit hook must be registered before `_reap`)
 import os
+import re
 import signal
 import sys
 import threading
@@ -70,6 +71,23 @@ def serve(conn, handle) -> None:
         if job is None:
             return
         conn.send(handle(job))
+
+
+HDF5_IO_DETAIL = re.compile(r"\(([^()]*?)(?:: time = [^()]*?)?error message = '([^']*)'[^()]*\)", re.S)
+"""HDF5's low-level I/O detail in h5py's messages ("(file write failed: time = <ctime, with a
+newline>, filename = ..., errno = 28, error message = '...', buf = ..., offset = ...)")."""
+
+
+def error_line(e: BaseException) -> str:
+    """`e` as one line for a worker's failed result: HDF5's I/O detail cut to what failed and
+    the system's reason, and the reason added where the errno is known but unsaid. Local."""
+    text = f"{type(e).__name__}: {e}"
+    text = HDF5_IO_DETAIL.sub(lambda m: f"({m.group(1).strip(' ,')}: {m.group(2)})", text)
+    text = " ".join(text.split())
+    errno = getattr(e, "errno", None)
+    if isinstance(errno, int) and errno > 0 and os.strerror(errno) not in text:
+        text += f" ({os.strerror(errno)})"
+    return text
 
 
 def start_worker(target, name: str, *args):

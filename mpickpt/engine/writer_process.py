@@ -11,11 +11,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-import traceback
 
 import numpy as np
 
-from mpickpt.background import die_with_parent, ignore_job_signals, serve
+from mpickpt.background import die_with_parent, error_line, ignore_job_signals, serve
 from mpickpt.engine.staging import map_arrays
 from mpickpt.store.dense_file import pack
 from mpickpt.store.direct_io import direct_file
@@ -56,7 +55,7 @@ def run_job(job: dict, attached: dict) -> dict:
     except Exception as e:  # reported to the trainer, never raised there
         for spec in job["files"]:
             _remove_quietly(spec.path + ".tmp")
-        detail = traceback.format_exception_only(type(e), e)[-1].strip()
+        detail = error_line(e)
         return {"ok": False, "error": f"{current or job.get('dir')}: {detail}", "step": job["step"]}
 
 
@@ -130,7 +129,9 @@ def _write_hdf5(tmp: str, spec, arrays: dict, reservation: Reservation, align: i
 
 RESERVE_SLACK = 1.05  # HDF5 metadata and checksum datasets
 RESERVE_EXTRA = 64 << 10
+PAGE_BYTES = 4096
 RELEASE_QUANTUM = 16 << 20  # reserved space goes back ahead of the writes at most this far
+RELEASE_SHARE = 8  # ... and at most 1/8 of the file: a small file's space stays held as it is written
 
 
 def _payload_bytes(spec, arrays: dict, align: int = 0) -> tuple[int, int]:
@@ -162,6 +163,7 @@ class Reservation:
         self.path = path + ".reserve"
         self.left = int(payload * RESERVE_SLACK) + RESERVE_EXTRA
         self.ahead = 0  # released, not yet written
+        self.quantum = min(RELEASE_QUANTUM, max(PAGE_BYTES, self.left // RELEASE_SHARE))
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.posix_fallocate(self.fd, 0, self.left)
@@ -173,12 +175,16 @@ class Reservation:
     def release(self, nbytes: int) -> None:
         """Make sure `nbytes` are back with the filesystem before HDF5 writes them. Local.
 
-        Space goes back ahead of need, RELEASE_QUANTUM at a time, so that a file of many small
-        blocks does not pay one ftruncate (and the filesystem's extent work) per block."""
+        Space goes back ahead of need, `quantum` at a time, so that a file of many small blocks
+        does not pay one ftruncate (and the filesystem's extent work) per block, while the rest
+        stays held: a writer beside this one (another rank on the same filesystem) cannot take
+        the space this file is about to write into. The last 1/8 (and the metadata slack,
+        released just before HDF5's close) can still be lost to such a race; HDF5's error then
+        names the file, and the checkpoint is abandoned as with any full disk."""
         if self.ahead >= nbytes:
             self.ahead -= nbytes
             return
-        amount = min(self.left, max(nbytes - self.ahead, RELEASE_QUANTUM))
+        amount = min(self.left, max(nbytes - self.ahead, self.quantum))
         self.left -= amount
         self.ahead = max(0, self.ahead + amount - nbytes)
         os.ftruncate(self.fd, self.left)

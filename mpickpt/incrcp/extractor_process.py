@@ -11,9 +11,8 @@ import contextlib
 import os
 import signal
 import time
-import traceback
 
-from mpickpt.background import die_with_parent, ignore_job_signals, serve
+from mpickpt.background import die_with_parent, error_line, ignore_job_signals, serve
 
 
 def extractor_main(conn, parent_pid: int, root: str, ratio: float) -> None:
@@ -64,7 +63,7 @@ def _ingest(job: dict, state: dict) -> dict:
             reader.close()
         state["extractor"].forget_files()  # reopened and checked again next time
         state["indexes"].pop((chain, rank), None)  # reload the committed index next time
-        detail = traceback.format_exception_only(type(e), e)[-1].strip()
+        detail = error_line(e)
         return {"ok": False, "step": step, "chain": chain, "error": f"ingesting step {step}: {detail}"}
 
 
