@@ -14,7 +14,9 @@ Store keys (all under the job's store; G is a generation number):
 - `g<G>/in/<rank>`: the pid of the process that holds `rank` in generation G. A replacement takes
   the first generation whose slot for its rank is free.
 - `g<G>/dead/<rank>`: set by every survivor that saw `rank` dead when it left generation G (the
-  union: deaths that happen together are seen one by one).
+  union: deaths that happen together are seen one by one), and by a replacement's respawn that
+  finds the slot of G still held by the dead replacement (`generation_for_replacement`).
+- `g<G>/deaths`: how many such records G has (one lookup for `FormationWatch`).
 - `finished`: how many processes are done with the store (trainers and spares at their end).
 - `completed`: the step the training completed at (rank 0, at a normal end): the run is done
   whatever status its launcher reports (`mpickpt.launch.run_store`).
@@ -133,6 +135,12 @@ class Rendezvous:
         """Add the ranks this survivor saw dead when it left `generation`. Local."""
         for r in sorted(dead):
             self.store.set(f"g{generation}/dead/{r}", "1")
+            self.store.add(f"g{generation}/deaths", 1)
+
+    def deaths_recorded(self, generation: int) -> int:
+        """How many records `record_dead` made for `generation` (one lookup; a rank seen
+        dead by several survivors counts once per record). Local."""
+        return int(self.store.add(f"g{generation}/deaths", 0))
 
     def slot_taken(self, generation: int, rank: int) -> bool:
         return self.store.check([f"g{generation}/in/{rank}"])
@@ -278,6 +286,7 @@ class Rendezvous:
         not moved on yet) the next one, once it starts. Raises SlotTaken when another process (a spare)
         already holds the slot, GenerationError when the job ended meanwhile. Local."""
         deadline = time.monotonic() + timeout_s
+        told: set[int] = set()
         while True:
             over = self.job_over()
             if over:
@@ -288,6 +297,9 @@ class Rendezvous:
                 return g
             if dead is not None and holder != dead:
                 raise SlotTaken(f"rank {rank} of generation {g} was taken by {holder}")
+            if dead is not None and g not in told:  # the members of g wait for it: say it died
+                self.record_dead(g, [rank])
+                told.add(g)
             if time.monotonic() > deadline:
                 raise GenerationError(f"rank {rank}: generation {g} still holds this rank after "
                                       f"{timeout_s:.0f} s, and no survivor started the next one")

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from mpickpt.generation import (DEFAULT_JOIN_TIMEOUT, STORE_VARIABLE, Groups, Rendezvous,
                                 SlotTaken, connect_store, host_store)
+from mpickpt.survivors.formation_watch import FormationWatch
 
 # Launcher variables that carry the node-local rank, in the order they are trusted.
 LOCAL_RANK_VARIABLES = (
@@ -86,6 +87,8 @@ class Topology:
     _side_specs: list = field(default_factory=list, repr=False)
     _store_server: object = field(default=None, repr=False)
     _retired: list = field(default_factory=list, repr=False)
+    forming: FormationWatch | None = field(default=None, repr=False)
+    """Watches the generation `advance` joined until it settles (`formed`)."""
     replacement: bool = False
     """This process was started to replace a dead rank (it joined a later generation)."""
 
@@ -223,6 +226,8 @@ class Topology:
         self.rendezvous.publish_side_groups(nxt, self._side_specs)
         self.rendezvous.register(nxt, self.rank)
         self.rendezvous.gather(nxt, self.world_size, join_timeout_s, more_dead)
+        self.formed()  # a watch of an earlier formation that never settled
+        self.forming = FormationWatch(self.rendezvous, nxt, self.world_size, self.abort)
         old.release()
         self._retired.append(old)
         self.groups = Groups(self.rendezvous, nxt, self.rank, self.world_size, self.backend,
@@ -232,6 +237,13 @@ class Topology:
         for name, parts in self._side_specs:
             self._make_group(name, parts)
         return nxt
+
+    def formed(self) -> None:
+        """The generation joined by `advance` settled: its peer watch stands, so its
+        `FormationWatch` (a member's death while it formed ends it) stops. Local; safe twice."""
+        if self.forming is not None:
+            self.forming.stop()
+            self.forming = None
 
     @property
     def is_root(self) -> bool:

@@ -102,6 +102,8 @@ class Trainer:
         self.stopped: str | None = None
         self.stop_committed = False
         """The emergency checkpoint of the step a stop signal ended at was committed."""
+        if topo.replacement:
+            self._injected_settling_kill()
         self.survival.start_watch(self._boundary)  # first: a death during recovery is seen
         if lost:
             self._recover(Loss.of_ranks(lost, self.step, self.model.plan))
@@ -265,6 +267,13 @@ class Trainer:
         if kill is not None and self._first_life():
             kill.maybe_kill(self.step, self.topo.rank, interrupted)
 
+    def _injected_settling_kill(self) -> None:
+        """`--inject-kill-settling`: SIGKILL this rank if it is named, now that generation 1
+        formed and before its peer watch stands. Local."""
+        kill = self.config.faults.inject_kill_settling
+        if kill is not None:
+            kill.maybe_kill(self.topo.generation, self.topo.rank, restart_count(os.environ))
+
     def _first_life(self) -> bool:
         """The job's first launch and generation: an injected kill fires there only, not again
         in a replacement, an in-place rollback or a relaunch that replays its step. Local."""
@@ -295,32 +304,43 @@ class Trainer:
                      f"{self.topo.generation + 1})")
         try:
             joined = self.in_place.survivor(dead, step, reader, pls, attempt, interval,
-                                            self.survival.more_dead, self.finish_done)
+                                            self.survival.more_dead, self.finish_done,
+                                            self._went_back)
         except (GenerationError, *COMM_ERRORS) as e:
             self.survival.left_generation()
             self.survival.give_up_in_place(dead | self.survival.more_dead(), str(e))
-        self.survival.left_generation()
-        self._left_at = None
         left = time.perf_counter() - started
         self.step = joined.step
         self._take_over(joined)
         self.reader = self._make_reader(position_from_dict(joined.reader))
+        self._left_at = None  # a dump from here on takes the step and reader above
         self.log.restart_at(self.step)
         self._settle_in(joined, dead)
         self.signals.mute_death_notices(3.0)
         self._joined_log(joined, left, dead)
 
+    def _went_back(self, step: int, reader: dict) -> None:
+        """The generation agreed on `step`, one before this rank's: its rows went back to it
+        (under the state lock), so a survivor dump from now on says so. Local."""
+        self._left_at = (step, reader, self._left_at[2])
+
     def _settle_in(self, joined: Rejoined, dead: set[int]) -> None:
         """A survivor in the generation it just formed: watch the peers, then recover the
         replaced shards (and those whose parity rebuild the death interrupted). Collective.
-        The watch comes first, so that a death during the recovery is seen; a death before the
-        watch stood, or during the recovery, falls back to a relaunch, with no survivor dump in
-        the second case (the recovery may have changed this rank's rows half-way)."""
+        The new ring comes first, so that a death during the recovery is seen. Until it stands,
+        the old ring goes on watching the survivors, and the topology's `FormationWatch` the
+        replacements (their respawns record the death): a death there, or during the recovery,
+        falls back to a relaunch, with no survivor dump in the second case (the recovery may
+        have changed this rank's rows half-way)."""
+        self._injected_settling_kill()
         try:
             self.survival.start_watch(self._boundary)
         except COMM_ERRORS as e:
+            self.survival.left_generation()
             self.survival.give_up_in_place(dead, f"a member of generation {joined.generation} "
                                                  f"died while its peer watch formed ({e})")
+        self.survival.left_generation()
+        self.topo.formed()
         lost = sorted(set(joined.replaced) | set(joined.unrebuilt))
         if not lost:
             return

@@ -188,6 +188,49 @@ def test_a_dead_ranks_slot_goes_to_exactly_one_claimer_and_the_others_serve_as_s
     assert "falls back to a relaunch: rank 0" in str(over) and over.relaunch
 
 
+def test_a_members_death_or_the_fallback_ends_a_generation_that_has_not_settled():
+    """`FormationWatch` over a real store: a respawn that finds its slot of the forming
+    generation held by the dead process records the death, and the watch aborts the
+    generation's groups (again at each look: groups made after the first abort are aborted
+    too); the job's fallback does the same; a settled generation's watch does nothing."""
+    from mpickpt.survivors.formation_watch import POLL_S, FormationWatch
+
+    store, address = host_store(30)
+    rv = Rendezvous(store, address)
+    assert rv.current() == 0
+    for r in range(3):
+        rv.register(0, r)
+    assert rv.advance(0, {1}) == 1
+    for r in range(3):
+        rv.register(1, r, "node1:101" if r == 1 else None)
+    aborts = []
+    watch = FormationWatch(Rendezvous(connect_store(address, 30), address), 1, 3,
+                           lambda: aborts.append(time.monotonic()))
+    settled = FormationWatch(rv, 1, 3, lambda: aborts.append("settled"))
+    settled.stop()
+    time.sleep(3 * POLL_S)
+    assert aborts == [] and watch.reason is None
+    respawn = threading.Thread(  # the replacement of rank 1 died; its respawn waits for gen 2
+        target=lambda: pytest.raises(SlotTaken, rv.generation_for_replacement, 1, 10,
+                                     dead="node1:101"))
+    respawn.start()
+    deadline = time.monotonic() + 5
+    while len(aborts) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert watch.reason == "rank(s) [1] of generation 1 died before its peer watch stood"
+    assert len(aborts) >= 2 and "settled" not in aborts
+    assert rv.dead_of(1, 3) == [1] and rv.deaths_recorded(1) == 1  # recorded once
+    watch.stop()
+    rv.give_up("rank 0: gave up")  # ends the respawn's wait
+    respawn.join(10)
+    fallback = FormationWatch(rv, 2, 3, lambda: aborts.append("fallback"))
+    try:
+        time.sleep(3 * POLL_S)
+        assert "fallback" in aborts and "falls back to a relaunch: rank 0" in fallback.reason
+    finally:
+        fallback.stop()
+
+
 def test_a_waiting_spare_takes_a_slot_or_leaves_with_the_reason():
     from mpickpt.spares import Spare
 

@@ -337,6 +337,31 @@ def test_a_second_death_while_the_generation_forms(tmp_path, clean_digest, targe
     assert t["code"] == 0 and digest_in(out) == clean_digest, out
 
 
+@pytest.mark.parametrize("victim", [0, 1])  # a survivor, the replacement
+def test_a_death_after_the_generation_formed_before_its_watch_stood_ends_it_at_once(
+        tmp_path, clean_digest, victim):
+    """Rank 1 killed after step 30; in generation 1, rank `victim` SIGKILLs itself after the
+    generation formed and before its peer watch stood (`--inject-kill-settling`). Nothing
+    watched there before (the old ring closed, the new one not up: the others waited in gloo
+    for minutes; seen once in the randomized trials). Now the old ring sees a survivor die, and
+    the store a replacement (its respawn records the death): the survivors fall back to a
+    relaunch at once (or gloo's own error does, on a rank whose connection to the dead one
+    closed), and the job ends with the failure-free digest."""
+    job = Job(mpickpt_run("-n", "4", "--max-restarts", "1", "--", *FLAGS,
+                          "--ckpt-dir", str(tmp_path / "ckpt"), "--inject-kill", "30:1",
+                          "--inject-kill-settling", str(victim)))
+    try:
+        code = job.wait(150)
+    finally:
+        job.stop()
+    out = job.output
+    assert code == 0 and digest_in(out) == clean_digest, out
+    kept = sorted({0, 2, 3} - {victim})  # a survivor that died dumped nothing
+    assert "in-place recovery failed" in out and f"relaunch: ranks {kept} restored from their " \
+        f"survivor dumps at step 30" in out, out
+    assert not _IN_PLACE.search(out), out  # generation 1 never settled
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(90, 110))
 def test_second_deaths_while_the_generation_forms_randomized(tmp_path, clean_digest, seed):

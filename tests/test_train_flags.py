@@ -66,6 +66,11 @@ BAD_INPUTS = [
     (2, ["--parity-k", "1", "--inject-failure", "3:2"], r"names ranks \[2\], but the world has 2 "
                                                         r"ranks"),
     (2, ["--inject-kill", "3"], r"--inject-kill must look like STEP:RANK\[,RANK...\], got '3'"),
+    (2, ["--inject-kill-settling", "3:1"], r"--inject-kill-settling must look like "
+                                           r"RANK\[,RANK...\], got '3:1'"),
+    (2, ["--inject-kill-settling", "0,0"], r"--inject-kill-settling names a rank twice"),
+    (2, ["--inject-kill-settling", "2"], r"--inject-kill-settling names ranks \[2\], but the "
+                                         r"world has 2 ranks"),
     (2, ["--startup-timeout", "0"], r"--startup-timeout: expected a finite number > 0, got '0'"),
     (2, ["--in-place", "maybe"], r"--in-place: invalid choice: 'maybe'"),
     (2, ["--spares", "-1"], r"--spares: expected an integer >= 0, got -1"),

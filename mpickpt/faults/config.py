@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mpickpt.faults.injection import FailureScript, KillAt
+from mpickpt.faults.injection import FailureScript, KillAt, KillSettling
 from mpickpt.faults.process import FailureModel
 from mpickpt.options import int_at_least, option, positive_float
 
@@ -24,6 +24,10 @@ class FaultConfig:
 
     inject_kill: KillAt | None = option(None, parse=KillAt.parse, metavar="STEP:RANK[,RANK...]")
     """those ranks SIGKILL themselves after step STEP"""
+    inject_kill_settling: KillSettling | None = option(None, parse=KillSettling.parse,
+                                                       metavar="RANK[,RANK...]")
+    """with --in-place: those ranks SIGKILL themselves in the first in-place recovery, after
+    the next generation formed and before its peer watch stands (survivors or replacements)"""
     inject_failure: FailureScript | None = option(None, parse=FailureScript.parse,
                                                   metavar="STEP:RANK[,RANK...][/STEP:...]")
     """after step STEP those ranks lose their shards, optimizer state and parity (NaN) and the
@@ -45,7 +49,8 @@ class FaultConfig:
 
     def check_world(self, world_size: int) -> None:
         """Every named rank exists. Local."""
-        for injection in (self.inject_kill, self.inject_failure):
+        for injection in (self.inject_kill, self.inject_kill_settling,
+                          self.inject_failure):
             if injection is not None:
                 injection.check_world(world_size)
 

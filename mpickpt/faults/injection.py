@@ -25,15 +25,23 @@ class StepRanks:
             raise ValueError(f"{cls.FLAG} must look like STEP:RANK[,RANK...], got {text!r}") from None
         if parsed.step < 1 or any(r < 0 for r in parsed.ranks):
             raise ValueError(f"{cls.FLAG} needs a step >= 1 and ranks >= 0, got {text!r}")
-        if len(set(parsed.ranks)) != len(parsed.ranks):
-            raise ValueError(f"{cls.FLAG} names a rank twice: {text!r}")
+        _distinct(cls.FLAG, parsed.ranks, text)
         return parsed
 
     def check_world(self, world_size: int) -> None:
         """Every named rank exists. Local."""
-        bad = [r for r in self.ranks if r >= world_size]
-        if bad:
-            raise ValueError(f"{self.FLAG} names ranks {bad}, but the world has {world_size} ranks")
+        _in_world(self.FLAG, self.ranks, world_size)
+
+
+def _distinct(flag: str, ranks: tuple[int, ...], text: str) -> None:
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"{flag} names a rank twice: {text!r}")
+
+
+def _in_world(flag: str, ranks: tuple[int, ...], world_size: int) -> None:
+    bad = [r for r in ranks if r >= world_size]
+    if bad:
+        raise ValueError(f"{flag} names ranks {bad}, but the world has {world_size} ranks")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,6 +61,38 @@ class KillAt(StepRanks):
     def maybe_kill(self, step: int, rank: int, interrupted: bool = False) -> None:
         """SIGKILL this process if it is named for this step (`due`). Local."""
         if self.due(step, rank, interrupted):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KillSettling:
+    """`--inject-kill-settling RANK[,RANK...]`: those ranks SIGKILL themselves in the job's first
+    in-place recovery, after generation 1 formed and before its peer watch stands (survivors
+    and replacements alike), where only the old ring and the store can tell the others."""
+
+    FLAG = "--inject-kill-settling"
+    ranks: tuple[int, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> "KillSettling":
+        """Parse 'RANK[,RANK...]', naming the flag in the error. Local."""
+        try:
+            ranks = tuple(int(r) for r in text.split(","))
+        except ValueError:
+            raise ValueError(f"{cls.FLAG} must look like RANK[,RANK...], got {text!r}") from None
+        if any(r < 0 for r in ranks):
+            raise ValueError(f"{cls.FLAG} needs ranks >= 0, got {text!r}")
+        _distinct(cls.FLAG, ranks, text)
+        return cls(ranks=ranks)
+
+    def check_world(self, world_size: int) -> None:
+        """Every named rank exists. Local."""
+        _in_world(self.FLAG, self.ranks, world_size)
+
+    def maybe_kill(self, generation: int, rank: int, restart: int) -> None:
+        """SIGKILL this process if it is named and settles into generation 1 of the job's
+        first launch. Local."""
+        if generation == 1 and restart == 0 and rank in self.ranks:
             os.kill(os.getpid(), signal.SIGKILL)
 
 

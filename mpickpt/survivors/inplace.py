@@ -53,10 +53,13 @@ class InPlace:
         self.join_timeout_s = join_timeout_s
 
     def survivor(self, dead, step: int, reader: dict, pls: dict | None, attempt: str | None,
-                 interval: int | None, more_dead=None, finish_done=()) -> Rejoined:
+                 interval: int | None, more_dead=None, finish_done=(),
+                 went_back=None) -> Rejoined:
         """Leave the broken generation and form the next one with the replacements of `dead`.
         `step`, `reader`: this rank's last completed step and the reader position there;
-        `finish_done`: the phases of the run's end it completed (a death during the end).
+        `finish_done`: the phases of the run's end it completed (a death during the end);
+        `went_back(step, reader)`: called under the state lock when this rank undoes its last
+        step because the others did not complete it.
         Collective with the next generation's members; raises GenerationError when a member
         never comes or a further death overtakes the formation."""
         start = time.perf_counter()
@@ -65,7 +68,7 @@ class InPlace:
         if regroup is not None:  # a model that holds the old generation's groups itself
             regroup()
         joined = time.perf_counter()
-        out = self._agree(step, reader, pls, attempt, interval, list(finish_done))
+        out = self._agree(step, reader, pls, attempt, interval, list(finish_done), went_back)
         out.seconds.update(join=joined - start, agree=time.perf_counter() - joined)
         out.generation = generation
         return out
@@ -79,7 +82,8 @@ class InPlace:
         return out
 
     @torch.no_grad()
-    def _agree(self, step, reader, pls, attempt, interval, finish_done) -> Rejoined:
+    def _agree(self, step, reader, pls, attempt, interval, finish_done,
+               went_back=None) -> Rejoined:
         me, control = self.topo.rank, self.topo.control
         last = self.undo.last if self.undo is not None else None
         mine = {"step": step, "pid": os.getpid(), "finish_done": finish_done,
@@ -102,6 +106,8 @@ class InPlace:
         if me in undone:
             with self.model.state_lock:
                 reader = self.undo.undo_last()
+                if went_back is not None:
+                    went_back(agreed, reader)
         first = survivors[0]
         shared = control.bcast({"dense": {k: v.detach().cpu() for k, v in
                                           self.model.dense_state().items()},

@@ -101,7 +101,11 @@ class Survival:
         position, PLS stats) for a survivor dump."""
         self.state_at_boundary = state_at_boundary
         if self.topo.world_size > 1:
-            self.watch = PeerWatch(self.topo.control, self._on_death, self.peer_timeout)
+            watch = PeerWatch(self.topo.control, self._on_death, self.peer_timeout)
+            with self._lock:
+                self.watch = watch
+            if watch.dead:  # seen before it was this rank's watch: its notice was dropped
+                self._on_death(set(watch.dead))
 
     def begin_step(self, step: int, reader_before: dict) -> None:
         if self.undo is not None:
@@ -126,32 +130,35 @@ class Survival:
             time.sleep(1.0)
 
     def _on_death(self, dead: set[int]) -> None:
-        """On the watch thread, the moment a death is known. Under the lock that
-        `leave_generation` takes, so a late notice of the old ring never aborts the next
-        generation's groups. While the next generation forms (in place), a death of a survivor
-        that already joined it means it cannot form: this thread falls back to a relaunch at
-        once (the main thread may be waiting in a group's rendezvous with the dead rank)."""
+        """On the current ring's watch thread, the moment a death is known. Under the lock that
+        `leave_generation` takes, so a notice that comes as the ring is left is dropped."""
         with self._lock:
-            watch, old = self.watch, self._old_watch
-            if watch is None:
-                lost = self._members_lost(dead) if self.in_place and old is not None else None
-                if not lost:  # `Rendezvous.gather` offers the others to a replacement or a
-                    return    # spare; without a formation, this rank ends normally
-            elif watch.closed:
+            watch = self.watch
+            if watch is None or watch.closed:
                 return
-            else:
-                lost = None
-                if self.on_notice is not None:
-                    self.on_notice()
-                if self.in_place:
-                    self.dead |= set(dead)
-                    self.topo.abort()  # the main thread's collectives raise now, or at their
-                    return             # next call
+            if self.on_notice is not None:
+                self.on_notice()
+            if self.in_place:
+                self.dead |= set(dead)
+                self.topo.abort()  # the main thread's collectives raise now, or at their
+                return             # next call
+        self.survive(dead, watch.how)
+
+    def _on_old_ring_death(self, dead: set[int]) -> None:
+        """On the old ring's watch thread, while the next generation forms and until its own
+        ring stands (`left_generation`): a death of a survivor that already joined the next
+        generation means it cannot form or settle, so this thread falls back to a relaunch at
+        once (the main thread may be waiting in a group's rendezvous or collective with the
+        dead rank). Other deaths: `Rendezvous.gather` offers them to a replacement or a spare."""
+        with self._lock:
+            old = self._old_watch
+            if old is None or self.watch is not None:  # the new ring reports its members
+                return
+            lost = self._members_lost(dead)
         if lost:
             generation, ranks = lost
             self.give_up_in_place(set(dead) | old.dead, f"ranks {ranks} died while "
                                   f"generation {generation} formed, after they joined it")
-        self.survive(dead, watch.how)
 
     def _members_lost(self, dead) -> tuple[int, list[int]] | None:
         """(the forming generation, those of `dead` that already joined it as themselves), or
@@ -177,6 +184,8 @@ class Survival:
         with self._lock:
             self._old_watch, self.watch = self.watch, None
             dead, self.dead = set(self.dead), set()
+            if self._old_watch is not None:
+                self._old_watch.on_death = self._on_old_ring_death
         if self._old_watch is not None:
             dead |= self._old_watch.dead
         return dead
@@ -186,9 +195,10 @@ class Survival:
         return set(self._old_watch.dead) if self._old_watch is not None else set()
 
     def left_generation(self) -> None:
-        """The next generation formed (or did not): stop watching the old ring. The neighbours
-        get a goodbye: a survivor slower to leave would otherwise count this one dead when its
-        connection closes (seen: a live rank in the dead set, offered to a spare). Local."""
+        """The next generation's ring stands (or it could not form): stop watching the old
+        ring. The neighbours get a goodbye: a survivor slower to leave would otherwise count
+        this one dead when its connection closes (seen: a live rank in the dead set, offered to
+        a spare). Local."""
         if self._old_watch is not None:
             self._old_watch.close(goodbye=True)
             self._old_watch = None
