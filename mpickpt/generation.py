@@ -197,12 +197,16 @@ class Rendezvous:
     def job_over(self) -> JobOver | None:
         """Why a process waiting for a slot should leave, or None: the training finished (a
         member is done with the store) or the job gave up recovering in place. Local."""
-        if self.store.check(["fallback"]):
-            return JobOver("the job falls back to a relaunch: "
-                           + self.store.get("fallback").decode(), relaunch=True)
+        why = self.fallback()
+        if why is not None:
+            return JobOver("the job falls back to a relaunch: " + why, relaunch=True)
         if int(self.store.add("finished", 0)) > 0:
             return JobOver(TRAINING_FINISHED)
         return None
+
+    def fallback(self) -> str | None:
+        """Why the job gave up recovering in place (`give_up`), or None. Local."""
+        return self.store.get("fallback").decode() if self.store.check(["fallback"]) else None
 
     def agent_lost(self, rank: int) -> bool:
         """Whether the node agent of launcher rank `rank` died (no respawn can come). Local."""

@@ -227,7 +227,9 @@ class Topology:
         self.rendezvous.register(nxt, self.rank)
         self.rendezvous.gather(nxt, self.world_size, join_timeout_s, more_dead)
         self.formed()  # a watch of an earlier formation that never settled
-        self.forming = FormationWatch(self.rendezvous, nxt, self.world_size, self.abort)
+        if self.rendezvous.address is not None:  # None: a store without an address (tests)
+            self.forming = FormationWatch(self.rendezvous.address, nxt, self.world_size,
+                                          lambda: self._abort_generation(nxt))
         old.release()
         self._retired.append(old)
         self.groups = Groups(self.rendezvous, nxt, self.rank, self.world_size, self.backend,
@@ -237,6 +239,14 @@ class Topology:
         for name, parts in self._side_specs:
             self._make_group(name, parts)
         return nxt
+
+    def _abort_generation(self, generation: int) -> None:
+        """`abort` if this process is in `generation` (its groups exist), else nothing: a
+        watch of one generation never aborts another's groups, nor a group being built. Local;
+        any thread."""
+        groups = self.groups
+        if groups is not None and groups.generation == generation:
+            groups.abort()
 
     def formed(self) -> None:
         """The generation joined by `advance` settled: its peer watch stands, so its

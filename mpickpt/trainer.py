@@ -307,7 +307,8 @@ class Trainer:
                                             self.survival.more_dead, self.finish_done,
                                             self._went_back)
         except (GenerationError, *COMM_ERRORS) as e:
-            self.survival.left_generation()
+            # the old ring stays open: the fallback is at the store before the others see this
+            # rank's connections close (at its exit) and give up too
             self.survival.give_up_in_place(dead | self.survival.more_dead(), str(e))
         left = time.perf_counter() - started
         self.step = joined.step
@@ -336,7 +337,6 @@ class Trainer:
         try:
             self.survival.start_watch(self._boundary)
         except COMM_ERRORS as e:
-            self.survival.left_generation()
             self.survival.give_up_in_place(dead, f"a member of generation {joined.generation} "
                                                  f"died while its peer watch formed ({e})")
         self.survival.left_generation()

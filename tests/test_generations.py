@@ -204,9 +204,8 @@ def test_a_members_death_or_the_fallback_ends_a_generation_that_has_not_settled(
     for r in range(3):
         rv.register(1, r, "node1:101" if r == 1 else None)
     aborts = []
-    watch = FormationWatch(Rendezvous(connect_store(address, 30), address), 1, 3,
-                           lambda: aborts.append(time.monotonic()))
-    settled = FormationWatch(rv, 1, 3, lambda: aborts.append("settled"))
+    watch = FormationWatch(address, 1, 3, lambda: aborts.append(time.monotonic()))
+    settled = FormationWatch(address, 1, 3, lambda: aborts.append("settled"))
     settled.stop()
     time.sleep(3 * POLL_S)
     assert aborts == [] and watch.reason is None
@@ -223,7 +222,7 @@ def test_a_members_death_or_the_fallback_ends_a_generation_that_has_not_settled(
     watch.stop()
     rv.give_up("rank 0: gave up")  # ends the respawn's wait
     respawn.join(10)
-    fallback = FormationWatch(rv, 2, 3, lambda: aborts.append("fallback"))
+    fallback = FormationWatch(address, 2, 3, lambda: aborts.append("fallback"))
     try:
         time.sleep(3 * POLL_S)
         assert "fallback" in aborts and "falls back to a relaunch: rank 0" in fallback.reason

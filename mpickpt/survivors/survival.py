@@ -98,7 +98,8 @@ class Survival:
     # ---- while training --------------------------------------------------------------------------
     def start_watch(self, state_at_boundary) -> None:
         """Watch the peers (collective); `state_at_boundary()` gives (last completed step, reader
-        position, PLS stats) for a survivor dump."""
+        position, PLS stats) for a survivor dump. A death the ring saw while it formed (before
+        it was this rank's watch, so its notice was dropped) is handled at once."""
         self.state_at_boundary = state_at_boundary
         if self.topo.world_size > 1:
             watch = PeerWatch(self.topo.control, self._on_death, self.peer_timeout)
@@ -198,7 +199,8 @@ class Survival:
         """The next generation's ring stands (or it could not form): stop watching the old
         ring. The neighbours get a goodbye: a survivor slower to leave would otherwise count
         this one dead when its connection closes (seen: a live rank in the dead set, offered to
-        a spare). Local."""
+        a spare). A rank that gives up on the next generation keeps the old ring open instead
+        (it ends the process): the others' old rings see it leave and give up too. Local."""
         if self._old_watch is not None:
             self._old_watch.close(goodbye=True)
             self._old_watch = None
