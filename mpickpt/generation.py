@@ -283,6 +283,17 @@ class Rendezvous:
                                       f"within {timeout_s:.0f} s")
             time.sleep(0.01)
 
+    def record_if_held(self, dead: str, world: int) -> list[int]:
+        """The dead process `dead` ("host:pid") holds slots of the current generation (a spare
+        that took a rank, or a respawn serving as one): record their ranks dead there, as
+        `generation_for_replacement` does for its own slot, so the members waiting for that
+        generation to settle learn it (`FormationWatch`). Returns those ranks. Local."""
+        g = self.current()
+        held = [r for r in range(world) if self.holder(g, r) == dead]
+        if held:
+            self.record_dead(g, held)
+        return held
+
     def generation_for_replacement(self, rank: int, timeout_s: float,
                                    dead: str | None = None) -> int:
         """The generation a process started to replace `rank` joins: the current one if its slot

@@ -225,6 +225,8 @@ def replacement_main(argv=None) -> int:
         except SlotTaken as e:
             print(f"mpickpt-train: {e}; this process serves as a spare", file=sys.stderr,
                   flush=True)
+    if dead:  # the dead process (a spare, or a respawn serving as one) may hold another slot
+        rendezvous.record_if_held(dead, world)
     spare = Spare(rendezvous, world, local_rank, 1, choose_backend(config.run.backend),
                   STORE_TIMEOUT_S)
     return _serve_as_spare(spare, config, signals)

@@ -192,7 +192,8 @@ def test_a_members_death_or_the_fallback_ends_a_generation_that_has_not_settled(
     """`FormationWatch` over a real store: a respawn that finds its slot of the forming
     generation held by the dead process records the death, and the watch aborts the
     generation's groups (again at each look: groups made after the first abort are aborted
-    too); the job's fallback does the same; a settled generation's watch does nothing."""
+    too), and a spare's respawn records the slots its predecessor held; the job's fallback
+    does the same; a settled generation's watch does nothing."""
     from mpickpt.survivors.formation_watch import POLL_S, FormationWatch
 
     store, address = host_store(30)
@@ -219,6 +220,8 @@ def test_a_members_death_or_the_fallback_ends_a_generation_that_has_not_settled(
     assert watch.reason == "rank(s) [1] of generation 1 died before its peer watch stood"
     assert len(aborts) >= 2 and "settled" not in aborts
     assert rv.dead_of(1, 3) == [1] and rv.deaths_recorded(1) == 1  # recorded once
+    assert rv.record_if_held("node7:707", 3) == [] and rv.deaths_recorded(1) == 1
+    assert rv.record_if_held("node1:101", 3) == [1]  # a spare's respawn: what it held
     watch.stop()
     rv.give_up("rank 0: gave up")  # ends the respawn's wait
     respawn.join(10)

@@ -10,8 +10,9 @@ This watch looks for that record and for the job's fallback to a relaunch every 
 a thread with a store connection of its own (a TCPStore client serves one thread: the main thread's
 blocking waits while it builds G's groups would hold the watch's looks), and aborts G's groups when
 it sees either: the waiting collective raises, and the survivor falls back to a relaunch as for any
-death while a generation forms. Not seen: the death of a member nobody respawns (a spare that took
-the rank, an agent without respawns left), which the groups' own timeouts still end. Local.
+death while a generation forms. A respawned spare records the slots its dead predecessor held
+(`Rendezvous.record_if_held`). Not seen: the death of a member nobody respawns (an agent without
+respawns left, a lost node), which the groups' own timeouts still end. Local.
 """
 from __future__ import annotations
 
