@@ -73,7 +73,8 @@ def serve(conn, handle) -> None:
         conn.send(handle(job))
 
 
-HDF5_IO_DETAIL = re.compile(r"\(([^()]*?)(?:: time = [^()]*?)?error message = '([^']*)'[^()]*\)", re.S)
+HDF5_IO_DETAIL = re.compile(r"\(([^()]*?)(?:: time = [^()]*?)?error message = '([^']*)'[^()]*\)",
+                            re.S)
 """HDF5's low-level I/O detail in h5py's messages ("(file write failed: time = <ctime, with a
 newline>, filename = ..., errno = 28, error message = '...', buf = ..., offset = ...)")."""
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 
 from mpickpt.background import error_line
@@ -14,17 +13,13 @@ from mpickpt.engine.staging import StagingArea
 from mpickpt.engine.writer_process import Reservation, run_job
 from mpickpt.model.shard_plan import ShardPlan
 from mpickpt.store.file_spec import shard_attrs, shard_specs
-
-NAMES = ["weight", "state/adagrad_sum"]
+from tests.test_direct_io import NAMES, shard_arrays
 
 
 def one_rank_job(root: str):
     """A real shard file's job (about 0.5 MB) and its staging area."""
     plan = ShardPlan.build([6_000, 1_000], 1)
-    gids = plan.rank_global_ids(0)
-    rng = np.random.default_rng(0)
-    arrays = {"gids": gids, "weight": rng.standard_normal((len(gids), 16), np.float32),
-              "state/adagrad_sum": rng.random(len(gids), np.float32)}
+    gids, arrays = shard_arrays(plan, 0)
     area = StagingArea({k: (a.shape, a.dtype.str) for k, a in arrays.items()})
     for k, a in arrays.items():
         area.arrays[k][...] = a

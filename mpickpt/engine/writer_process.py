@@ -17,7 +17,7 @@ import numpy as np
 from mpickpt.background import die_with_parent, error_line, ignore_job_signals, serve
 from mpickpt.engine.staging import map_arrays
 from mpickpt.store.dense_file import pack
-from mpickpt.store.direct_io import direct_file
+from mpickpt.store.direct_io import PAGE, direct_file
 from mpickpt.store.attr_digest import AttrRecord
 from mpickpt.store.row_gather import take_rows
 from mpickpt.store.shard_file import FORMAT_VERSION, alignment, open_hdf5, seal_attributes
@@ -129,9 +129,8 @@ def _write_hdf5(tmp: str, spec, arrays: dict, reservation: Reservation, align: i
 
 RESERVE_SLACK = 1.05  # HDF5 metadata and checksum datasets
 RESERVE_EXTRA = 64 << 10
-PAGE_BYTES = 4096
 RELEASE_QUANTUM = 16 << 20  # reserved space goes back ahead of the writes at most this far
-RELEASE_SHARE = 8  # ... and at most 1/8 of the file: a small file's space stays held as it is written
+RELEASE_SHARE = 8  # ... and at most 1/8 of the file: a small file's space stays held meanwhile
 
 
 def _payload_bytes(spec, arrays: dict, align: int = 0) -> tuple[int, int]:
@@ -163,7 +162,7 @@ class Reservation:
         self.path = path + ".reserve"
         self.left = int(payload * RESERVE_SLACK) + RESERVE_EXTRA
         self.ahead = 0  # released, not yet written
-        self.quantum = min(RELEASE_QUANTUM, max(PAGE_BYTES, self.left // RELEASE_SHARE))
+        self.quantum = min(RELEASE_QUANTUM, max(PAGE, self.left // RELEASE_SHARE))
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.posix_fallocate(self.fd, 0, self.left)

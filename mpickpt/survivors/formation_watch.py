@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import threading
 
+from mpickpt.generation import Rendezvous, connect_store
+
 POLL_S = 0.2
 """Seconds between two looks at the store (two lookups each, whatever the world size)."""
 
@@ -44,8 +46,6 @@ class FormationWatch:
         self._thread.join(2 * POLL_S + 1.0)
 
     def _run(self) -> None:
-        from mpickpt.generation import Rendezvous, connect_store
-
         rendezvous = None
         while not self._stopped.wait(POLL_S):
             try:
