@@ -14,6 +14,7 @@ from mpickpt.engine.manager import CheckpointManager
 from mpickpt.engine.restorer import Restorer
 from mpickpt.evaluation import evaluate
 from mpickpt.model.registry import build_model
+from mpickpt.parity import shared_rows
 from mpickpt.parity.guard import ParityGuard
 from mpickpt.progress import ProgressLog
 from mpickpt.faults.loss import Loss
@@ -58,6 +59,7 @@ class Trainer:
         self.signals = signals or StopSignals().install()
         self.timer = PhaseTimer(topo.device, enabled=config.run.phase_times)
         self.model = build_model(config.model.model, topo, config, self.timer)
+        self.shared_rows = shared_rows.for_parity(self.model, config.parity)
         self.log = log or ProgressLog(topo.is_root, config.num_batches, config.run.print_freq)
         self.source, first, self.test_source, self.test_start = make_sources(config)
         self.ckpt = self.restorer = None
@@ -68,7 +70,8 @@ class Trainer:
             self.restorer = Restorer(topo, config.checkpoint.directory, self.model, self.ckpt.say,
                                      config.checkpoint.resume)
         self.parity = ParityGuard(topo, self.model, config.parity, self.log.say,
-                                  self._widen) if config.parity is not None else None
+                                  self._widen, self.shared_rows) \
+            if config.parity is not None else None
         rec = config.recovery
         self.survival = Survival(topo, self.model, self.parity, config.checkpoint and
                                  config.checkpoint.directory,

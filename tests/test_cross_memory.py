@@ -52,13 +52,48 @@ def peer():
     proc.join(10)
 
 
+def _hold_shared(seed, conn):
+    """A peer whose arrays live in shared memory (`SharedRows`), as a training rank's do: it
+    publishes their addresses and (descriptor, offset), and waits to be told to go."""
+    from mpickpt.parity.shared_rows import SharedRows
+
+    shared = SharedRows()
+    tensors = [torch.from_numpy(a.copy()) for a in _arrays(seed)]
+    assert all(shared.adopt(t) for t in tensors)
+    conn.send((os.getpid(), cross_memory.host_key(), [t.data_ptr() for t in tensors],
+               [shared.locate(t) for t in tensors]))
+    conn.recv()
+
+
+@pytest.fixture(scope="module")
+def shared_peer():
+    ctx = mp.get_context("spawn")  # the peer uses torch: no fork of this process's threads
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_hold_shared, args=(11, there), daemon=True)
+    proc.start()
+    pid, key, (w, s, p), at = here.recv()
+    yield SimpleNamespace(pid=pid, key=key, weight=w, state=s, parity=p, at=at,
+                          arrays=_arrays(11))
+    here.send("go")
+    proc.join(10)
+
+
+def _mapped_peer(p, at=None):
+    """The shared peer as a round publishes it: its buffers offered to be mapped (`at`:
+    (descriptor, offset) of weight, state and parity, else the peer's own)."""
+    (wfd, wo), (sfd, so), (pfd, po) = at or p.at
+    return Peer(p.key, p.pid, True, True, p.parity, (pfd, po),
+                ((p.weight, DIM * 4, wfd, wo), (p.state, 4, sfd, so)))
+
+
 def _reader(layout=LAYOUT):
     words = SimpleNamespace(widths=[DIM, 1], width=DIM + 1)
     return PeerReader(SimpleNamespace(layout=layout, words=words))
 
 
 def _peer(p):
-    return Peer(p.key, p.pid, True, True, p.parity, ((p.weight, DIM * 4), (p.state, 4)))
+    return Peer(p.key, p.pid, True, True, p.parity, (-1, 0),
+                ((p.weight, DIM * 4, -1, 0), (p.state, 4, -1, 0)))
 
 
 def _units(arrays, pos, stripes, layout=LAYOUT):
@@ -159,12 +194,14 @@ def test_xor_views_of_strided_rows(kernel):
         xor_views(dest, [big[:101, :17]], kernel=kernel)
 
 
+@pytest.mark.parametrize("width", [2048, 17], ids=["wide", "narrow"])
 @pytest.mark.parametrize("kernel", [True, False], ids=["C", "torch"])
-def test_a_reader_never_sees_a_partial_xor(kernel):
+def test_a_reader_never_sees_a_partial_xor(kernel, width):
     """A sweep beside the step rewrites rows the lookup reads with the values they already hold:
-    a thread reading them meanwhile must see those values throughout, never a partial XOR."""
+    a thread reading them meanwhile must see those values throughout, never a partial XOR (wide
+    rows go through the kernel's staging buffer, narrow ones word by word in registers)."""
     rng = np.random.default_rng(5)
-    sources = [torch.from_numpy(rng.integers(-2**31, 2**31, (64, 2048)).astype(np.int32))
+    sources = [torch.from_numpy(rng.integers(-2**31, 2**31, (64, width)).astype(np.int32))
                for _ in range(3)]
     final = sources[0] ^ sources[1] ^ sources[2]
     dest = final.clone()
@@ -178,7 +215,11 @@ def test_a_reader_never_sees_a_partial_xor(kernel):
     writer = threading.Thread(target=rewrite)
     writer.start()
     try:
-        seen = [not torch.equal(dest, final) for _ in range(3000)]
+        # read until the writer has rewritten many times: narrow rows rewrite in microseconds,
+        # and with the GIL's switch interval a fixed count of reads could end before it ran
+        seen, deadline = [], time.monotonic() + 20
+        while (len(seen) < 3000 or rewrites[0] <= 50) and time.monotonic() < deadline:
+            seen.append(not torch.equal(dest, final))
     finally:
         stop.set()
         writer.join()
@@ -496,19 +537,22 @@ def test_r2_reserves_the_first_readers_spans_and_the_unit_buffers():
     assert {i: b.data_ptr() for i, b in reads._buffers.items()} == kept
 
 
-@pytest.mark.parametrize("transport,local_size,reserved", [
-    ("auto", 4, True), ("auto", 3, False), ("network", 4, False)])
-def test_the_guard_reserves_where_a_group_may_read_memory(transport, local_size, reserved):
-    """Scratch is held ahead only where a rebuild could read the group's memory: not over the
-    network, nor on a node with fewer ranks than a group (k + r = 4 here)."""
+@pytest.mark.parametrize("transport,local_size,mapped,reads,reserved", [
+    ("auto", 4, False, True, True), ("copy", 4, False, True, True), ("auto", 3, False, False, False),
+    ("network", 4, False, False, False), ("auto", 4, True, True, False)])
+def test_the_guard_reserves_where_a_group_may_read_memory(transport, local_size, mapped, reads,
+                                                          reserved):
+    """Scratch is held ahead only where a rebuild could copy from the group's memory: not over
+    the network, nor on a node with fewer ranks than a group (k + r = 4 here), nor where the
+    rows are in shared memory (a lost rank maps its survivors' instead; readers, no scratch)."""
     from mpickpt.parity.guard import ParityConfig, ParityGuard
 
     st = _lost_rank()
     st.topo = SimpleNamespace(local_size=local_size)
     guard = SimpleNamespace(store=st, config=ParityConfig(k=3, r=1, transport=transport),
-                            _place=None, _threads=2)
-    reads = ParityGuard._reserve_reads(guard)
-    assert (reads is not None and reads.reserved > 0) == reserved
+                            _place=None, _threads=2, mapped=mapped)
+    got = ParityGuard._reserve_reads(guard)
+    assert (got is not None, got is not None and got.reserved > 0) == (reads, reserved)
 
 
 @pytest.mark.parametrize("cores,local_size,threads,free", [
@@ -561,3 +605,136 @@ def test_a_sweep_beside_the_step_writes_under_the_lock_and_gives_up_when_closed(
         reads.close()  # returns: the sweep gave up
         assert future.result(timeout=1) is None
     assert torch.isnan(weights[rows[d]]).all()
+
+
+# ---- shared row memory, mapped by the lost rank (shared_rows) --------------------------------
+
+def test_adopt_moves_a_tensor_into_shared_memory_in_place():
+    """The same tensor object keeps its values in memory a peer can map (`/proc/<pid>/fd/<n>`
+    of a memfd named for mpickpt); a view, a part of a larger storage or an empty tensor stays
+    where it is."""
+    from mpickpt.parity.shared_rows import MEMFD_NAME, PeerMaps, SharedRows
+
+    shared = SharedRows()
+    t = torch.randn(300, DIM)
+    before, ident = t.clone(), id(t)
+    assert shared.adopt(t) and id(t) == ident and torch.equal(t, before)
+    fd, offset = shared.locate(t)
+    assert offset == 0 and os.readlink(f"/proc/self/fd/{fd}") == f"/memfd:{MEMFD_NAME} (deleted)"
+    assert shared.locate(t[7:]) == (fd, 7 * DIM * 4) and shared.adopt(t)  # already shared
+    assert shared.nbytes == t.numel() * 4
+    t[5, 3] = 42.0  # the training rank's updates are what a mapping sees
+    seen = PeerMaps().words(os.getpid(), fd, 5 * DIM * 4, DIM * 4)
+    assert seen.view(torch.float32)[3].item() == 42.0
+    whole = torch.randn(10, DIM)
+    for other in (whole[:, 1:], whole[2:], torch.empty(0, DIM)):
+        at = other.data_ptr()
+        assert not shared.adopt(other) and other.data_ptr() == at and shared.locate(other) is None
+
+
+def test_peer_maps_refuse_what_is_not_a_row_buffer(shared_peer):
+    from mpickpt.parity.shared_rows import PeerMapError, PeerMaps
+
+    maps = PeerMaps()
+    (wfd, wo), _, _ = shared_peer.at
+    got = maps.words(shared_peer.pid, wfd, wo + 64, 128)
+    assert np.array_equal(got.numpy(), shared_peer.arrays[0].view(np.int32).reshape(-1)[16:48])
+    with pytest.raises(PeerMapError, match="holds"):
+        maps.words(shared_peer.pid, wfd, wo, ROWS * DIM * 4 + 4)
+    with pytest.raises(PeerMapError, match="not on a word"):
+        maps.words(shared_peer.pid, wfd, 2, 4)
+    with pytest.raises(PeerMapError, match="not an mpickpt row buffer"):
+        maps.words(shared_peer.pid, 0, 0, 4)  # its stdin
+    proc = mp.get_context("fork").Process(target=os._exit, args=(0,))
+    proc.start()
+    proc.join(10)
+    with pytest.raises(PeerMapError, match="cannot open"):
+        maps.words(proc.pid, wfd, 0, 4)
+    maps.close()
+    assert not maps._maps and not maps.mapped
+
+
+@pytest.mark.parametrize("offered", ["mapped", "refused"])
+def test_a_mapped_survivor_reads_as_its_copies_do(shared_peer, offered):
+    """Units and spans of a survivor whose buffers the probe mapped equal what copies read, all
+    of them read in place; where a buffer it offers cannot be mapped (descriptor 0 is not one),
+    the probe falls back to copies, with the same values."""
+    from mpickpt.parity.shared_rows import PeerMaps
+
+    maps = PeerMaps()
+    words = SimpleNamespace(widths=[DIM, 1], width=DIM + 1)
+    reader = PeerReader(SimpleNamespace(layout=LAYOUT, words=words), maps)
+    at = None if offered == "mapped" else [shared_peer.at[0], (0, 0), shared_peer.at[2]]
+    peer = _mapped_peer(shared_peer, at)
+    assert peer.mappable
+    reader.probe(peer, 2)
+    assert (shared_peer.pid in maps.mapped) == (offered == "mapped")
+    stripes = np.sort(np.random.default_rng(1).choice(LAYOUT.stripes, 700, replace=False))
+    for pos in (0, 2):
+        got = reader.units(peer, pos, stripes).numpy()
+        assert np.array_equal(got, _units(shared_peer.arrays, pos, stripes)), pos
+    words_, parity = reader.span(peer, 2, 400, LAYOUT.periods)
+    assert np.array_equal(parity.numpy(), shared_peer.arrays[2][400:LAYOUT.periods])
+    assert np.array_equal(words_.tensors[0].numpy().view(np.float32),
+                          shared_peer.arrays[0][1200:LAYOUT.rows[2]])
+    assert reader.bytes_read > 0
+    assert reader.bytes_mapped == (reader.bytes_read if offered == "mapped" else 0)
+
+
+@pytest.mark.skipif(not xor_many_built(), reason="the C kernels were not built")
+@pytest.mark.parametrize("source", ["copied", "mapped"])
+def test_a_whole_sweep_from_mapped_survivors_is_the_xor(shared_peer, source):
+    """`pull` of every period of a lost rank from survivors it maps (or copies): its rows and
+    parity are the XOR of the survivors' units, the degraded units beside them the survivors'
+    own, and the reads are counted as mapped only where they were."""
+    from mpickpt.parity.memory_reads import MemoryReads
+
+    lost = 1
+    st = _lost_rank(lost)
+    reads = MemoryReads(st, threads=2)
+    peers = {s: _mapped_peer(shared_peer) if source == "mapped" else
+             Peer(shared_peer.key, shared_peer.pid, True, True, shared_peer.parity, (-1, 0),
+                  ((shared_peer.weight, DIM * 4, -1, 0), (shared_peer.state, 4, -1, 0)))
+             for s in range(LAYOUT.g) if s != lost}
+    reads.probe(peers)
+    stripes = np.arange(5, LAYOUT.stripes, 37)
+    units, _ = reads.pull(0, LAYOUT.periods, peers, stripes)
+    chunk = np.arange(LAYOUT.stripes)
+    want = np.zeros((len(chunk), DIM + 1), dtype=np.int32)
+    for pos in peers:
+        want ^= _units(shared_peer.arrays, pos, chunk)
+        assert np.array_equal(units[pos].numpy(), _units(shared_peer.arrays, pos, stripes))
+    rows, prow = LAYOUT.row_of_stripe(lost, chunk), LAYOUT.parity_row(lost, chunk)
+    d = rows >= 0
+    assert np.array_equal(st.words.tensors[0][rows[d]].numpy().view(np.int32), want[d, :DIM])
+    assert np.array_equal(st.words.tensors[1][rows[d]].numpy().view(np.int32), want[d, DIM])
+    assert np.array_equal(st.parity[prow[prow >= 0]].numpy(), want[prow >= 0])
+    assert reads.bytes_read > 0
+    assert reads.bytes_mapped == (reads.bytes_read if source == "mapped" else 0)
+    reads.close()
+    assert not reads.maps.mapped
+
+
+@pytest.mark.skipif(not xor_many_built(), reason="the C kernels were not built")
+@pytest.mark.parametrize("sources", [1, 2, 3, 4])
+def test_xor_many_in_row_blocks_of_narrow_rows(sources):
+    """Records of many rows (several of the kernel's row blocks), rows of 4 to 68 bytes as a
+    rebuild's are, some sources shorter than their destination: each destination row is the
+    XOR of the sources that have it, records interleaved in memory as a piece's slots are."""
+    rng = np.random.default_rng(sources)
+    n, g = 1000, 4
+    src = [rng.integers(-2**31, 2**31, (g * n, 17)).astype(np.int32) for _ in range(sources)]
+    dest = np.full((g * n, 17), 9, dtype=np.int32)
+    jobs, want = [], dest.copy()
+    for o in range(g):
+        for c, w in ((0, 16), (16, 1)):
+            short = [n - 1 - 301 * (i % 3) for i in range(sources)]
+            jobs.append(((dest.ctypes.data + (o * 17 + c) * 4, g * 68, n), 4 * w,
+                         [(a.ctypes.data + (o * 17 + c) * 4, g * 68, m) for a, m in
+                          zip(src, short)]))
+            acc = np.zeros((n, w), dtype=np.int32)
+            for a, m in zip(src, short):
+                acc[:m] ^= a[o::g][:m, c:c + w]
+            want[o::g, c:c + w] = acc
+    xor_many(jobs)
+    assert np.array_equal(dest, want)

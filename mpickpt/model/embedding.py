@@ -94,6 +94,13 @@ class ShardedEmbeddingBags:
         self.gradient_hooks: list[Callable[[], None]] = []
         self._offsets = torch.as_tensor(plan.table_offsets, device=self.device)
 
+    def share_rows(self, shared) -> bool:
+        """Move the rows and sparse optimizer state into `shared` memory in place
+        (`parity.shared_rows.SharedRows`: the tensors stay the same objects), so that a parity
+        rebuild on this host can map them. True where all of them moved. Local; call it before
+        anything takes views of them."""
+        return all([shared.adopt(t) for t in (self.weight, *self.optimizer.state.values())])
+
     def _init_weight(self, seed: int) -> torch.Tensor:
         return self.initial_rows(0, len(self.local_gids)).to(self.device)
 

@@ -17,11 +17,14 @@ import torch
 
 from mpickpt.model.contract import PARITY, require
 from mpickpt.options import int_at_least, option, positive_float
-from mpickpt.parity import cross_memory
+from mpickpt.parity import cross_memory, peer_rows
+from mpickpt.parity.exchange import exchange_counts
 from mpickpt.parity.layout import check_parity_shape
 from mpickpt.parity.memory_reads import MemoryReads
+from mpickpt.parity.peer_rows import Peer
 from mpickpt.parity.rebuild import TRANSPORTS, Rebuild
 from mpickpt.parity.rebuild_report import RebuildReport
+from mpickpt.parity.shared_rows import SharedRows
 from mpickpt.parity.upkeep import ParityStore
 
 NAN_BITS = 0x7FC00000
@@ -40,14 +43,16 @@ class ParityConfig:
     r: int = option(1, flag="--parity-r", parse=int_at_least(1), metavar="R")
     """parity units per stripe: 1 = XOR, 2 or more = Reed-Solomon over GF(2^8); R failed ranks
     per group are rebuilt exactly"""
-    budget: float = option(0.3, flag="--rebuild-budget", parse=positive_float, metavar="F")
+    budget: float = option(0.15, flag="--rebuild-budget", parse=positive_float, metavar="F")
     """fraction of a step's time each rebuild round may spend on its chunk (degraded reads
     extra); a round's fixed costs are paid per round, so fewer, larger rounds lose less
     training time in all (see the README's parity benchmark)"""
     transport: str = option("auto", flag="--rebuild-transport", choices=TRANSPORTS)
-    """how a lost rank gets its survivors' units: auto (read their memory directly, with
-    process_vm_readv, where the whole group shares a host and the kernel allows it; else the
-    network) or network (the process group)"""
+    """how a lost rank gets its survivors' units: auto (read their memory directly where the
+    whole group shares a host and the kernel allows it: every rank keeps its rows in shared
+    memory, which a lost rank maps, or copies with process_vm_readv where it cannot; else the
+    network), copy (the same, copies only: rows stay in private memory) or network (the
+    process group)"""
     sweep: str = option("auto", flag="--rebuild-sweep", choices=SWEEPS)
     """where a lost rank that reads its group's memory (r = 1) sweeps each round's chunk:
     beside (on a thread of its own while the step's dense forward and backward run, joined
@@ -80,8 +85,11 @@ class ParityGuard:
     (it creates the upkeep process group), local after; `encode`, `fail`, `settle`
     and the hooks it installs are collective."""
 
-    def __init__(self, topo, model, config: ParityConfig, say, place=None):
-        """`place`: called on each rebuild thread when it starts (`MemoryReads`)."""
+    def __init__(self, topo, model, config: ParityConfig, say, place=None,
+                 shared: SharedRows | None = None):
+        """`place`: called on each rebuild thread when it starts (`MemoryReads`). `shared`: the
+        rows this rank holds in shared memory (`shared_rows.for_parity`), where its parity
+        goes too, for a lost rank of its group to map."""
         require(model, PARITY)
         self.topo, self.config, self.say = topo, config, say
         self._place = place
@@ -90,6 +98,10 @@ class ParityGuard:
         thread to part of them (`--ckpt-cores`)."""
         self.embeddings = model.embeddings
         self.store = ParityStore(topo, model.embeddings, model.plan, config.k, config.r)
+        self.store.shared = shared
+        self.mapped = shared is not None and shared.adopt(self.store.parity) and \
+            all(shared.locate(t) is not None for t in self.store.words.tensors)
+        """Every buffer of this rank's rows and parity is shared (a lost rank maps them)."""
         model.embeddings.add_update_hook(self.store)
         model.embeddings.add_index_hook(self._on_lookup)
         add_gradient_hook = getattr(model.embeddings, "add_gradient_hook", None)
@@ -108,6 +120,8 @@ class ParityGuard:
         """The last rebuild's report, its reductions in flight (`_report`)."""
         self._steps_rebuilding = 0
         """Steps trained since the running rebuild began."""
+        self._published: dict[int, Peer] = {}
+        """Where this rank's group members' rows were at the last encode (`_publish`)."""
         self.reads = self._reserve_reads()
         """This rank's readers for a rebuild by memory reads, their scratch faulted in now
         (None where its rebuilds go over the network)."""
@@ -127,26 +141,50 @@ class ParityGuard:
         kernel lets its members read each other, only a rebuild's first round finds out).
         Local."""
         st = self.store
-        if self.config.transport != "auto" or not cross_memory.available() or \
+        if self.config.transport == "network" or not cross_memory.available() or \
                 st.words.memory() is None or st.parity.device.type != "cpu" or \
                 st.topo.local_size < st.layout.g:
             return None
         reads = MemoryReads(st, self._place, self._threads)
-        reads.reserve()
+        if not self.mapped:  # its survivors' rows would be copied: scratch for them, now
+            reads.reserve()
         return reads
 
     def encode(self) -> None:
         """Compute all parity from the current rows. Collective."""
         start = time.perf_counter()
         self.store.encode_all()
+        self._publish()
         took = time.perf_counter() - start
         st = self.store
         self.say(f"parity: groups of k={st.k} data + r={st.r} parity ranks, rotating placement; "
                  f"{st.nbytes() / 1e6:.2f} MB of parity on rank 0 for "
                  f"{st.words.nbytes() / 1e6:.2f} MB of rows and optimizer state "
                  f"({st.nbytes() / max(st.words.nbytes(), 1):.1%}); encoded in {took:.2f} s"
-                 + (f"; {self.reads.reserved / 1e6:.1f} MB of scratch held for a rebuild "
-                    f"that reads the group's memory" if self.reads else ""))
+                 + self._reads_note())
+
+    def _publish(self) -> None:
+        """Tell every rank where its group's rows and parity lie in shared memory (as a rebuild
+        round does), so that a lost rank begins mapping its survivors' the moment it learns of
+        its loss (`start_rebuild`). Collective where shared rows are possible at all (the same
+        on every rank); zeros from a rank whose rows are not shared."""
+        st = self.store
+        if self.config.transport != "auto" or st.parity.device.type != "cpu":
+            return
+        fields = peer_rows.describe(st, self.mapped, False)
+        got = exchange_counts(st.topo, st.words.device, [fields] * st.topo.world_size)
+        L = st.layout
+        self._published = {m: Peer.parse(got[m]) for m in range(L.base, L.base + L.g)
+                           if m != st.topo.rank}
+
+    def _reads_note(self) -> str:
+        if self.reads is None:
+            return ""
+        if self.mapped:
+            return ("; rows and parity in shared memory, for a rebuild that maps the group's "
+                    "memory")
+        return (f"; {self.reads.reserved / 1e6:.1f} MB of scratch held for a rebuild that "
+                f"reads the group's memory")
 
     @property
     def history(self) -> list[dict]:
@@ -244,6 +282,10 @@ class ParityGuard:
         reads = self.reads
         if reads is None and self.topo.rank in set(ranks):  # none reserved: made now
             reads = MemoryReads(self.store, self._place, self._threads)
+        if self.topo.rank in set(ranks) and reads is not None:
+            survivors = {m: p for m, p in self._published.items() if m not in set(ranks)}
+            if survivors and all(p.mappable for p in survivors.values()):
+                reads.premap(survivors)
         self.rebuild = Rebuild(self.store, set(ranks), self.config.budget,
                                self.config.transport, self.say, reads, self.behind)
         self.interrupted = []
@@ -289,9 +331,10 @@ class ParityGuard:
         if memory == 0:
             return ""
         beside = f", {beside} swept beside the steps" if beside else ""
+        mapped = ", its shared rows mapped" if record.get("mapped_bytes") else ""
         if memory == rounds:
-            return f" reading the group's memory{beside}"
-        return f" ({memory} reading the group's memory{beside})"
+            return f" reading the group's memory{beside}{mapped}"
+        return f" ({memory} reading the group's memory{beside}{mapped})"
 
     def _report(self) -> None:
         """The rebuild ended: start its report's reductions (every rank ends it at the same

@@ -18,6 +18,7 @@ import torch
 
 from mpickpt.parity.peer_rows import Peer, PeerReader, fault_in
 from mpickpt.parity.period_slots import move_range, rows_at, segments, slot_extent, slot_view
+from mpickpt.parity.shared_rows import PeerMapError, PeerMaps, SharedRows
 from mpickpt.parity.xor_rows import xor_many, xor_many_built, xor_views
 
 READER_SCRATCH_BYTES = 12 << 20
@@ -37,10 +38,14 @@ class MemoryReads:
         calling thread's cores, at most MAX_THREADS)."""
         self.store, self._place = store, place
         threads = min(MAX_THREADS, threads or len(os.sched_getaffinity(0)))
-        self.readers = [PeerReader(store) for _ in range(threads)]
+        self.maps = PeerMaps() if SharedRows.supported() else None
+        """The survivors' shared buffers this rank maps in a rebuild (`shared_rows`)."""
+        self.readers = [PeerReader(store, self.maps) for _ in range(threads)]
         self._pool: ThreadPoolExecutor | None = None
         self._sweeper: ThreadPoolExecutor | None = None
         self._cancel = threading.Event()
+        self._mapper: ThreadPoolExecutor | None = None
+        self._premap: Future | None = None
         self._buffers: dict[int, torch.Tensor] = {}
         self.reserved = 0
         """Bytes of scratch faulted in ahead by `reserve` (kept by `close`)."""
@@ -68,10 +73,45 @@ class MemoryReads:
     def bytes_read(self) -> int:
         return sum(r.bytes_read for r in self.readers)
 
+    @property
+    def bytes_mapped(self) -> int:
+        """Of `bytes_read`, those read in the survivors' mapped buffers."""
+        return sum(r.bytes_mapped for r in self.readers)
+
+    def premap(self, peers: dict[int, Peer]) -> None:
+        """Begin mapping the survivors' shared buffers `peers` (as they were published before
+        the failure: `ParityGuard.encode`) on a thread of its own, so that the page tables are
+        built while this rank waits in its step's first exchanges instead of in the rebuild's
+        first round (~5 ms for 69 MB on the VM). A buffer that cannot be mapped is left to the
+        probe; the round maps by what the survivors publish then, so a stale map is never
+        read. Local."""
+        if self.maps is None or self._premap is not None:
+            return
+        if self._mapper is None:
+            self._mapper = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-map",
+                                              initializer=self._place)
+        reader = self.readers[0]
+
+        def map_all():
+            for s, peer in peers.items():
+                try:
+                    reader.map_peer(peer, s - self.store.layout.base)
+                except PeerMapError:
+                    pass
+
+        self._premap = self._mapper.submit(map_all)
+
     def probe(self, peers: dict[int, Peer]) -> None:
-        """Read one word of each survivor (CrossMemoryError where the kernel refuses)."""
-        for peer in peers.values():
-            self.readers[0].probe(peer)
+        """Map each survivor's shared buffers, or read one word of it where they are not
+        (CrossMemoryError where the kernel refuses that too)."""
+        self._end_premap()
+        for s, peer in peers.items():
+            self.readers[0].probe(peer, s - self.store.layout.base)
+
+    def _end_premap(self) -> None:
+        if self._premap is not None:
+            self._premap.result()
+            self._premap = None
 
     def units(self, peers: dict[int, Peer], stripes: np.ndarray) -> dict[int, torch.Tensor]:
         """Each survivor's units of `stripes` (ascending), by group position."""
@@ -185,8 +225,14 @@ class MemoryReads:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self._end_premap()
+        if self._mapper is not None:
+            self._mapper.shutdown(wait=True)
+            self._mapper = None
         for reader in self.readers:
             reader.release()
+        if self.maps is not None:
+            self.maps.close()
         if not self.reserved:  # r >= 2 reserves its unit buffers too
             self._buffers.clear()
 

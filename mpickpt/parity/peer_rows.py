@@ -2,9 +2,10 @@
 (`cross_memory`), instead of the survivor gathering and sending them.
 
 Every rank publishes where its rows live in each rebuild round (`describe`: fields appended to the
-round's counts); a lost rank reads whole spans of a survivor's rows and parity for a range of
-periods (`PeerReader.span`, into scratch buffers it reuses) and single units for degraded reads
-(`PeerReader.units`, one iovec per row). The survivor does nothing: the round's counts exchange
+round's counts), with the shared buffers that hold them (`shared_rows`); a lost rank reads whole
+spans of a survivor's rows and parity for a range of periods (`PeerReader.span`) and single
+units for degraded reads (`PeerReader.units`): views of the survivor's buffers where it could map
+them at the probe, else copies into scratch buffers it reuses (one iovec per degraded row). The survivor does nothing: the round's counts exchange
 is the point where its rows are consistent, and it changes none of them before the lost rank's
 lookup has finished (its rows change only in its sparse update, which needs the pooled rows of
 the lost rank's lookup). Local.
@@ -20,6 +21,7 @@ import torch
 
 from mpickpt.parity import cross_memory
 from mpickpt.parity.row_words import RowWords
+from mpickpt.parity.shared_rows import PeerMapError, PeerMaps
 
 IOVEC_S = 0.75e-6
 READ_BYTES_PER_S = 4e9
@@ -36,22 +38,32 @@ def fault_in(buf: np.ndarray) -> None:
     flat[::PAGE_BYTES] = 0  # one write per page, and the last (a buffer seldom starts on a
     flat[-1:] = 0           # page boundary)
 
-FIXED_FIELDS = 5
+FIXED_FIELDS = 7
 """host key, pid, serves (its rows can be read), probed (as a lost rank it has read its survivors),
-parity address; then (address, row stride) per row tensor."""
+parity address, parity's shared buffer (descriptor, offset; -1, 0 where not shared); then
+(address, row stride, descriptor, offset) per row tensor."""
+PER_TENSOR = 4
 
 
-def describe(store, enabled: bool, probed: bool) -> list[int]:
+def describe(store, enabled: bool, probed: bool, mapping: bool = True) -> list[int]:
     """This rank's fields of a rebuild round's counts. `enabled`: the transport may use memory
-    reads at all (else all zeros but the pid). Local."""
+    reads at all (else all zeros but the pid); `mapping`: offer the shared buffers to be mapped
+    (else copies only). Local."""
     mem = store.words.memory() if enabled and cross_memory.available() else None
     serves = mem is not None and store.parity.device.type == "cpu"
     key = _host_key() if serves else 0
+    shared = getattr(store, "shared", None) if mapping else None
     fields = [key, os.getpid(), int(serves), int(probed and serves),
-              store.parity.data_ptr() if serves else 0]
-    for address, stride, _ in mem if serves else [(0, 0, 0)] * len(store.words.tensors):
-        fields += [address, stride]
+              store.parity.data_ptr() if serves else 0, *_shared_at(shared, store.parity, serves)]
+    for (address, stride, _), t in zip(mem, store.words.tensors) if serves else \
+            [((0, 0, 0), None)] * len(store.words.tensors):
+        fields += [address, stride, *_shared_at(shared, t, serves)]
     return fields
+
+
+def _shared_at(shared, t, serves: bool) -> tuple[int, int]:
+    at = shared.locate(t) if shared is not None and serves else None
+    return at if at is not None else (-1, 0)
 
 
 @functools.cache
@@ -70,39 +82,96 @@ class Peer:
     serves: bool
     probed: bool
     parity: int
-    tensors: tuple[tuple[int, int], ...]  # (address, row stride in bytes)
+    parity_shared: tuple[int, int]  # (descriptor, offset); descriptor -1: not shared
+    tensors: tuple[tuple[int, int, int, int], ...]  # (address, row stride, descriptor, offset)
 
     @classmethod
     def parse(cls, fields) -> "Peer":
         f = [int(x) for x in fields]
-        return cls(f[0], f[1], bool(f[2]), bool(f[3]), f[4],
-                   tuple(zip(f[FIXED_FIELDS::2], f[FIXED_FIELDS + 1::2])))
+        rest = f[FIXED_FIELDS:]
+        return cls(f[0], f[1], bool(f[2]), bool(f[3]), f[4], (f[5], f[6]),
+                   tuple(tuple(rest[i:i + PER_TENSOR]) for i in range(0, len(rest), PER_TENSOR)))
+
+    @property
+    def mappable(self) -> bool:
+        """Every buffer it published is shared (`shared_rows`)."""
+        return self.parity_shared[0] >= 0 and all(t[2] >= 0 for t in self.tensors)
 
 
 class PeerReader:
     """The lost rank's reads of its survivors' rows and parity. Local."""
 
-    def __init__(self, store):
+    def __init__(self, store, maps: PeerMaps | None = None):
+        """`maps`: the survivors' buffers this rank maps, shared by its readers (None: copies
+        only)."""
         self.store = store
         self.widths = store.words.widths
+        self.maps = maps
         self.bytes_read = 0
+        self.bytes_mapped = 0
+        """Of `bytes_read`, those read where a survivor's buffer lies instead of copied."""
         self._scratch: dict[tuple, np.ndarray] = {}
         self._reserved: set[tuple] = set()  # keys of `reserve`'s buffers, which `release` keeps
 
-    def probe(self, peer: Peer) -> None:
-        """Read one word of `peer` (CrossMemoryError when the kernel refuses)."""
+    def probe(self, peer: Peer, pos: int) -> None:
+        """Map every buffer of `peer` (group position `pos`) where it published them shared and
+        they hold its rows; else read one word of it (CrossMemoryError when the kernel
+        refuses)."""
+        if self.maps is not None and peer.mappable:
+            try:
+                self.map_peer(peer, pos)
+                self.maps.mapped.add(peer.pid)
+                return
+            except PeerMapError:
+                pass  # copies then, as where nothing is shared
         if self.store.layout.parity_rows:  # else the group holds no rows: nothing to rebuild
             cross_memory.read_span(peer.pid, peer.parity, np.empty(1, dtype=np.int32), "a word")
 
+    def map_peer(self, peer: Peer, pos: int) -> None:
+        """Map every buffer of `peer` (group position `pos`), checking that each holds its rows
+        (PeerMapError where one cannot be mapped or is too short). Reads go to the maps only
+        once `probe` has admitted the peer."""
+        if not (self.maps is not None and peer.mappable):
+            raise PeerMapError(f"process {peer.pid} shares no row buffers to map")
+        for i in range(len(self.widths)):
+            self._mapped(peer, i, 0, self.store.layout.rows[pos])
+        self._mapped(peer, "parity", 0, self.store.layout.parity_rows)
+
+    def _is_mapped(self, peer: Peer) -> bool:
+        return self.maps is not None and peer.pid in self.maps.mapped
+
+    def _mapped(self, peer: Peer, which, first: int, n: int) -> torch.Tensor:
+        """Rows [first, first + n) of `peer`'s row tensor `which` (or "parity"), an (n, width)
+        int32 view of its mapped buffer."""
+        if which == "parity":
+            (fd, offset), stride, w = peer.parity_shared, self.store.words.width * 4, \
+                self.store.words.width
+        else:
+            _, stride, fd, offset = peer.tensors[which]
+            w = self.widths[which]
+        if n == 0:
+            return torch.zeros((0, w), dtype=torch.int32)
+        words = self.maps.words(peer.pid, fd, offset + first * stride, (n - 1) * stride + 4 * w)
+        return words.as_strided((n, w), (stride // 4, 1))
+
     def span(self, peer: Peer, pos: int, p0: int, p1: int, slot: int = 0
              ) -> tuple[RowWords, torch.Tensor]:
-        """Position `pos`'s data rows and parity rows of periods [p0, p1), read into the scratch
-        of survivor `slot` (0, 1, ...: one set of buffers per survivor a piece reads): a RowWords
-        span (shard row numbers) and its parity rows p0 r ... (p1 r - 1)."""
+        """Position `pos`'s data rows and parity rows of periods [p0, p1): views of `peer`'s
+        mapped buffers, or read into the scratch of survivor `slot` (0, 1, ...: one set of
+        buffers per survivor a piece reads): a RowWords span (shard row numbers) and its parity
+        rows p0 r ... (p1 r - 1)."""
         L = self.store.layout
         a, b = p0 * L.k, max(p0 * L.k, min(p1 * L.k, L.rows[pos]))
+        W, m = self.store.words.width, (p1 - p0) * L.r
+        if self._is_mapped(peer):
+            tensors = [self._mapped(peer, i, a, b - a) for i in range(len(self.widths))]
+            parity = self._mapped(peer, "parity", p0 * L.r, m)
+            got = (b - a) * 4 * sum(self.widths) + m * W * 4
+            self.bytes_read += got
+            self.bytes_mapped += got
+            return RowWords.span(tensors, a), parity
         tensors = []
-        for i, ((address, stride), w) in enumerate(zip(peer.tensors, self.widths)):
+        for i, ((address, stride, _, _), w) in enumerate(zip(peer.tensors, self.widths)):
             n = b - a
             buf = self._buffer((slot, i), n * stride)
             if n:
@@ -111,8 +180,6 @@ class PeerReader:
                 self.bytes_read += n * 4 * w
             tensors.append(torch.from_numpy(buf[:n * stride]).view(torch.int32)
                            .view(n, stride // 4)[:, :w])
-        W = self.store.words.width
-        m = (p1 - p0) * L.r
         pbuf = self._buffer((slot, "parity"), m * W * 4)
         if m:
             cross_memory.read_span(peer.pid, peer.parity + p0 * L.r * W * 4, pbuf[:m * W * 4],
@@ -129,33 +196,43 @@ class PeerReader:
         rows = L.row_of_stripe(pos, stripes)
         data = np.flatnonzero(rows >= 0)
         c = 0
-        for i, ((address, stride), w) in enumerate(zip(peer.tensors, self.widths)):
+        for i, w in enumerate(self.widths):
             if len(data):
-                out[data, c:c + w] = self._rows(peer.pid, address, stride, w, rows[data], i)
+                out[data, c:c + w] = self._rows(peer, i, rows[data], i)
             c += w
         prow = L.parity_row(pos, stripes)
         par = np.flatnonzero(prow >= 0)
         if len(par):
-            out[par] = self._rows(peer.pid, peer.parity, W * 4, W, prow[par], "parity")
+            out[par] = self._rows(peer, "parity", prow[par], "parity")
         return torch.from_numpy(out)
 
-    def _rows(self, pid: int, address: int, stride: int, w: int, rows: np.ndarray,
-              key) -> np.ndarray:
+    def _rows(self, peer: Peer, which, rows: np.ndarray, key) -> np.ndarray:
         """Rows `rows` (any order: parity rows of ascending stripes are not ascending for r >= 2)
-        of a peer's array, (n, w) int32: one iovec per row, or one read of the span they lie in
-        where that costs less (the kernel's time per iovec against its time per byte: a narrow
-        array such as rowwise Adagrad's state)."""
+        of `peer`'s row tensor `which` (or "parity"), (n, w) int32: loads where it is mapped;
+        else one iovec per row, or one read of the span they lie in where that costs less (the
+        kernel's time per iovec against its time per byte: a narrow array such as rowwise
+        Adagrad's state)."""
         first, last = int(rows.min()), int(rows.max())
+        if self._is_mapped(peer):
+            got = self._mapped(peer, which, first, last - first + 1).numpy()[rows - first]
+            self.bytes_read += got.nbytes
+            self.bytes_mapped += got.nbytes
+            return got
+        if which == "parity":
+            address, stride, w = peer.parity, self.store.words.width * 4, self.store.words.width
+        else:
+            address, stride = peer.tensors[which][:2]
+            w = self.widths[which]
         span = (last - first) * stride + 4 * w
         if span / READ_BYTES_PER_S < len(rows) * IOVEC_S:
             n = last - first + 1
             buf = self._buffer(("rows", key), n * stride)
-            cross_memory.read_span(pid, address + first * stride, buf[:span], "rows")
+            cross_memory.read_span(peer.pid, address + first * stride, buf[:span], "rows")
             self.bytes_read += span
             table = buf[:n * stride].view(np.int32).reshape(n, stride // 4)
             return table[rows - first, :w]
         got = np.empty((len(rows), w), dtype=np.int32)
-        cross_memory.read_rows(pid, address, stride, rows, got, "rows")
+        cross_memory.read_rows(peer.pid, address, stride, rows, got, "rows")
         self.bytes_read += got.nbytes
         return got
 

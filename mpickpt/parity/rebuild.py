@@ -42,7 +42,7 @@ from mpickpt.parity.period_slots import move_range
 
 FIRST_CHUNK_STRIPES = 4096
 MAX_CHUNK_STRIPES = 1 << 22
-TRANSPORTS = ("auto", "network")
+TRANSPORTS = ("auto", "copy", "network")
 ASSUMED_READ_BYTES_PER_S = 1e9
 """The first chunk read from memory is sized as if each survivor's units came at this rate (half
 what the kernel reads at here); later chunks follow the measured cost."""
@@ -56,8 +56,9 @@ class Rebuild:
     def __init__(self, store, failed: set[int], budget: float, transport: str = "auto",
                  say=None, reads: MemoryReads | None = None, behind: bool = False):
         """`transport`: "auto" reads the survivors' memory where the whole group shares a host
-        and the kernel allows it (`peer_rows`), else uses the process group; "network" always
-        uses the process group (`ParityConfig` checks it). `say`: the log, for a refused
+        and the kernel allows it (`peer_rows`: in their shared buffers where it can map them,
+        `shared_rows`, else by copies), else uses the process group; "copy" the same without
+        mapping; "network" always uses the process group (`ParityConfig` checks it). `say`: the log, for a refused
         memory read. `reads`: the lost rank's readers (required there; ignored elsewhere),
         their scratch reserved ahead where the guard could (`MemoryReads.reserve`). `behind`:
         this rank would have a round that reads memory leave its sweep running beside the
@@ -84,6 +85,7 @@ class Rebuild:
         if self.mine and reads is None:
             raise ValueError(f"rank {me} is being rebuilt and needs its MemoryReads")
         self.reads = reads if self.mine else None
+        self._mapped_before = self.reads.bytes_mapped if self.reads is not None else 0
         self.probed = False  # this lost rank has read each of its survivors' memory once
         self.memory_rounds = 0
         self.behind = behind
@@ -107,6 +109,11 @@ class Rebuild:
         rows are not whole yet). The same on every rank."""
         return self._periods_left or self.deferred
 
+    @property
+    def mapped_bytes(self) -> int:
+        """Of `received_bytes`, those read in the survivors' mapped buffers (this rank's)."""
+        return self.reads.bytes_mapped - self._mapped_before if self.reads is not None else 0
+
     def remaining(self) -> int:
         return int(self.lost.sum())
 
@@ -121,12 +128,13 @@ class Rebuild:
         self._step_seconds = step_seconds
         st = self.store
         vote = int(self.behind and not everything and st.layout.r == 1 and
-                   self.transport == "auto")  # this rank may leave a sweep beside the step
+                   self.transport != "network")  # this rank may leave a sweep beside the step
         degraded, (p0, p1) = self._request(needed_rows, everything, keep_chunk=bool(vote))
         left = int(self.mine and p1 < st.layout.periods)  # the sweep has periods to go
         world = st.topo.world_size
         survivors = [st.layout.base + p for p in range(st.layout.g) if p not in self.group_failed]
-        info = peer_rows.describe(st, self.transport == "auto", self.probed)
+        info = peer_rows.describe(st, self.transport != "network", self.probed,
+                                  mapping=self.transport == "auto")
         counts = [([len(degraded), p0, p1, left] if (self.mine and d in survivors)
                    else [0, 0, 0, left]) + [vote] + info for d in range(world)]
         got = exchange_counts(st.topo, st.words.device, counts)
@@ -234,7 +242,7 @@ class Rebuild:
         and its survivors' rows can be read (`_agree_probe` then checks that the kernel lets the
         lost ranks read them, once). Returns this rank's survivors by world rank ({} on other
         ranks), or None for the network. Local."""
-        if self.transport != "auto":
+        if self.transport == "network":
             return None
         g = self.store.layout.g
         info = {m: Peer.parse(got[m][5:]) for f in self.failed

@@ -14,7 +14,7 @@ import numpy as np
 from mpickpt.control import MAX, SUM
 
 
-SUMMED = ("units", "degraded_rows", "received_bytes")
+SUMMED = ("units", "degraded_rows", "received_bytes", "mapped_bytes")
 """Figures the report sums over the ranks."""
 SLOWEST = ("round_seconds", "seconds")
 """Figures the report takes the slowest rank's of (round work; wall, failure to last unit)."""
@@ -32,6 +32,7 @@ class RebuildReport:
         self.local = {"ranks": sorted(rb.failed), "after_step": after_step,
                       "done_step": done_step, "units": rb.total,
                       "degraded_rows": rb.degraded_rows, "received_bytes": rb.received_bytes,
+                      "mapped_bytes": rb.mapped_bytes,
                       "rounds": rb.rounds, "memory_rounds": rb.memory_rounds,
                       "beside_rounds": rb.beside_rounds,
                       "seconds": rb.finished_at - rb.started, "round_seconds": rb.seconds}

@@ -22,8 +22,8 @@ from mpickpt.simulate.costs import EventCosts
 from mpickpt.simulate.scenario import Scenario
 
 
-REBUILD_BUDGET = 0.3
-"""mpickpt's default --rebuild-budget (`ParityConfig.budget`): a rebuild round takes at most 0.3
+REBUILD_BUDGET = 0.15
+"""mpickpt's default --rebuild-budget (`ParityConfig.budget`): a rebuild round takes at most 0.15
 of a step."""
 
 

@@ -9,7 +9,7 @@ from mpickpt.model.dense import DenseArch
 from mpickpt.model.hybrid import HybridDLRM
 from mpickpt.model.optimizers import OptimizerConfig
 from mpickpt.model.shard_plan import ShardPlanOptions
-from mpickpt.parity import peer_rows
+from mpickpt.parity import peer_rows, shared_rows
 from mpickpt.parity.guard import ParityConfig, ParityGuard
 
 SIZES = (3000, 700, 90, 5)
@@ -71,17 +71,26 @@ def test_propagated_parity_equals_a_fresh_encode(topology, optimizer):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("path", ["memory", "memory-votes", "bxor-reduce", "all-to-lost"])
+@pytest.mark.parametrize("path", ["memory", "memory-votes", "mapped", "bxor-reduce",
+                                  "all-to-lost"])
 def test_degraded_reads_and_rebuild_are_exact(topology, path):
-    """memory: sweeps beside the steps (r = 1); memory-votes: rank 0 votes for them, the others
-    against, so every round sweeps in the lookup."""
-    rank, mem = topology.rank, path.startswith("memory")
+    """memory: sweeps beside the steps (r = 1), copying the survivors' rows; memory-votes: rank 0
+    votes for them, the others against, so every round sweeps in the lookup; mapped: every rank
+    keeps its rows and parity in shared memory, which the lost rank maps (sweeps in the
+    lookup)."""
+    rank, mem, mapped = topology.rank, path in ("memory", "memory-votes", "mapped"), \
+        path == "mapped"
     for k, r, failed in _shapes(topology.world_size):
         model = _model(topology, "adagrad")
-        transport = "network" if path in ("bxor-reduce", "all-to-lost") else "auto"
-        sweep = "beside" if path == "memory" or rank == 0 else "lookup"
-        guard = ParityGuard(topology, model, ParityConfig(k=k, r=r, transport=transport,
-                                                          sweep=sweep), say=lambda line: None)
+        transport = "network" if path in ("bxor-reduce", "all-to-lost") else \
+            "auto" if mapped else "copy"
+        sweep = "beside" if path == "memory" or rank == 0 and path == "memory-votes" \
+            else "lookup"
+        config = ParityConfig(k=k, r=r, transport=transport, sweep=sweep)
+        shared = shared_rows.for_parity(model, config)
+        assert (shared is not None) == mapped
+        guard = ParityGuard(topology, model, config, say=lambda line: None, shared=shared)
+        assert guard.mapped == mapped
         assert (guard.store.group_pg is not None) == (r == 1 and topology.backend == "gloo")
         if path == "all-to-lost":  # NCCL's path: every survivor's units go to the lost rank
             guard.store._xor_reduce = False
@@ -95,9 +104,14 @@ def test_degraded_reads_and_rebuild_are_exact(topology, path):
         guard.start_rebuild(failed, step=4)
         rb = guard.rebuild
         # memory reads use the readers whose scratch the guard faulted in before the failure
-        assert (guard.reads is not None and guard.reads.reserved > 0) == mem
+        assert (guard.reads is not None) == mem
+        assert (mem and guard.reads.reserved > 0) == (mem and not mapped)
         if mem:
             assert rb.reads is (guard.reads if rank in failed else None)
+            # mapped: the lost rank began mapping its survivors as it learned of its loss,
+            # from where encode said they were
+            assert (rank in failed and guard.reads._premap is not None) == \
+                (mapped and rank in failed)
         rb.chunk = 0  # this round serves degraded reads only
         want = torch.arange(0, words.rows, 7)
         rb.round(want if rank in failed else None, step_seconds=None)
@@ -138,6 +152,8 @@ def test_degraded_reads_and_rebuild_are_exact(topology, path):
         assert rb.memory_rounds == (rb.rounds if mem else 0), (path, rb.rounds)
         assert (rb.probed and rb.received_bytes > 0) if mem and rank in failed \
             else not rb.probed
+        # mapped: everything was read where the survivors' rows lie, nothing copied
+        assert rb.mapped_bytes == (rb.received_bytes if mapped else 0), (path, rb.mapped_bytes)
         # the rebuilt state trains on exactly like a model that never failed
         ref = _model(topology, "adagrad")
         ref_guard = ParityGuard(topology, ref, ParityConfig(k=k, r=r), say=lambda line: None)
@@ -158,8 +174,8 @@ def test_a_refused_memory_read_falls_back_to_the_network(topology, monkeypatch):
     k, r, failed = _shapes(topology.world_size)[0]
     if topology.rank not in failed:
         real = peer_rows.describe
-        monkeypatch.setattr(peer_rows, "describe", lambda store, enabled, probed: (
-            lambda f: f[:4] + [8] + f[5:])(real(store, enabled, probed)))
+        monkeypatch.setattr(peer_rows, "describe", lambda store, enabled, probed, mapping=True: (
+            lambda f: f[:4] + [8] + f[5:])(real(store, enabled, probed, mapping)))
     said = []
     model = _model(topology, "adagrad")
     guard = ParityGuard(topology, model, ParityConfig(k=k, r=r), say=said.append)
