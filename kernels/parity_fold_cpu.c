@@ -87,17 +87,19 @@ static inline uint32_t load32(const uint8_t *p) { uint32_t x; memcpy(&x, p, 4); 
 static void xor_full_rows(uint8_t *dest, int64_t stride, int64_t n, int64_t width,
                           const source_t *src, int64_t m) {
     if (m == 3) {  /* r = 1 with k = 3, the common group: the sources unrolled */
-        const uint8_t *a = src[0].base, *b = src[1].base, *c = src[2].base;
+        const uint8_t *a0 = src[0].base, *b0 = src[1].base, *c0 = src[2].base;
         const int64_t sa = src[0].stride, sb = src[1].stride, sc = src[2].stride;
-        for (int64_t i = 0; i < n; i++, dest += stride, a += sa, b += sb, c += sc) {
+        for (int64_t i = 0; i < n; i++) {
+            const uint8_t *a = a0 + i * sa, *b = b0 + i * sb, *c = c0 + i * sc;
+            uint8_t *d = dest + i * stride;
             int64_t o = 0;
             for (; o + 8 <= width; o += 8) {
                 uint64_t x = load64(a + o) ^ load64(b + o) ^ load64(c + o);
-                memcpy(dest + o, &x, 8);
+                memcpy(d + o, &x, 8);
             }
             if (o < width) {
                 uint32_t x = load32(a + o) ^ load32(b + o) ^ load32(c + o);
-                memcpy(dest + o, &x, 4);
+                memcpy(d + o, &x, 4);
             }
         }
         return;
@@ -213,8 +215,8 @@ static void xor_records(const int64_t *t, int64_t words) {
             if (r0 >= rows) continue;
             const int64_t n = rows - r0 < ROW_BLOCK ? rows - r0 : ROW_BLOCK;
             load_sources(t + at + 5, m, src);
-            for (int64_t s = 0; s < m; s++) {
-                src[s].base += r0 * src[s].stride;
+            for (int64_t s = 0; s < m; s++) {  /* a source with no row left stays put */
+                if (src[s].count > r0) src[s].base += r0 * src[s].stride;
                 src[s].count = src[s].count > r0 ? src[s].count - r0 : 0;
             }
             xor_strided((uint8_t *)(uintptr_t)t[at] + r0 * t[at + 1], t[at + 1], n, t[at + 3],
@@ -244,7 +246,8 @@ static PyObject *xor_rows_many(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"xor_rows_many", xor_rows_many, METH_VARARGS,
      "xor_rows_many(records_int64): xor_rows for each record (dest, dest_stride, rows, width, m, "
-     "then m source triples), in order, in one call without the GIL"},
+     "then m source triples), in one call without the GIL, in blocks of rows across the records "
+     "(a record may not read another's destination)"},
     {"xor_rows", xor_rows, METH_VARARGS,
      "xor_rows(dest_address, dest_stride, rows, width, sources_int64_triples): dest row i = XOR "
      "of row i of the sources (address, stride, count) that have more than i rows; bytes"},

@@ -538,8 +538,9 @@ def test_r2_reserves_the_first_readers_spans_and_the_unit_buffers():
 
 
 @pytest.mark.parametrize("transport,local_size,mapped,reads,reserved", [
-    ("auto", 4, False, True, True), ("copy", 4, False, True, True), ("auto", 3, False, False, False),
-    ("network", 4, False, False, False), ("auto", 4, True, True, False)])
+    ("auto", 4, False, True, True), ("copy", 4, False, True, True),
+    ("auto", 3, False, False, False), ("network", 4, False, False, False),
+    ("auto", 4, True, True, False)])
 def test_the_guard_reserves_where_a_group_may_read_memory(transport, local_size, mapped, reads,
                                                           reserved):
     """Scratch is held ahead only where a rebuild could copy from the group's memory: not over
@@ -641,8 +642,9 @@ def test_peer_maps_refuse_what_is_not_a_row_buffer(shared_peer):
     assert np.array_equal(got.numpy(), shared_peer.arrays[0].view(np.int32).reshape(-1)[16:48])
     with pytest.raises(PeerMapError, match="holds"):
         maps.words(shared_peer.pid, wfd, wo, ROWS * DIM * 4 + 4)
-    with pytest.raises(PeerMapError, match="not on a word"):
-        maps.words(shared_peer.pid, wfd, 2, 4)
+    for offset in (2, -4):
+        with pytest.raises(PeerMapError, match="not a word of it"):
+            maps.words(shared_peer.pid, wfd, offset, 4)
     with pytest.raises(PeerMapError, match="not an mpickpt row buffer"):
         maps.words(shared_peer.pid, 0, 0, 4)  # its stdin
     proc = mp.get_context("fork").Process(target=os._exit, args=(0,))
@@ -738,3 +740,41 @@ def test_xor_many_in_row_blocks_of_narrow_rows(sources):
             want[o::g, c:c + w] = acc
     xor_many(jobs)
     assert np.array_equal(dest, want)
+
+
+def test_publishing_ahead_lets_no_process_attach(monkeypatch):
+    """The descriptors `encode` publishes need no ptrace attach: only a round's fields (a lost
+    rank may have to copy) let this user's processes read this one."""
+    allowed = []
+    monkeypatch.setattr(cross_memory, "allow_readers", lambda: allowed.append(1))
+    peer_rows._allow_readers.cache_clear()
+    weight, state = torch.zeros(8, DIM), torch.zeros(8)
+    words = SimpleNamespace(tensors=[weight, state], widths=[DIM, 1],
+                            memory=lambda: [(weight.data_ptr(), DIM * 4, DIM * 4),
+                                            (state.data_ptr(), 4, 4)])
+    store = SimpleNamespace(words=words, parity=torch.zeros(3, DIM + 1, dtype=torch.int32))
+    ahead = Peer.parse(peer_rows.describe(store, True, False, readable=False))
+    assert not allowed and ahead.serves and ahead.key == cross_memory.host_key()
+    assert not ahead.mappable  # nothing shared: the buffers are offered as -1
+    peer_rows.describe(store, True, False)
+    peer_rows.describe(store, True, False)
+    assert allowed == [1]
+    peer_rows._allow_readers.cache_clear()
+
+
+@pytest.mark.parametrize("case", ["mapped", "other host", "not shared", "old generation"])
+def test_a_lost_rank_premaps_only_survivors_it_can_map_here(case):
+    """At its loss a rank begins mapping its survivors where encode said they were, only where
+    every survivor is shared, on this host, and published in the current generation."""
+    from mpickpt.parity.guard import ParityGuard
+
+    key = peer_rows.host_key()
+    peer = Peer(key + (case == "other host"), 123, True, False, 0,
+                (-1, 0) if case == "not shared" else (5, 0), ((0, DIM * 4, 6, 0), (0, 4, 7, 0)))
+    calls = []
+    guard = SimpleNamespace(_published={0: peer, 2: peer, 3: peer},
+                            _published_in=0 if case == "old generation" else 1,
+                            topo=SimpleNamespace(generation=1),
+                            reads=SimpleNamespace(premap=calls.append))
+    ParityGuard._premap(guard, {3})
+    assert calls == ([{0: peer, 2: peer}] if case == "mapped" else [])

@@ -122,6 +122,8 @@ class ParityGuard:
         """Steps trained since the running rebuild began."""
         self._published: dict[int, Peer] = {}
         """Where this rank's group members' rows were at the last encode (`_publish`)."""
+        self._published_in = -1
+        """The generation `_published` was exchanged in."""
         self.reads = self._reserve_reads()
         """This rank's readers for a rebuild by memory reads, their scratch faulted in now
         (None where its rebuilds go over the network)."""
@@ -171,11 +173,12 @@ class ParityGuard:
         st = self.store
         if self.config.transport != "auto" or st.parity.device.type != "cpu":
             return
-        fields = peer_rows.describe(st, self.mapped, False)
+        fields = peer_rows.describe(st, self.mapped, False, readable=False)
         got = exchange_counts(st.topo, st.words.device, [fields] * st.topo.world_size)
         L = st.layout
         self._published = {m: Peer.parse(got[m]) for m in range(L.base, L.base + L.g)
                            if m != st.topo.rank}
+        self._published_in = st.topo.generation
 
     def _reads_note(self) -> str:
         if self.reads is None:
@@ -282,10 +285,8 @@ class ParityGuard:
         reads = self.reads
         if reads is None and self.topo.rank in set(ranks):  # none reserved: made now
             reads = MemoryReads(self.store, self._place, self._threads)
-        if self.topo.rank in set(ranks) and reads is not None:
-            survivors = {m: p for m, p in self._published.items() if m not in set(ranks)}
-            if survivors and all(p.mappable for p in survivors.values()):
-                reads.premap(survivors)
+        if self.topo.rank in set(ranks) and self.reads is not None:
+            self._premap(set(ranks))
         self.rebuild = Rebuild(self.store, set(ranks), self.config.budget,
                                self.config.transport, self.say, reads, self.behind)
         self.interrupted = []
@@ -293,6 +294,16 @@ class ParityGuard:
         self._steps_rebuilding = 0
         self.say(f"parity: ranks {sorted(ranks)} lost their shards after step {step}; rebuilding "
                  f"from their groups while training continues")
+
+    def _premap(self, lost: set[int]) -> None:
+        """This lost rank begins mapping its survivors' buffers where they were published in
+        this generation, all shared and on this host (a respawned process, which published
+        nothing, maps them in its first round). Local."""
+        survivors = {m: p for m, p in self._published.items() if m not in lost}
+        if self._published_in == self.topo.generation and survivors and all(
+                p.mappable and p.serves and p.key == peer_rows.host_key()
+                for p in survivors.values()):
+            self.reads.premap(survivors)
 
     def _on_lookup(self, rows: torch.Tensor) -> None:
         self._complete_report()

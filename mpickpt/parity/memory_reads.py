@@ -18,7 +18,7 @@ import torch
 
 from mpickpt.parity.peer_rows import Peer, PeerReader, fault_in
 from mpickpt.parity.period_slots import move_range, rows_at, segments, slot_extent, slot_view
-from mpickpt.parity.shared_rows import PeerMapError, PeerMaps, SharedRows
+from mpickpt.parity.shared_rows import PeerMaps, SharedRows
 from mpickpt.parity.xor_rows import xor_many, xor_many_built, xor_views
 
 READER_SCRATCH_BYTES = 12 << 20
@@ -96,7 +96,7 @@ class MemoryReads:
             for s, peer in peers.items():
                 try:
                     reader.map_peer(peer, s - self.store.layout.base)
-                except PeerMapError:
+                except (OSError, ValueError):  # a PeerMapError too: the probe maps or copies it
                     pass
 
         self._premap = self._mapper.submit(map_all)

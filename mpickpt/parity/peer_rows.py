@@ -4,8 +4,9 @@
 Every rank publishes where its rows live in each rebuild round (`describe`: fields appended to the
 round's counts), with the shared buffers that hold them (`shared_rows`); a lost rank reads whole
 spans of a survivor's rows and parity for a range of periods (`PeerReader.span`) and single
-units for degraded reads (`PeerReader.units`): views of the survivor's buffers where it could map
-them at the probe, else copies into scratch buffers it reuses (one iovec per degraded row). The survivor does nothing: the round's counts exchange
+units for degraded reads (`PeerReader.units`): views of the survivor's buffers where it could
+map them at the probe, else copies into scratch buffers it reuses (one iovec per degraded
+row). The survivor does nothing: the round's counts exchange
 is the point where its rows are consistent, and it changes none of them before the lost rank's
 lookup has finished (its rows change only in its sparse update, which needs the pooled rows of
 the lost rank's lookup). Local.
@@ -45,13 +46,18 @@ parity address, parity's shared buffer (descriptor, offset; -1, 0 where not shar
 PER_TENSOR = 4
 
 
-def describe(store, enabled: bool, probed: bool, mapping: bool = True) -> list[int]:
+def describe(store, enabled: bool, probed: bool, mapping: bool = True,
+             readable: bool = True) -> list[int]:
     """This rank's fields of a rebuild round's counts. `enabled`: the transport may use memory
     reads at all (else all zeros but the pid); `mapping`: offer the shared buffers to be mapped
-    (else copies only). Local."""
+    (else copies only); `readable`: let processes of this user read this one's memory
+    (`cross_memory.allow_readers`, which copies need: a round's; not where only descriptors are
+    published ahead, as mapping needs no ptrace attach). Local."""
     mem = store.words.memory() if enabled and cross_memory.available() else None
     serves = mem is not None and store.parity.device.type == "cpu"
-    key = _host_key() if serves else 0
+    if serves and readable:
+        _allow_readers()
+    key = host_key() if serves else 0
     shared = getattr(store, "shared", None) if mapping else None
     fields = [key, os.getpid(), int(serves), int(probed and serves),
               store.parity.data_ptr() if serves else 0, *_shared_at(shared, store.parity, serves)]
@@ -67,10 +73,15 @@ def _shared_at(shared, t, serves: bool) -> tuple[int, int]:
 
 
 @functools.cache
-def _host_key() -> int:
-    """This process's host key, and its readers allowed, the first time it publishes."""
-    cross_memory.allow_readers()
+def host_key() -> int:
+    """This process's host key (`cross_memory.host_key`), computed once."""
     return cross_memory.host_key()
+
+
+@functools.cache
+def _allow_readers() -> None:
+    """Let this user's processes read this one, the first time a round publishes it."""
+    cross_memory.allow_readers()
 
 
 @dataclass(frozen=True)
@@ -131,14 +142,17 @@ class PeerReader:
         """Map every buffer of `peer` (group position `pos`), checking that each holds its rows
         (PeerMapError where one cannot be mapped or is too short). Reads go to the maps only
         once `probe` has admitted the peer."""
-        if not (self.maps is not None and peer.mappable):
+        if self.maps is None:
+            raise PeerMapError("this process cannot map shared memory (no memfd)")
+        if not peer.mappable:
             raise PeerMapError(f"process {peer.pid} shares no row buffers to map")
         for i in range(len(self.widths)):
             self._mapped(peer, i, 0, self.store.layout.rows[pos])
         self._mapped(peer, "parity", 0, self.store.layout.parity_rows)
 
     def _is_mapped(self, peer: Peer) -> bool:
-        return self.maps is not None and peer.pid in self.maps.mapped
+        """The probe mapped `peer`, and it still offers its buffers in this round."""
+        return self.maps is not None and peer.mappable and peer.pid in self.maps.mapped
 
     def _mapped(self, peer: Peer, which, first: int, n: int) -> torch.Tensor:
         """Rows [first, first + n) of `peer`'s row tensor `which` (or "parity"), an (n, width)

@@ -62,6 +62,11 @@ class SharedRows:
         except OSError:
             os.close(fd)
             return False
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # huge pages where shmem_enabled allows (advise)
+            try:
+                buf.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
         shared = torch.frombuffer(buf, dtype=t.dtype, count=t.numel()).view(t.shape)
         with torch.no_grad():
             shared.copy_(t)
@@ -84,20 +89,29 @@ class SharedRows:
     def nbytes(self) -> int:
         return sum(n for _, _, n in self._held)
 
+    def close(self) -> None:
+        """Close the descriptors (peers can no longer open the buffers; the tensors keep their
+        memory until they go). Local."""
+        for fd, _, _ in self._held:
+            os.close(fd)
+        self._held.clear()
+
 
 def for_parity(model, config) -> SharedRows | None:
     """This rank's rows and sparse optimizer state moved into shared memory, where parity may
     rebuild by mapping them (`config`: the job's ParityConfig or None; transport auto) and the
     model's embeddings can move them (`share_rows`: mpickpt's own; a TorchRec table's memory
     belongs to FBGEMM, and is copied). Call it before anything takes views of the rows. None
-    where nothing was moved. Local."""
+    where nothing was moved. Each tensor is copied once into its new memory, so a rank holds it
+    twice for a moment. Local."""
     if config is None or config.transport != "auto" or not SharedRows.supported():
         return None
     share = getattr(model.embeddings, "share_rows", None)
     if share is None:
         return None
     shared = SharedRows()
-    return shared if share(shared) else None
+    share(shared)  # a tensor that cannot move stays private: its buffers are not offered
+    return shared if shared.nbytes else None
 
 
 class PeerMapError(OSError):
@@ -116,9 +130,9 @@ class PeerMaps:
     def words(self, pid: int, fd: int, offset: int, nbytes: int) -> torch.Tensor:
         """int32 words [offset, offset + nbytes) of buffer `fd` of process `pid`, a view of its
         memory (mapped on first use). PeerMapError where it cannot be mapped or is too short."""
-        if offset % 4 or nbytes < 0:
+        if offset < 0 or offset % 4 or nbytes < 0:
             raise PeerMapError(f"a shared buffer of process {pid} was published at byte "
-                               f"{offset}, not on a word")
+                               f"{offset} ({nbytes} bytes), not a word of it")
         words = self._maps.get((pid, fd))
         if words is None:
             words = self._maps[pid, fd] = _map(pid, fd)
@@ -135,8 +149,12 @@ class PeerMaps:
 def _map(pid: int, fd: int) -> torch.Tensor:
     path = f"/proc/{pid}/fd/{fd}"
     try:
-        if not os.readlink(path).startswith(f"/memfd:{MEMFD_NAME}"):
-            raise PeerMapError(f"{path} is not an mpickpt row buffer")
+        link = os.readlink(path)
+    except OSError as e:
+        raise PeerMapError(f"cannot open {path}: {e.strerror or e}") from e
+    if not link.startswith(f"/memfd:{MEMFD_NAME}"):
+        raise PeerMapError(f"{path} is not an mpickpt row buffer (it is {link})")
+    try:
         f = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
         raise PeerMapError(f"cannot open {path}: {e.strerror or e}") from e

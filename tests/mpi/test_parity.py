@@ -165,6 +165,8 @@ def test_degraded_reads_and_rebuild_are_exact(topology, path):
         ok = ok and torch.equal(guard.store.parity, ref_guard.store.parity)
         assert _all_ok(topology, ok), (k, r, "rebuilt state")
         assert _all_ok(topology, parity.shape == guard.store.parity.shape)
+        if shared is not None:
+            shared.close()
 
 
 @pytest.mark.mpi(min_size=2)
@@ -174,8 +176,8 @@ def test_a_refused_memory_read_falls_back_to_the_network(topology, monkeypatch):
     k, r, failed = _shapes(topology.world_size)[0]
     if topology.rank not in failed:
         real = peer_rows.describe
-        monkeypatch.setattr(peer_rows, "describe", lambda store, enabled, probed, mapping=True: (
-            lambda f: f[:4] + [8] + f[5:])(real(store, enabled, probed, mapping)))
+        monkeypatch.setattr(peer_rows, "describe", lambda store, enabled, probed, **kw: (
+            lambda f: f[:4] + [8] + f[5:])(real(store, enabled, probed, **kw)))
     said = []
     model = _model(topology, "adagrad")
     guard = ParityGuard(topology, model, ParityConfig(k=k, r=r), say=said.append)
