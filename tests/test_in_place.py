@@ -102,9 +102,11 @@ def test_a_killed_rank_is_replaced_in_place_with_parity(tmp_path, clean_digest, 
     assert digest_in(out) == clean_digest, out
     if warm:
         _assert_the_warm_standby_took_over(out, t)
-    # the respawned rank read its survivors' memory (one host), the processes of before included
+    # the respawned rank read its survivors' memory (one host), the processes of before included:
+    # it mapped their shared rows (a process it never met published them in its first round)
     assert re.search(r"parity: rebuilt ranks .* reading the group's memory"
-                     + (r", \d+ swept beside the steps" if warm else ""), out), out
+                     + (r", \d+ swept beside the steps" if warm else "")
+                     + ", its shared rows mapped", out), out
     # the survivors kept their processes; one new process took the dead rank's place (a warm
     # standby is not listed among the launched trainers: its pid was checked above)
     assert set(t["survivors"]) <= set(t["after"]) and t["pid"] not in t["after"], (t, out)

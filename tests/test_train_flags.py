@@ -138,6 +138,8 @@ def test_good_flags_build_every_config(tmp_path):
     assert config.table_sizes == (50, 40) and config.arch.dim == 8 and config.global_batch == 64
     network = TrainConfig.from_args(["--parity-k", "1", "--rebuild-transport", "network"])
     assert network.parity.transport == "network" and config.parity.transport == "auto"
+    copy = TrainConfig.from_args(["--parity-k", "1", "--rebuild-transport", "copy"])
+    assert copy.parity.transport == "copy" and config.parity.budget == 0.15
     assert TrainConfig.from_args([]).checkpoint is None and TrainConfig.from_args([]).parity is None
 
 
