@@ -17,7 +17,8 @@ from tests.test_generations import _on_two_ranks
 def _finished(rank: int) -> SimpleNamespace:
     """A finished Rebuild's figures on `rank` (rank 1 was the lost one)."""
     return SimpleNamespace(failed={1}, total=1000 * rank, degraded_rows=7 * rank,
-                           received_bytes=1 << (20 + rank), rounds=2, memory_rounds=2,
+                           received_bytes=1 << (20 + rank), mapped_bytes=rank << 20,
+                           rounds=2, memory_rounds=2,
                            beside_rounds=0, started=100.0, finished_at=100.0 + 0.1 * (rank + 1),
                            seconds=0.01 * (3 - rank))
 
@@ -35,7 +36,7 @@ def test_the_report_sums_the_ranks_and_keeps_the_slowest_without_waiting_for_the
     assert started0 < 0.4, started0  # rank 0 went on while rank 1 was still in its round
     assert why0 is None and why1 is None and zero == one
     assert zero["units"] == 1000 and zero["degraded_rows"] == 7
-    assert zero["received_bytes"] == (1 << 20) + (1 << 21)
+    assert zero["received_bytes"] == (1 << 20) + (1 << 21) and zero["mapped_bytes"] == 1 << 20
     assert abs(zero["round_seconds"] - 0.03) < 1e-12 and abs(zero["seconds"] - 0.2) < 1e-9
     assert zero["ranks"] == [1] and zero["after_step"] == 150 and zero["done_step"] == 152
 
