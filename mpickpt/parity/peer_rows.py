@@ -55,20 +55,20 @@ def describe(store, enabled: bool, probed: bool, mapping: bool = True,
     published ahead, as mapping needs no ptrace attach). Local."""
     mem = store.words.memory() if enabled and cross_memory.available() else None
     serves = mem is not None and store.parity.device.type == "cpu"
-    if serves and readable:
+    if not serves:
+        return [0, os.getpid(), 0, 0, 0, -1, 0] + [0, 0, -1, 0] * len(store.words.tensors)
+    if readable:
         _allow_readers()
-    key = host_key() if serves else 0
     shared = getattr(store, "shared", None) if mapping else None
-    fields = [key, os.getpid(), int(serves), int(probed and serves),
-              store.parity.data_ptr() if serves else 0, *_shared_at(shared, store.parity, serves)]
-    for (address, stride, _), t in zip(mem, store.words.tensors) if serves else \
-            [((0, 0, 0), None)] * len(store.words.tensors):
-        fields += [address, stride, *_shared_at(shared, t, serves)]
+    fields = [host_key(), os.getpid(), 1, int(probed), store.parity.data_ptr(),
+              *_shared_at(shared, store.parity)]
+    for (address, stride, _), t in zip(mem, store.words.tensors):
+        fields += [address, stride, *_shared_at(shared, t)]
     return fields
 
 
-def _shared_at(shared, t, serves: bool) -> tuple[int, int]:
-    at = shared.locate(t) if shared is not None and serves else None
+def _shared_at(shared, t) -> tuple[int, int]:
+    at = shared.locate(t) if shared is not None else None
     return at if at is not None else (-1, 0)
 
 
@@ -154,15 +154,18 @@ class PeerReader:
         """The probe mapped `peer`, and it still offers its buffers in this round."""
         return self.maps is not None and peer.mappable and peer.pid in self.maps.mapped
 
+    def _where(self, peer: Peer, which) -> tuple[int, int, int, int, int]:
+        """(address, row stride in bytes, descriptor, offset, row words) of `peer`'s row tensor
+        `which` (an index) or of its parity ("parity")."""
+        if which == "parity":
+            W = self.store.words.width
+            return (peer.parity, W * 4, *peer.parity_shared, W)
+        return (*peer.tensors[which], self.widths[which])
+
     def _mapped(self, peer: Peer, which, first: int, n: int) -> torch.Tensor:
         """Rows [first, first + n) of `peer`'s row tensor `which` (or "parity"), an (n, width)
         int32 view of its mapped buffer."""
-        if which == "parity":
-            (fd, offset), stride, w = peer.parity_shared, self.store.words.width * 4, \
-                self.store.words.width
-        else:
-            _, stride, fd, offset = peer.tensors[which]
-            w = self.widths[which]
+        _, stride, fd, offset, w = self._where(peer, which)
         if n == 0:
             return torch.zeros((0, w), dtype=torch.int32)
         words = self.maps.words(peer.pid, fd, offset + first * stride, (n - 1) * stride + 4 * w)
@@ -212,15 +215,15 @@ class PeerReader:
         c = 0
         for i, w in enumerate(self.widths):
             if len(data):
-                out[data, c:c + w] = self._rows(peer, i, rows[data], i)
+                out[data, c:c + w] = self._rows(peer, i, rows[data])
             c += w
         prow = L.parity_row(pos, stripes)
         par = np.flatnonzero(prow >= 0)
         if len(par):
-            out[par] = self._rows(peer, "parity", prow[par], "parity")
+            out[par] = self._rows(peer, "parity", prow[par])
         return torch.from_numpy(out)
 
-    def _rows(self, peer: Peer, which, rows: np.ndarray, key) -> np.ndarray:
+    def _rows(self, peer: Peer, which, rows: np.ndarray) -> np.ndarray:
         """Rows `rows` (any order: parity rows of ascending stripes are not ascending for r >= 2)
         of `peer`'s row tensor `which` (or "parity"), (n, w) int32: loads where it is mapped;
         else one iovec per row, or one read of the span they lie in where that costs less (the
@@ -232,15 +235,11 @@ class PeerReader:
             self.bytes_read += got.nbytes
             self.bytes_mapped += got.nbytes
             return got
-        if which == "parity":
-            address, stride, w = peer.parity, self.store.words.width * 4, self.store.words.width
-        else:
-            address, stride = peer.tensors[which][:2]
-            w = self.widths[which]
+        address, stride, _, _, w = self._where(peer, which)
         span = (last - first) * stride + 4 * w
         if span / READ_BYTES_PER_S < len(rows) * IOVEC_S:
             n = last - first + 1
-            buf = self._buffer(("rows", key), n * stride)
+            buf = self._buffer(("rows", which), n * stride)
             cross_memory.read_span(peer.pid, address + first * stride, buf[:span], "rows")
             self.bytes_read += span
             table = buf[:n * stride].view(np.int32).reshape(n, stride // 4)

@@ -59,12 +59,12 @@ class Rebuild:
         and the kernel allows it (`peer_rows`: in their shared buffers where it can map them,
         `shared_rows`, else by copies), else uses the process group; "copy" the same without
         mapping; "network" always uses the process group (`ParityConfig` checks it). `say`:
-        the log, for a refused memory read. `reads`: the lost rank's readers (required there; ignored elsewhere),
-        their scratch reserved ahead where the guard could (`MemoryReads.reserve`). `behind`:
-        this rank would have a round that reads memory leave its sweep running beside the
-        step; every rank's gradient hook then calls `join` before any row of the step changes.
-        A round does so only where every rank would (their votes travel with its first
-        exchange), so the choice is the same on all."""
+        the log, for a refused memory read. `reads`: the lost rank's readers (required there;
+        ignored elsewhere), their scratch reserved ahead where the guard could
+        (`MemoryReads.reserve`). `behind`: this rank would have a round that reads memory
+        leave its sweep running beside the step; every rank's gradient hook then calls `join`
+        before any row of the step changes. A round does so only where every rank would (their
+        votes travel with its first exchange), so the choice is the same on all."""
         self.store, self.failed, self.budget = store, set(failed), budget
         self.transport, self.say = transport, say or (lambda line: None)
         L, me = store.layout, store.topo.rank
