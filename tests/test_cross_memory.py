@@ -772,9 +772,70 @@ def test_a_lost_rank_premaps_only_survivors_it_can_map_here(case):
     peer = Peer(key + (case == "other host"), 123, True, False, 0,
                 (-1, 0) if case == "not shared" else (5, 0), ((0, DIM * 4, 6, 0), (0, 4, 7, 0)))
     calls = []
-    guard = SimpleNamespace(_published={0: peer, 2: peer, 3: peer},
+    guard = SimpleNamespace(_published={0: peer, 2: peer, 3: peer, 4: peer, 5: peer},
                             _published_in=0 if case == "old generation" else 1,
-                            topo=SimpleNamespace(generation=1),
-                            reads=SimpleNamespace(premap=calls.append))
-    ParityGuard._premap(guard, {3})
-    assert calls == ([{0: peer, 2: peer}] if case == "mapped" else [])
+                            topo=SimpleNamespace(generation=1, rank=3),
+                            store=SimpleNamespace(layout=SimpleNamespace(base=0, g=4)),
+                            reads=SimpleNamespace(premap=lambda p, keep=False: calls.append(
+                                (p, keep))))
+    ParityGuard._premap(guard, {3})  # at rank 3's loss
+    ParityGuard._premap(guard, {3}, keep=True)  # ahead, when parity is encoded (rank 3 too)
+    assert calls == ([({0: peer, 2: peer}, False), ({0: peer, 2: peer}, True)]
+                     if case == "mapped" else [])
+
+
+def test_maps_made_ahead_outlive_a_rebuild_until_dropped(shared_peer):
+    """Maps made ahead (`premap(keep=True)`) are what `premapped` gives; a rebuild's end, also
+    released on a thread of its own, keeps them (not admitted: the next rebuild admits them
+    again), and a premap at a loss that they cover maps nothing new; `drop_maps` unmaps them.
+    Maps made at a loss go with the rebuild."""
+    from mpickpt.parity.memory_reads import MemoryReads
+
+    reads = MemoryReads(_lost_rank(1), threads=2)
+    peers = {s: _mapped_peer(shared_peer) for s in (0, 2, 3)}
+    reads.premap(peers, keep=True)
+    assert reads.premapped() == peers
+    held = set(reads.maps._maps)
+    assert held and all(pid == shared_peer.pid for pid, _ in held)
+    reads.admit(peers)
+    assert reads.maps.mapped == {shared_peer.pid}
+    reads.close(wait=False)
+    releaser = reads._releaser
+    assert releaser is not None and releaser.name == "mpickpt-release"
+    reads.premap(peers)  # waits for the release first, then finds them all mapped
+    assert not releaser.is_alive() and reads._releaser is None and reads._premap is None
+    assert reads.premapped() == peers and set(reads.maps._maps) == held
+    assert not reads.maps.mapped
+    stripes = np.arange(0, LAYOUT.stripes, 5)
+    reads.admit(peers)
+    got = reads.units({0: peers[0]}, stripes)[0].numpy()
+    assert np.array_equal(got, _units(shared_peer.arrays, 0, stripes))
+    assert reads.bytes_mapped == reads.bytes_read > 0
+    reads.drop_maps()
+    assert reads.premapped() is None and not reads.maps._maps and not reads.maps.mapped
+    reads.premap({2: peers[2]})  # at a loss
+    assert reads.premapped() == {2: peers[2]} and reads.maps._maps
+    reads.close()
+    assert reads.premapped() is None and not reads.maps._maps
+
+
+@pytest.mark.parametrize("case", ["premapped", "moved", "probed", "not yet", "unpublished"])
+def test_a_premap_stands_for_the_probe_only_where_the_buffers_are_unchanged(case):
+    """Every rank decides alike from a round's counts whether a lost rank still probes: not
+    where it probed, nor where it premapped its survivors and they all publish the buffers they
+    published before the failure; else it does (a survivor's buffer moved, nothing was
+    published in this generation, or it neither probed nor premapped)."""
+    from mpickpt.parity.rebuild import Rebuild
+
+    key = peer_rows.host_key()
+
+    def fields(m, said=0, fd=5):
+        return [key, 100 + m, 1, said, 4096, fd, 0, 8192, 68, fd + 1, 0]
+
+    said = {"probed": peer_rows.PROBED, "not yet": 0}.get(case, peer_rows.PREMAPPED)
+    published = {m: Peer.parse(fields(m)) for m in range(4)}
+    got = [[0] * 5 + fields(m, said if m == 1 else 0, 7 if case == "moved" and m == 2 else 5)
+           for m in range(4)]
+    rb = SimpleNamespace(store=SimpleNamespace(layout=SimpleNamespace(g=4)), failed={1},
+                         published=None if case == "unpublished" else published)
+    assert Rebuild._probing(rb, got) == (case in ("moved", "not yet", "unpublished"))

@@ -183,3 +183,21 @@ def test_bad_group_shapes_are_refused():
     with pytest.raises(ValueError, match=">= 1"):
         check_parity_shape(0, 1, 4)
     assert [g.base for g in group_layouts(1, 1, [5, 6, 7, 8])] == [0, 2]
+
+
+@pytest.mark.parametrize("k,r,rows", [(3, 1, (50, 41, 50, 7)), (2, 2, (9, 30, 30, 1))])
+def test_own_stripes_are_every_stripe_a_member_holds_a_unit_of(k, r, rows):
+    """`ParityStore.own_stripes` (made once, at encode: what a rebuild of this member decodes)
+    is exactly the stripes where it holds a data row or a parity row, read-only."""
+    from types import SimpleNamespace
+
+    from mpickpt.parity.upkeep import ParityStore
+
+    L = GroupLayout(k, r, 0, rows)
+    for p in range(L.g):
+        store = SimpleNamespace(layout=L, pos=p, _own=None)
+        own = ParityStore.own_stripes(store)
+        every = np.arange(L.stripes)
+        holds = (L.row_of_stripe(p, every) >= 0) | (L.parity_row(p, every) >= 0)
+        assert own.dtype == bool and np.array_equal(own, holds), p
+        assert ParityStore.own_stripes(store) is own and not own.flags.writeable

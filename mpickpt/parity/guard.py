@@ -29,6 +29,7 @@ from mpickpt.parity.upkeep import ParityStore
 
 NAN_BITS = 0x7FC00000
 SWEEPS = ("auto", "beside", "lookup")
+MAP_TIMES = ("ahead", "failure")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,7 +44,7 @@ class ParityConfig:
     r: int = option(1, flag="--parity-r", parse=int_at_least(1), metavar="R")
     """parity units per stripe: 1 = XOR, 2 or more = Reed-Solomon over GF(2^8); R failed ranks
     per group are rebuilt exactly"""
-    budget: float = option(0.15, flag="--rebuild-budget", parse=positive_float, metavar="F")
+    budget: float = option(0.07, flag="--rebuild-budget", parse=positive_float, metavar="F")
     """fraction of a step's time each rebuild round may spend on its chunk (degraded reads
     extra); a round's fixed costs are paid per round, so fewer, larger rounds lose less
     training time in all (see the README's parity benchmark)"""
@@ -53,6 +54,13 @@ class ParityConfig:
     memory, which a lost rank maps, or copies with process_vm_readv where it cannot; else the
     network), copy (the same, copies only: rows stay in private memory) or network (the
     process group)"""
+    map: str = option("ahead", flag="--rebuild-map", choices=MAP_TIMES)
+    """when a rank maps its group members' shared rows for a rebuild (--rebuild-transport
+    auto, a group on one host): ahead (when parity is encoded, on a thread, kept until the
+    group changes: a loss is rebuilt at once; each rank's RSS then counts its group's rows,
+    which the kernel and a cgroup count once, as PSS does) or failure (the lost rank maps its
+    survivors when it learns of its loss: page tables built then, ~10 ms more training time
+    lost per failure on the VM)"""
     sweep: str = option("auto", flag="--rebuild-sweep", choices=SWEEPS)
     """where a lost rank that reads its group's memory (r = 1) sweeps each round's chunk:
     beside (on a thread of its own while the step's dense forward and backward run, joined
@@ -70,6 +78,9 @@ class ParityConfig:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"--rebuild-transport must be one of {', '.join(TRANSPORTS)}, got "
                              f"{self.transport!r}")
+        if self.map not in MAP_TIMES:
+            raise ValueError(f"--rebuild-map must be one of {', '.join(MAP_TIMES)}, got "
+                             f"{self.map!r}")
         if self.sweep not in SWEEPS:
             raise ValueError(f"--rebuild-sweep must be one of {', '.join(SWEEPS)}, got "
                              f"{self.sweep!r}")
@@ -121,7 +132,7 @@ class ParityGuard:
         self._steps_rebuilding = 0
         """Steps trained since the running rebuild began."""
         self._published: dict[int, Peer] = {}
-        """Where this rank's group members' rows were at the last encode (`_publish`)."""
+        """Where every rank's rows were at the last encode (`_publish`), by world rank."""
         self._published_in = -1
         """The generation `_published` was exchanged in."""
         self.reads = self._reserve_reads()
@@ -156,6 +167,7 @@ class ParityGuard:
         """Compute all parity from the current rows. Collective."""
         start = time.perf_counter()
         self.store.encode_all()
+        self.store.own_stripes()  # ready for a rebuild here
         self._publish()
         took = time.perf_counter() - start
         st = self.store
@@ -175,10 +187,10 @@ class ParityGuard:
             return
         fields = peer_rows.describe(st, self.mapped, False, readable=False)
         got = exchange_counts(st.topo, st.words.device, [fields] * st.topo.world_size)
-        L = st.layout
-        self._published = {m: Peer.parse(got[m]) for m in range(L.base, L.base + L.g)
-                           if m != st.topo.rank}
+        self._published = {m: Peer.parse(fields) for m, fields in enumerate(got)}
         self._published_in = st.topo.generation
+        if self.config.map == "ahead" and self.reads is not None:
+            self._premap({st.topo.rank}, keep=True)
 
     def _reads_note(self) -> str:
         if self.reads is None:
@@ -242,6 +254,7 @@ class ParityGuard:
         alike, a fresh replacement included, so that all of them pick the same recovery. Local;
         every member of the new generation calls it with the same `ranks`."""
         self._drop_rebuild()
+        self._drop_stale_maps()
         self.interrupted = sorted(ranks)
 
     def rebuilding_here(self) -> bool:
@@ -282,28 +295,42 @@ class ParityGuard:
     def start_rebuild(self, ranks, step: int) -> None:
         """Begin rebuilding `ranks` (their failure is covered). Local; rounds run in lookups."""
         self._drop_rebuild()
+        self._drop_stale_maps()
         reads = self.reads
         if reads is None and self.topo.rank in set(ranks):  # none reserved: made now
             reads = MemoryReads(self.store, self._place, self._threads)
         if self.topo.rank in set(ranks) and self.reads is not None:
             self._premap(set(ranks))
+        published = self._published if self._published_in == self.topo.generation else None
         self.rebuild = Rebuild(self.store, set(ranks), self.config.budget,
-                               self.config.transport, self.say, reads, self.behind)
+                               self.config.transport, self.say, reads, self.behind, published)
         self.interrupted = []
         self.rebuild_step = step
         self._steps_rebuilding = 0
         self.say(f"parity: ranks {sorted(ranks)} lost their shards after step {step}; rebuilding "
                  f"from their groups while training continues")
 
-    def _premap(self, lost: set[int]) -> None:
-        """This lost rank begins mapping its survivors' buffers where they were published in
-        this generation, all shared and on this host (a respawned process, which published
-        nothing, maps them in its first round). Local."""
-        survivors = {m: p for m, p in self._published.items() if m not in lost}
+    def _drop_stale_maps(self) -> None:
+        """A new generation: unmap the group's buffers mapped ahead in an older one (a dead
+        member's memory lives on while a map of it does). Local."""
+        if self.reads is not None and self._published_in != self.topo.generation:
+            self.reads.drop_maps()
+
+    def _premap(self, lost: set[int], keep: bool = False) -> None:
+        """Begin mapping the buffers of this rank's group members but `lost` (and itself)
+        where they were published in this generation, all shared and on this host: at its loss
+        (a respawned process, which published nothing, maps them in its first round), or ahead
+        (`keep`: the maps outlive rebuilds, `MemoryReads.premap`). Local."""
+        L = self.store.layout
+        survivors = {m: p for m, p in self._published.items()
+                     if L.base <= m < L.base + L.g and m not in lost and m != self.topo.rank}
         if self._published_in == self.topo.generation and survivors and all(
                 p.mappable and p.serves and p.key == peer_rows.host_key()
                 for p in survivors.values()):
-            self.reads.premap(survivors)
+            if keep:
+                self.reads.premap(survivors, keep=True)
+            else:
+                self.reads.premap(survivors)
 
     def _on_lookup(self, rows: torch.Tensor) -> None:
         self._complete_report()

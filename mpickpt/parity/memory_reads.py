@@ -46,7 +46,12 @@ class MemoryReads:
         self._cancel = threading.Event()
         self._mapper: ThreadPoolExecutor | None = None
         self._premap: Future | None = None
+        self._premapped: dict[int, Peer] | None = None
+        self._kept = False
+        """The maps were made ahead (`premap(keep=True)`): a rebuild's end keeps them."""
         self._buffers: dict[int, torch.Tensor] = {}
+        self._releaser: threading.Thread | None = None
+        """The thread of a release `close(wait=False)` began."""
         self.reserved = 0
         """Bytes of scratch faulted in ahead by `reserve` (kept by `close`)."""
 
@@ -56,6 +61,7 @@ class MemoryReads:
         are taken to be this rank's: a wider one grows its buffer then): every reader's spans
         for r = 1, where they all read; for r >= 2, where the first reader reads the spans of
         the gathered units, its spans and the unit buffers. Returns the bytes held. Local."""
+        self._released()
         st, L = self.store, self.store.layout
         periods = self._piece_periods()
         sizes = {(slot, part): nbytes for slot in range(L.g - 1)
@@ -78,14 +84,22 @@ class MemoryReads:
         """Of `bytes_read`, those read in the survivors' mapped buffers."""
         return sum(r.bytes_mapped for r in self.readers)
 
-    def premap(self, peers: dict[int, Peer]) -> None:
-        """Begin mapping the survivors' shared buffers `peers` (as they were published before
-        the failure: `ParityGuard.encode`) on a thread of its own, so that the page tables are
-        built while this rank waits in its step's first exchanges instead of in the rebuild's
-        first round (~5 ms for 69 MB on the VM). A buffer that cannot be mapped is left to the
-        probe; the round maps by what the survivors publish then, so a stale map is never
-        read. Local."""
-        if self.maps is None or self._premap is not None:
+    def premap(self, peers: dict[int, Peer], keep: bool = False) -> None:
+        """Begin mapping the group members' shared buffers `peers` (by world rank, as they
+        were published: `ParityGuard.encode`) on a thread of its own, so that their page tables
+        (~10 ms for 69 MB on the VM) are not built in a rebuild's first round: ahead (`keep`:
+        when parity is encoded; these maps outlive rebuilds, until `drop_maps` or the next
+        such call), or while this lost rank waits in its step's first exchanges. Nothing new
+        begins while one is under way or where an earlier one mapped `peers` as published
+        alike. A buffer that cannot be mapped is left to the probe; a round reads what the
+        survivors publish then, so a stale map is never read. `premapped` says which were
+        mapped. Local."""
+        self._released()
+        if self.maps is None:
+            return
+        if keep:
+            self.drop_maps()
+        elif self._premap is not None or self._covers(peers):
             return
         if self._mapper is None:
             self._mapper = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-map",
@@ -93,28 +107,63 @@ class MemoryReads:
         reader = self.readers[0]
 
         def map_all():
+            mapped = {}
             for s, peer in peers.items():
                 try:
                     reader.map_peer(peer, s - self.store.layout.base)
+                    mapped[s] = peer
                 except (OSError, ValueError):  # a PeerMapError too: the probe maps or copies it
                     pass
+            return mapped
 
+        self._premapped, self._kept = None, keep
         self._premap = self._mapper.submit(map_all)
+
+    def _covers(self, peers: dict[int, Peer]) -> bool:
+        done = self._end_premap() or {}
+        return all(done.get(s) == peer for s, peer in peers.items())
+
+    def drop_maps(self) -> None:
+        """Unmap every buffer mapped so far, ahead or not (the memory of a member that left
+        lives on while a map of it does). Local."""
+        self._released()
+        self._end_premap()
+        self._premapped, self._kept = None, False
+        if self.maps is not None:
+            self.maps.close()
+
+    def premapped(self) -> dict[int, Peer] | None:
+        """The members `premap` mapped, by world rank, as published then, once it is done
+        (waited for here): None where none began. Local."""
+        self._released()
+        return self._end_premap()
+
+    def admit(self, peers: dict[int, Peer]) -> None:
+        """Read `peers` in their maps from now on, as `probe` would have decided: every rank
+        agreed that `premap` mapped them as they publish their buffers now. Local."""
+        self._released()
+        self.maps.mapped.update(peer.pid for peer in peers.values())
 
     def probe(self, peers: dict[int, Peer]) -> None:
         """Map each survivor's shared buffers, or read one word of it where they are not
         (CrossMemoryError where the kernel refuses that too)."""
+        self._released()
         self._end_premap()
         for s, peer in peers.items():
             self.readers[0].probe(peer, s - self.store.layout.base)
 
-    def _end_premap(self) -> None:
+    def _end_premap(self) -> dict[int, Peer] | None:
         if self._premap is not None:
-            self._premap.result()
+            try:
+                self._premapped = self._premap.result()
+            except Exception:  # noqa: BLE001 - nothing mapped to rely on: the probe decides
+                self._premapped = None
             self._premap = None
+        return self._premapped
 
     def units(self, peers: dict[int, Peer], stripes: np.ndarray) -> dict[int, torch.Tensor]:
         """Each survivor's units of `stripes` (ascending), by group position."""
+        self._released()
         return dict(got for _, got in self._each_reader(
             list(peers.items()),
             lambda reader, s, peer: self._read_units(reader, s, peer, stripes)))
@@ -156,6 +205,7 @@ class MemoryReads:
         (ascending; none where None), returned by group position for the caller to decode.
         Also returns the seconds the periods took (the longest of the readers' own times on
         them), the cost the next chunk is sized by. The caller holds the store's lock."""
+        self._released()
         if self.store.layout.r != 1:
             raise ValueError(f"pull decodes r = 1 by XOR, this group has r = "
                              f"{self.store.layout.r}: use units and period_units")
@@ -184,6 +234,7 @@ class MemoryReads:
         (the store's) while it writes, so that the caller goes on with its step meanwhile. The
         future gives the sweep's seconds; the caller must let nothing change the group's rows
         or parity until it has waited for it. Local."""
+        self._released()
         if self._sweeper is None:
             self._sweeper = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-sweep",
                                                initializer=self._place)
@@ -203,6 +254,7 @@ class MemoryReads:
     def period_units(self, p0: int, p1: int, peers: dict[int, Peer]) -> dict[int, torch.Tensor]:
         """Each survivor's units of periods [p0, p1) in stripe order ((n g, W) each, buffers
         reused by the next call), by group position: what it would have sent."""
+        self._released()
         st, L = self.store, self.store.layout
         n, W = p1 - p0, st.words.width
         out = {}
@@ -214,10 +266,29 @@ class MemoryReads:
             out[pos] = buf
         return out
 
-    def close(self) -> None:
-        """End the threads and drop the scratch buffers, but those `reserve` faulted in (a
-        rebuild that follows reuses them). Waits for a sweep `pull_behind` began, which gives
-        up if it has not taken the lock yet (a caller may hold it). Local; safe twice."""
+    def close(self, wait: bool = True) -> None:
+        """End the threads, unmap the survivors' buffers and drop the scratch buffers, but
+        those `reserve` faulted in (a rebuild that follows reuses them). Waits for a sweep
+        `pull_behind` began, which gives up if it has not taken the lock yet (a caller may hold
+        it). `wait` False: all that on a thread of its own (unmapping and ending threads take a
+        few ms that a rebuild's last round need not wait for; nothing is read by then), which
+        every later use of these reads waits for first. Local; safe twice."""
+        self._released()
+        if not wait:
+            self._releaser = threading.Thread(target=self._release, daemon=True,
+                                              name="mpickpt-release")
+            self._releaser.start()
+            return
+        self._release()
+
+    def _released(self) -> None:
+        """Wait for a release `close(wait=False)` began."""
+        releaser = self._releaser
+        if releaser is not None and releaser is not threading.current_thread():
+            releaser.join()
+            self._releaser = None
+
+    def _release(self) -> None:
         if self._sweeper is not None:
             self._cancel.set()  # a sweep still waiting for the lock gives up
             self._sweeper.shutdown(wait=True)
@@ -231,7 +302,10 @@ class MemoryReads:
             self._mapper = None
         for reader in self.readers:
             reader.release()
-        if self.maps is not None:
+        if self.maps is not None and self._kept:  # mapped ahead: kept for the next loss
+            self.maps.mapped.clear()  # which admits them again
+        elif self.maps is not None:
+            self._premapped = None
             self.maps.close()
         if not self.reserved:  # r >= 2 reserves its unit buffers too
             self._buffers.clear()

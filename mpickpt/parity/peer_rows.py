@@ -40,13 +40,15 @@ def fault_in(buf: np.ndarray) -> None:
     flat[-1:] = 0           # page boundary)
 
 FIXED_FIELDS = 7
-"""host key, pid, serves (its rows can be read), probed (as a lost rank it has read its survivors),
-parity address, parity's shared buffer (descriptor, offset; -1, 0 where not shared); then
+"""host key, pid, serves (its rows can be read), probed (as a lost rank: PROBED, it has read its
+survivors; PREMAPPED, it mapped them all as they were published ahead, `ParityGuard.encode`), parity
+address, parity's shared buffer (descriptor, offset; -1, 0 where not shared); then
 (address, row stride, descriptor, offset) per row tensor."""
 PER_TENSOR = 4
+PROBED, PREMAPPED = 1, 2
 
 
-def describe(store, enabled: bool, probed: bool, mapping: bool = True,
+def describe(store, enabled: bool, probed: int, mapping: bool = True,
              readable: bool = True) -> list[int]:
     """This rank's fields of a rebuild round's counts. `enabled`: the transport may use memory
     reads at all (else all zeros but the pid); `mapping`: offer the shared buffers to be mapped
@@ -91,7 +93,7 @@ class Peer:
     key: int
     pid: int
     serves: bool
-    probed: bool
+    probed: int  # 0, PROBED or PREMAPPED
     parity: int
     parity_shared: tuple[int, int]  # (descriptor, offset); descriptor -1: not shared
     tensors: tuple[tuple[int, int, int, int], ...]  # (address, row stride, descriptor, offset)
@@ -100,8 +102,14 @@ class Peer:
     def parse(cls, fields) -> "Peer":
         f = [int(x) for x in fields]
         rest = f[FIXED_FIELDS:]
-        return cls(f[0], f[1], bool(f[2]), bool(f[3]), f[4], (f[5], f[6]),
+        return cls(f[0], f[1], bool(f[2]), f[3], f[4], (f[5], f[6]),
                    tuple(tuple(rest[i:i + PER_TENSOR]) for i in range(0, len(rest), PER_TENSOR)))
+
+    def same_buffers(self, other: "Peer") -> bool:
+        """`other` (published later) names the same process, host and buffers."""
+        return (self.key, self.pid, self.serves, self.parity, self.parity_shared,
+                self.tensors) == (other.key, other.pid, other.serves, other.parity,
+                                  other.parity_shared, other.tensors)
 
     @property
     def mappable(self) -> bool:

@@ -54,7 +54,8 @@ class Rebuild:
     Every rank holds one; `round` and `finish` are collective until `active` is False."""
 
     def __init__(self, store, failed: set[int], budget: float, transport: str = "auto",
-                 say=None, reads: MemoryReads | None = None, behind: bool = False):
+                 say=None, reads: MemoryReads | None = None, behind: bool = False,
+                 published: dict[int, Peer] | None = None):
         """`transport`: "auto" reads the survivors' memory where the whole group shares a host
         and the kernel allows it (`peer_rows`: in their shared buffers where it can map them,
         `shared_rows`, else by copies), else uses the process group; "copy" the same without
@@ -64,16 +65,18 @@ class Rebuild:
         (`MemoryReads.reserve`). `behind`: this rank would have a round that reads memory
         leave its sweep running beside the step; every rank's gradient hook then calls `join`
         before any row of the step changes. A round does so only where every rank would (their
-        votes travel with its first exchange), so the choice is the same on all."""
+        votes travel with its first exchange), so the choice is the same on all.
+        `published`: where every rank's buffers were published before the failure
+        (`ParityGuard.encode`, in this generation; None where not): a lost rank that mapped
+        its survivors as published there (`MemoryReads.premap`) says so in its first round, and
+        where they all publish the same buffers then, every rank takes that for its probe (one
+        exchange fewer)."""
         self.store, self.failed, self.budget = store, set(failed), budget
         self.transport, self.say = transport, say or (lambda line: None)
         L, me = store.layout, store.topo.rank
         self.mine = me in self.failed
         self.group_failed = {f - L.base for f in self.failed if L.base <= f < L.base + L.g}
-        self.lost = np.zeros(L.stripes, dtype=bool)
-        if self.mine:
-            self.lost[L.stripe_of_row(store.pos, np.arange(L.rows[store.pos]))] = True
-            self.lost[L.stripe_of_parity(store.pos, np.arange(L.parity_rows))] = True
+        self.lost = store.own_stripes().copy() if self.mine else np.zeros(L.stripes, bool)
         self.total = int(self.lost.sum())
         self.cursor = 0
         self.chunk = FIRST_CHUNK_STRIPES
@@ -87,6 +90,8 @@ class Rebuild:
         self.reads = reads if self.mine else None
         self._mapped_before = self.reads.bytes_mapped if self.reads is not None else 0
         self.probed = False  # this lost rank has read each of its survivors' memory once
+        self.published = published
+        self.premapped = False  # this lost rank's first round offers its premap for the probe
         self.memory_rounds = 0
         self.behind = behind
         self.deferred = False
@@ -129,11 +134,15 @@ class Rebuild:
         st = self.store
         vote = int(self.behind and not everything and st.layout.r == 1 and
                    self.transport != "network")  # this rank may leave a sweep beside the step
+        if self.rounds == 0 and self.mine and self._offer_premap() and not everything \
+                and self.chunk > 0:  # chunk 0: degraded reads only
+            self._resize_pull()  # the first chunk sized for memory reads, as a probe's is
         degraded, (p0, p1) = self._request(needed_rows, everything, keep_chunk=bool(vote))
         left = int(self.mine and p1 < st.layout.periods)  # the sweep has periods to go
         world = st.topo.world_size
         survivors = [st.layout.base + p for p in range(st.layout.g) if p not in self.group_failed]
-        info = peer_rows.describe(st, self.transport != "network", self.probed,
+        info = peer_rows.describe(st, self.transport != "network", peer_rows.PROBED if
+                                  self.probed else peer_rows.PREMAPPED if self.premapped else 0,
                                   mapping=self.transport == "auto")
         counts = [([len(degraded), p0, p1, left] if (self.mine and d in survivors)
                    else [0, 0, 0, left]) + [vote] + info for d in range(world)]
@@ -147,6 +156,9 @@ class Rebuild:
                 peers = None
             else:
                 lefts = agreed
+        elif peers and not self.probed:  # every rank took this lost rank's premap for its probe
+            self.reads.admit(peers)
+            self.probed = True
         g = st.layout.g
         if peers is not None and not defer:
             # the chunk is read in this round (a vote kept its rows among the degraded; a probe
@@ -203,15 +215,15 @@ class Rebuild:
     def _end_if_over(self) -> None:
         if not self.active and self.finished_at is None:
             self.finished_at = time.perf_counter()
-            self.close()
+            self.close(wait=False)  # the step goes on while its maps and threads go
 
-    def close(self) -> None:
-        """Release the lost rank's reader threads and scratch (when the rebuild ends, or is
-        dropped; a sweep still running is waited for, its failure dropped with it). Local; safe
-        twice."""
+    def close(self, wait: bool = True) -> None:
+        """Release the lost rank's reader threads, maps and scratch (when the rebuild ends, or
+        is dropped; a sweep still running is waited for, its failure dropped with it). `wait`
+        False: on a thread of its own (`MemoryReads.close`). Local; safe twice."""
         self._sweep = None
         if self.reads is not None:
-            self.reads.close()
+            self.reads.close(wait)
 
     def _over_network(self, counts, request, degraded, got, survivors) -> None:
         """The round's units travel over the process group: requests, then the survivors' units
@@ -255,8 +267,31 @@ class Rebuild:
         return {s: info[s] for s in survivors} if self.mine else {}
 
     def _probing(self, got) -> bool:
-        """Some lost rank has not read its survivors' memory yet (the same on every rank)."""
-        return not all(Peer.parse(got[f][5:]).probed for f in self.failed)
+        """Some lost rank has not read its survivors' memory yet, nor mapped them all as they
+        publish their buffers now (the same on every rank)."""
+        g = self.store.layout.g
+        for f in self.failed:
+            said = Peer.parse(got[f][5:]).probed
+            members = [m for m in range(f - f % g, f - f % g + g) if m not in self.failed]
+            if said == peer_rows.PREMAPPED and self.published is not None and all(
+                    m in self.published and
+                    self.published[m].same_buffers(Peer.parse(got[m][5:])) for m in members):
+                continue
+            if said != peer_rows.PROBED:
+                return True
+        return False
+
+    def _offer_premap(self) -> bool:
+        """This lost rank mapped all its survivors as they were published before the failure
+        (waits for its premap): it offers that for its probe. Local."""
+        if self.reads is None or self.published is None or self.transport != "auto":
+            return False
+        premapped = self.reads.premapped() or {}
+        L = self.store.layout
+        self.premapped = all(
+            s in premapped and self.published.get(s) == premapped[s]
+            for s in (L.base + p for p in range(L.g) if p not in self.group_failed))
+        return self.premapped
 
     def _agree_probe(self, peers: dict[int, Peer], p0: int, p1: int,
                      everything: bool) -> tuple[int, list[int] | None]:

@@ -65,6 +65,7 @@ class ParityStore:
         self.sent_bytes = 0
         self.last_fold = None
         """(sender positions, received block) of the last fold, for `unfold`."""
+        self._own: np.ndarray | None = None
         # r = 1 rebuilds XOR-reduce the survivors' units onto the lost rank (gloo has BXOR;
         # NCCL has not, and sends them all to the lost rank instead)
         self._xor_reduce = r == 1 and topo.backend == "gloo"
@@ -82,6 +83,20 @@ class ParityStore:
         """This rank's parity group's own group of the current generation (None: rebuilds send
         the units to the lost rank instead of XOR-reducing them)."""
         return self.topo.part_group("parity-groups", []) if self._xor_reduce else None
+
+    def own_stripes(self) -> np.ndarray:
+        """The stripes in which this rank holds a data row or a parity row (what its loss takes
+        away), as a mask over its group's stripes: computed on the first call (`encode` makes
+        it, so that a rebuild does not pay for it at the failure), then shared (read-only).
+        Local."""
+        if self._own is None:
+            L = self.layout
+            own = np.zeros(L.stripes, dtype=bool)
+            own[L.stripe_of_row(self.pos, np.arange(L.rows[self.pos]))] = True
+            own[L.stripe_of_parity(self.pos, np.arange(L.parity_rows))] = True
+            own.flags.writeable = False
+            self._own = own
+        return self._own
 
     def nbytes(self) -> int:
         """Bytes of parity held here."""

@@ -108,10 +108,9 @@ def test_degraded_reads_and_rebuild_are_exact(topology, path):
         assert (mem and guard.reads.reserved > 0) == (mem and not mapped)
         if mem:
             assert rb.reads is (guard.reads if rank in failed else None)
-            # mapped: the lost rank began mapping its survivors as it learned of its loss,
-            # from where encode said they were
-            assert (rank in failed and guard.reads._premap is not None) == \
-                (mapped and rank in failed)
+            # mapped: every rank began mapping its group's buffers ahead, when encode
+            # published them (the lost rank's loss finds them under way)
+            assert (guard.reads._premap is not None) == mapped
         rb.chunk = 0  # this round serves degraded reads only
         want = torch.arange(0, words.rows, 7)
         rb.round(want if rank in failed else None, step_seconds=None)
@@ -152,6 +151,8 @@ def test_degraded_reads_and_rebuild_are_exact(topology, path):
         assert rb.memory_rounds == (rb.rounds if mem else 0), (path, rb.rounds)
         assert (rb.probed and rb.received_bytes > 0) if mem and rank in failed \
             else not rb.probed
+        # mapped: the lost rank's maps made ahead stood for its probe (no exchange for it)
+        assert rb.premapped == (mapped and rank in failed)
         # mapped: everything was read where the survivors' rows lie, nothing copied
         assert rb.mapped_bytes == (rb.received_bytes if mapped else 0), (path, rb.mapped_bytes)
         # the rebuilt state trains on exactly like a model that never failed
