@@ -109,6 +109,7 @@ BAD_INPUTS = [
      r"--ckpt-priority mfu .* cannot go with --ckpt-kind incrcp"),
     (2, ["--ckpt-dir", "{tmp}", "--ckpt-priority", "lru"], r"--ckpt-priority: invalid choice"),
     (2, ["--parity-k", "1", "--rebuild-transport", "shm"], r"--rebuild-transport: invalid choice"),
+    (2, ["--parity-k", "1", "--rebuild-map", "late"], r"--rebuild-map: invalid choice"),
     (2, ["--mtbf", "0h"], r"--mtbf must be a positive number"),
     (2, ["--mtbf=-3h"], r"--mtbf must be a positive number"),
     (2, ["--ckpt-dir", "{tmp}", "--ckpt-interval", "often"], r"--ckpt-interval: expected an "
@@ -139,7 +140,9 @@ def test_good_flags_build_every_config(tmp_path):
     network = TrainConfig.from_args(["--parity-k", "1", "--rebuild-transport", "network"])
     assert network.parity.transport == "network" and config.parity.transport == "auto"
     copy = TrainConfig.from_args(["--parity-k", "1", "--rebuild-transport", "copy"])
-    assert copy.parity.transport == "copy" and config.parity.budget == 0.15
+    assert copy.parity.transport == "copy" and config.parity.budget == 0.07
+    late = TrainConfig.from_args(["--parity-k", "1", "--rebuild-map", "failure"])
+    assert late.parity.map == "failure" and config.parity.map == "ahead"
     assert TrainConfig.from_args([]).checkpoint is None and TrainConfig.from_args([]).parity is None
 
 

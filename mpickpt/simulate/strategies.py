@@ -22,8 +22,8 @@ from mpickpt.simulate.costs import EventCosts
 from mpickpt.simulate.scenario import Scenario
 
 
-REBUILD_BUDGET = 0.15
-"""mpickpt's default --rebuild-budget (`ParityConfig.budget`): a rebuild round takes at most 0.15
+REBUILD_BUDGET = 0.07
+"""mpickpt's default --rebuild-budget (`ParityConfig.budget`): a rebuild round takes at most 0.07
 of a step."""
 
 
