@@ -1,7 +1,7 @@
 """Training time a parity rebuild costs, per failure: several failures in each run, variants
 interleaved.
 
-    python bench/rebuild_loss.py --variant 0.15= --variant 0.3=--rebuild-budget,0.3
+    python bench/rebuild_loss.py --variant 0.07= --variant 0.15=--rebuild-budget,0.15
 
 `bench/parity.py` measures one failure per run, so each run gives one sample of a figure that this
 VM's hiccups move by +-10 points. Here every run of bench/parity.py's 4-rank job (k = 3, r = 1,
@@ -99,19 +99,25 @@ def failures(a, lines) -> list[dict]:
         span = ends[done] - ends[f]
         out.append({"fail_step": f, "steps": done - f, "step_s": before,
                     "throughput": (done - f) * before / span,
-                    "lost_s": span - (done - f) * before, "log": line})
+                    "lost_s": span - (done - f) * before,
+                    "lost_by_step_s": [ends[s] - ends[s - 1] - before
+                                       for s in range(f + 1, done + 1)], "log": line})
     return out
 
 
 def summarize(samples: list[dict]) -> dict:
     tp = np.array([s["throughput"] for s in samples])
     lost = np.array([s["lost_s"] for s in samples])
+    longest = max(len(s["lost_by_step_s"]) for s in samples)
+    by_step = [float(np.median([s["lost_by_step_s"][i] for s in samples
+                                if len(s["lost_by_step_s"]) > i])) for i in range(longest)]
     return {"n": len(samples), "throughput_median": float(np.median(tp)),
             "throughput_mean": float(tp.mean()),
             "throughput_quartiles": [float(x) for x in np.percentile(tp, [25, 75])],
             "lost_median_s": float(np.median(lost)), "lost_mean_s": float(lost.mean()),
             "steps_median": float(np.median([s["steps"] for s in samples])),
-            "step_s_median": float(np.median([s["step_s"] for s in samples]))}
+            "step_s_median": float(np.median([s["step_s"] for s in samples])),
+            "lost_by_step_median_s": by_step}
 
 
 def main(argv=None) -> int:
@@ -138,6 +144,9 @@ def main(argv=None) -> int:
         print(f"{n:>12s} {v['n']:8d} {v['steps_median']:5.0f} {v['throughput_median']:17.1%} "
               f"{q[0]:6.1%}-{q[1]:5.1%} {v['throughput_mean']:6.1%} "
               f"{v['lost_median_s'] * 1e3:14.1f} {v['lost_mean_s'] * 1e3:6.1f}")
+    for n, v in result["variants"].items():
+        print(f"{n}: time lost in the 1st, 2nd, ... step after the failure (medians, ms): "
+              + ", ".join(f"{x * 1e3:.1f}" for x in v["lost_by_step_median_s"]))
     print(f"digests agree within each variant: {result['digests_agree']}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
