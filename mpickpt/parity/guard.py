@@ -189,8 +189,10 @@ class ParityGuard:
         got = exchange_counts(st.topo, st.words.device, [fields] * st.topo.world_size)
         self._published = {m: Peer.parse(fields) for m, fields in enumerate(got)}
         self._published_in = st.topo.generation
-        if self.config.map == "ahead" and self.reads is not None:
-            self._premap({st.topo.rank}, keep=True)
+        if self.reads is not None:
+            self.reads.drop_maps()  # the last publication's (a member may have left since)
+            if self.config.map == "ahead":
+                self._premap({st.topo.rank}, keep=True)
 
     def _reads_note(self) -> str:
         if self.reads is None:

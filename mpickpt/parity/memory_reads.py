@@ -116,7 +116,7 @@ class MemoryReads:
                     pass
             return mapped
 
-        self._premapped, self._kept = None, keep
+        self._premapped, self._kept = None, keep or self._kept  # those made ahead stay
         self._premap = self._mapper.submit(map_all)
 
     def _covers(self, peers: dict[int, Peer]) -> bool:

@@ -134,9 +134,8 @@ class Rebuild:
         st = self.store
         vote = int(self.behind and not everything and st.layout.r == 1 and
                    self.transport != "network")  # this rank may leave a sweep beside the step
-        if self.rounds == 0 and self.mine and self._offer_premap() and not everything \
-                and self.chunk > 0:  # chunk 0: degraded reads only
-            self._resize_pull()  # the first chunk sized for memory reads, as a probe's is
+        if self.rounds == 0 and self.mine:
+            self._offer_premap()
         degraded, (p0, p1) = self._request(needed_rows, everything, keep_chunk=bool(vote))
         left = int(self.mine and p1 < st.layout.periods)  # the sweep has periods to go
         world = st.topo.world_size
@@ -159,6 +158,7 @@ class Rebuild:
         elif peers and not self.probed:  # every rank took this lost rank's premap for its probe
             self.reads.admit(peers)
             self.probed = True
+            p1 = self._grow_for_memory(p0, p1, everything)  # others' view: `lefts` as sent
         g = st.layout.g
         if peers is not None and not defer:
             # the chunk is read in this round (a vote kept its rows among the degraded; a probe
@@ -283,7 +283,10 @@ class Rebuild:
 
     def _offer_premap(self) -> bool:
         """This lost rank mapped all its survivors as they were published before the failure
-        (waits for its premap): it offers that for its probe. Local."""
+        (waits for its premap): it offers that for its probe, and its chunk is sized for memory
+        once every rank has taken the offer (`_grow_for_memory`), as after a probe: where the
+        round goes to the network instead, its survivors were asked for a network-sized one.
+        Local."""
         if self.reads is None or self.published is None or self.transport != "auto":
             return False
         premapped = self.reads.premapped() or {}
@@ -302,16 +305,25 @@ class Rebuild:
         Collective over the training process group."""
         st, asked, chunk = self.store, p1, self.chunk
         ok = self._probe(peers) if self.mine else True
-        if self.mine and ok and not everything and self.chunk > 0:  # chunk 0: degraded only
-            self._resize_pull()
-            # grow only: the degraded reads left out the stripes of the chunk asked for
-            p1 = self.cursor = max(asked, self._chunk_end(p0))
+        if self.mine and ok:
+            p1 = self._grow_for_memory(p0, p1, everything)
         left = int(self.mine and p1 < st.layout.periods)
         agreed = exchange_counts(st.topo, st.words.device, [[int(ok), left]] * st.topo.world_size)
         if not all(c[0] for c in agreed):  # some group's lost rank may not read: the network,
             self.cursor, self.chunk = asked, chunk  # with the chunk its survivors were asked for
             return asked, None
         return p1, [c[1] for c in agreed]
+
+    def _grow_for_memory(self, p0: int, p1: int, everything: bool) -> int:
+        """The end of this lost rank's first chunk read from memory: the chunk asked for was
+        sized for the network, so it is sized again at memory's rate, grown only (the degraded
+        reads left out the stripes of the chunk asked for; those of the growth are dropped from
+        them after). Not for chunk 0 (degraded reads only) nor `everything`. Local."""
+        if everything or self.chunk <= 0:
+            return p1
+        self._resize_pull()
+        self.cursor = max(p1, self._chunk_end(p0))
+        return self.cursor
 
     def _probe(self, peers: dict[int, Peer]) -> bool:
         """Read one word of each survivor (once per rebuild); False, and said, where the kernel

@@ -73,11 +73,17 @@ def test_propagated_parity_equals_a_fresh_encode(topology, optimizer):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("path", ["memory", "memory-votes", "mapped", "bxor-reduce",
                                   "all-to-lost"])
-def test_degraded_reads_and_rebuild_are_exact(topology, path):
+def test_degraded_reads_and_rebuild_are_exact(topology, path, monkeypatch):
     """memory: sweeps beside the steps (r = 1), copying the survivors' rows; memory-votes: rank 0
     votes for them, the others against, so every round sweeps in the lookup; mapped: every rank
-    keeps its rows and parity in shared memory, which the lost rank maps (sweeps in the
-    lookup)."""
+    keeps its rows and parity in shared memory, which every rank maps ahead and the lost rank
+    reads (sweeps in the lookup), with no probe exchange."""
+    from mpickpt.parity.rebuild import Rebuild
+
+    probes = []
+    real_probe = Rebuild._agree_probe
+    monkeypatch.setattr(Rebuild, "_agree_probe",
+                        lambda self, *a: probes.append(1) or real_probe(self, *a))
     rank, mem, mapped = topology.rank, path in ("memory", "memory-votes", "mapped"), \
         path == "mapped"
     for k, r, failed in _shapes(topology.world_size):
@@ -151,8 +157,11 @@ def test_degraded_reads_and_rebuild_are_exact(topology, path):
         assert rb.memory_rounds == (rb.rounds if mem else 0), (path, rb.rounds)
         assert (rb.probed and rb.received_bytes > 0) if mem and rank in failed \
             else not rb.probed
-        # mapped: the lost rank's maps made ahead stood for its probe (no exchange for it)
+        # mapped: the lost rank's maps made ahead stood for its probe: no rank had the
+        # probe's exchange (the copies had theirs, once per rebuild)
         assert rb.premapped == (mapped and rank in failed)
+        assert len(probes) == (0 if mapped or not mem else 1), (path, probes)
+        probes.clear()
         # mapped: everything was read where the survivors' rows lie, nothing copied
         assert rb.mapped_bytes == (rb.received_bytes if mapped else 0), (path, rb.mapped_bytes)
         # the rebuilt state trains on exactly like a model that never failed
