@@ -776,7 +776,7 @@ def test_a_lost_rank_premaps_only_survivors_it_can_map_here(case):
                             _published_in=0 if case == "old generation" else 1,
                             topo=SimpleNamespace(generation=1, rank=3),
                             store=SimpleNamespace(layout=SimpleNamespace(base=0, g=4)),
-                            reads=SimpleNamespace(premap=lambda p, keep=False: calls.append(
+                            reads=SimpleNamespace(premap=lambda p, keep: calls.append(
                                 (p, keep))))
     ParityGuard._premap(guard, {3})  # at rank 3's loss
     ParityGuard._premap(guard, {3}, keep=True)  # ahead, when parity is encoded (rank 3 too)

@@ -329,10 +329,7 @@ class ParityGuard:
         if self._published_in == self.topo.generation and survivors and all(
                 p.mappable and p.serves and p.key == peer_rows.host_key()
                 for p in survivors.values()):
-            if keep:
-                self.reads.premap(survivors, keep=True)
-            else:
-                self.reads.premap(survivors)
+            self.reads.premap(survivors, keep=keep)
 
     def _on_lookup(self, rows: torch.Tensor) -> None:
         self._complete_report()

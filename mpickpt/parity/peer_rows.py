@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -107,9 +107,7 @@ class Peer:
 
     def same_buffers(self, other: "Peer") -> bool:
         """`other` (published later) names the same process, host and buffers."""
-        return (self.key, self.pid, self.serves, self.parity, self.parity_shared,
-                self.tensors) == (other.key, other.pid, other.serves, other.parity,
-                                  other.parity_shared, other.tensors)
+        return replace(other, probed=self.probed) == self
 
     @property
     def mappable(self) -> bool:

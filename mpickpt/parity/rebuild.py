@@ -281,20 +281,19 @@ class Rebuild:
                 return True
         return False
 
-    def _offer_premap(self) -> bool:
+    def _offer_premap(self) -> None:
         """This lost rank mapped all its survivors as they were published before the failure
         (waits for its premap): it offers that for its probe, and its chunk is sized for memory
         once every rank has taken the offer (`_grow_for_memory`), as after a probe: where the
         round goes to the network instead, its survivors were asked for a network-sized one.
         Local."""
         if self.reads is None or self.published is None or self.transport != "auto":
-            return False
+            return
         premapped = self.reads.premapped() or {}
         L = self.store.layout
         self.premapped = all(
             s in premapped and self.published.get(s) == premapped[s]
             for s in (L.base + p for p in range(L.g) if p not in self.group_failed))
-        return self.premapped
 
     def _agree_probe(self, peers: dict[int, Peer], p0: int, p1: int,
                      everything: bool) -> tuple[int, list[int] | None]:
