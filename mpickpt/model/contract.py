@@ -17,7 +17,11 @@ Invariants no protocol can state, which every model keeps:
   before the pooled gradients leave for their owners; the TorchRec adapter's when they have
   come back to the lookup's output, before the fused backward's update); parity's sweeps beside
   the step rely on it (a collective hook then holds every rank until all have called it).
-  Embeddings without it are never asked to.
+  Embeddings without it are never asked to. Embeddings whose class sets
+  `gradient_hooks_gate_updates = True` promise more: after its hooks every rank enters a
+  collective over `topo.pg` that no rank leaves before all have entered it, and no rank changes
+  a row of the step before it leaves (HybridDLRM: the pooled gradients' all-to-all), so that
+  collective holds the ranks and the hook needs no exchange of its own.
 - A model that keeps the process groups it was built on (the TorchRec adapter: its DMP) has
   `regroup()`, which in-place recovery calls on the survivors right after the next generation
   formed; a model that reads `topo.pg` at every call (HybridDLRM) needs none. Construction must

@@ -149,6 +149,11 @@ class ShardedEmbeddingBags:
         self.update_hooks.append(hook)
         return lambda: self.update_hooks.remove(hook)
 
+    gradient_hooks_gate_updates = True
+    """The gradients' all-to-all follows the gradient hooks on every rank, and rows change
+    only after it (`mpickpt.model.contract`). gloo's all-to-all waits for every peer, also one
+    that sends this rank nothing; parity relies on the gate over gloo only."""
+
     def add_gradient_hook(self, hook: Callable[[], None]) -> Callable[[], None]:
         """Call `hook()` on every rank in each training step after its lookup and dense
         backward, right before the pooled gradients leave for their owners: no row of this step

@@ -118,6 +118,9 @@ class ParityGuard:
         add_gradient_hook = getattr(model.embeddings, "add_gradient_hook", None)
         if add_gradient_hook is not None:  # on every rank: a sweep beside needs all to join
             add_gradient_hook(self._before_gradients)
+        self._gated = bool(getattr(model.embeddings, "gradient_hooks_gate_updates", False)) \
+            and topo.backend == "gloo"
+        """A collective that holds every rank follows the gradient hook (`model.contract`)."""
         self.behind = add_gradient_hook is not None and (
             config.sweep == "beside" or config.sweep == "auto" and self._core_free())
         """This rank's vote for memory sweeps beside the step (`Rebuild`'s `behind`)."""
@@ -343,13 +346,16 @@ class ParityGuard:
         """The gradient hook (`in_step`), and first thing in a lookup or `settle`: end a sweep
         the last round left running. The lost ranks wait for theirs, then one small exchange
         holds every rank until they have, so that no row or parity of the group changes while
-        a sweep reads it, nor a lookup reads a row it has not written. Collective when the
-        round was deferred (alike on every rank), else nothing."""
+        a sweep reads it, nor a lookup reads a row it has not written; in the gradient hook of
+        embeddings whose gradients' all-to-all follows it (`_gated`), that all-to-all holds
+        them instead. Collective when the round was deferred (alike on every rank), else
+        nothing."""
         rb = self.rebuild
         if rb is None or not rb.deferred:
             return
         rb.join(in_step)
-        rb.hold_all()
+        if not (in_step and self._gated):
+            rb.hold_all()
         if not rb.active:
             self._report()
 

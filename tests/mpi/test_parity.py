@@ -80,10 +80,13 @@ def test_degraded_reads_and_rebuild_are_exact(topology, path, monkeypatch):
     reads (sweeps in the lookup), with no probe exchange."""
     from mpickpt.parity.rebuild import Rebuild
 
-    probes = []
-    real_probe = Rebuild._agree_probe
+    probes, holds, joins = [], [], []
+    real_probe, real_hold, real_join = Rebuild._agree_probe, Rebuild.hold_all, Rebuild.join
     monkeypatch.setattr(Rebuild, "_agree_probe",
                         lambda self, *a: probes.append(1) or real_probe(self, *a))
+    monkeypatch.setattr(Rebuild, "hold_all", lambda self: holds.append(1) or real_hold(self))
+    monkeypatch.setattr(Rebuild, "join", lambda self, in_step=True: (
+        joins.append(in_step) if self.deferred else None) or real_join(self, in_step))
     rank, mem, mapped = topology.rank, path in ("memory", "memory-votes", "mapped"), \
         path == "mapped"
     for k, r, failed in _shapes(topology.world_size):
@@ -161,7 +164,11 @@ def test_degraded_reads_and_rebuild_are_exact(topology, path, monkeypatch):
         # probe's exchange (the copies had theirs, once per rebuild)
         assert rb.premapped == (mapped and rank in failed)
         assert len(probes) == (0 if mapped or not mem else 1), (path, probes)
-        probes.clear()
+        # a sweep joined in a step's gradient hook needs no exchange of its own (the gradients'
+        # all-to-all holds every rank); one joined in a lookup or settle has one
+        assert joins.count(True) == (3 if beside else 0), (path, joins)
+        assert len(holds) == joins.count(False) == (3 if beside else 0), (path, holds, joins)
+        probes.clear(), holds.clear(), joins.clear()
         # mapped: everything was read where the survivors' rows lie, nothing copied
         assert rb.mapped_bytes == (rb.received_bytes if mapped else 0), (path, rb.mapped_bytes)
         # the rebuilt state trains on exactly like a model that never failed
