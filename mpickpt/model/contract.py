@@ -22,6 +22,10 @@ Invariants no protocol can state, which every model keeps:
   collective over `topo.pg` that no rank leaves before all have entered it, and no rank changes
   a row of the step before it leaves (HybridDLRM: the pooled gradients' all-to-all), so that
   collective holds the ranks and the hook needs no exchange of its own.
+- Embeddings that offer `add_exchange_hook(hook)` carry every hook's small int messages in each
+  lookup's first exchange (`hook.outgoing()` before it, alike on every rank: None or one
+  equal-length list per destination; `hook.incoming(fields)` after, before the index hooks);
+  parity's rebuild rounds then add no exchange to a step. Embeddings without it are not asked.
 - A model that keeps the process groups it was built on (the TorchRec adapter: its DMP) has
   `regroup()`, which in-place recovery calls on the survivors right after the next generation
   formed; a model that reads `topo.pg` at every call (HybridDLRM) needs none. Construction must

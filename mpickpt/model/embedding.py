@@ -92,6 +92,7 @@ class ShardedEmbeddingBags:
         self.count_hooks: list = []
         self.update_hooks: list = []
         self.gradient_hooks: list[Callable[[], None]] = []
+        self.exchange_hooks: list = []
         self._offsets = torch.as_tensor(plan.table_offsets, device=self.device)
 
     def share_rows(self, shared) -> bool:
@@ -149,6 +150,16 @@ class ShardedEmbeddingBags:
         self.update_hooks.append(hook)
         return lambda: self.update_hooks.remove(hook)
 
+    def add_exchange_hook(self, hook) -> Callable[[], None]:
+        """Carry a hook's small messages in every lookup's first exchange (the entry counts):
+        `hook.outgoing()` runs on every rank before it and returns None (on every rank alike) or
+        one list of ints per destination rank, of one length on every rank; then
+        `hook.incoming(fields)` gets the list each source sent this rank, before the index
+        hooks. A hook with a message for every lookup spares it an exchange of its own. Local to
+        register; returns a remover."""
+        self.exchange_hooks.append(hook)
+        return lambda: self.exchange_hooks.remove(hook)
+
     gradient_hooks_gate_updates = True
     """The gradients' all-to-all follows the gradient hooks on every rank, and rows change
     only after it (`mpickpt.model.contract`). gloo's all-to-all waits for every peer, also one
@@ -176,7 +187,7 @@ class ShardedEmbeddingBags:
             owner, lrow = self.plan.owner_of(gid)
             route = _segments(owner, bag, lrow, self.topo.world_size, B * T)
         with self.timer.phase("alltoall"):
-            recv_counts = self._exchange_counts(route.counts)
+            recv_counts = self._exchange_counts(route.counts, self._outgoing())
             recv_entries, recv_segs = recv_counts[0::2], recv_counts[1::2]
             packed = self._alltoall(route.packed, route.send_entries, recv_entries, 2)
         recv_rows, recv_seg = _owner_segments(packed, recv_entries, recv_segs, self.device)
@@ -230,10 +241,32 @@ class ShardedEmbeddingBags:
             for hook in self.update_hooks:
                 hook.step_done()
 
-    def _exchange_counts(self, counts: torch.Tensor) -> list[int]:
-        out = torch.empty_like(counts)
-        self.topo.wait(dist.all_to_all_single(out, counts, group=self.topo.pg, async_op=True))
-        return out.tolist()
+    def _outgoing(self) -> list[tuple[object, list[list[int]]]]:
+        """(hook, its list per destination) of the exchange hooks with a message. Local unless
+        a hook's `outgoing` is collective."""
+        out = [(hook, hook.outgoing()) for hook in self.exchange_hooks]
+        return [(hook, fields) for hook, fields in out if fields is not None]
+
+    def _exchange_counts(self, counts: torch.Tensor, carried=()) -> list[int]:
+        """The (entries, segments) pairs, interleaved by rank, that every rank sends this one;
+        the `carried` hooks' fields travel after each pair, and each hook hears its own
+        (`add_exchange_hook`). Collective over `topo.pg`."""
+        world = self.topo.world_size
+        send = counts.view(world, 2)
+        if carried:
+            fields = torch.tensor([sum((f[d] for _, f in carried), []) for d in range(world)],
+                                  dtype=counts.dtype, device=counts.device).view(world, -1)
+            send = torch.cat([send, fields], dim=1)
+        send = send.contiguous().view(-1)
+        out = torch.empty_like(send)
+        self.topo.wait(dist.all_to_all_single(out, send, group=self.topo.pg, async_op=True))
+        got = out.view(world, -1).tolist()
+        at = 2
+        for hook, f in carried:
+            width = len(f[0])
+            hook.incoming([row[at:at + width] for row in got])
+            at += width
+        return [n for row in got for n in row[:2]]
 
     def _alltoall(self, send: torch.Tensor, send_splits, recv_splits, width: int = 1):
         """Variable-size all-to-all along dim 0; `width` elements per entry for flat tensors."""

@@ -118,6 +118,11 @@ class ParityGuard:
         add_gradient_hook = getattr(model.embeddings, "add_gradient_hook", None)
         if add_gradient_hook is not None:  # on every rank: a sweep beside needs all to join
             add_gradient_hook(self._before_gradients)
+        add_exchange_hook = getattr(model.embeddings, "add_exchange_hook", None)
+        if add_exchange_hook is not None:
+            add_exchange_hook(self)
+        self._carried = add_exchange_hook is not None
+        """The lookups carry a rebuild round's counts (`outgoing`, `incoming`)."""
         self._gated = bool(getattr(model.embeddings, "gradient_hooks_gate_updates", False)) \
             and topo.backend == "gloo"
         """A collective that holds every rank follows the gradient hook (`model.contract`)."""
@@ -308,7 +313,8 @@ class ParityGuard:
             self._premap(set(ranks))
         published = self._published if self._published_in == self.topo.generation else None
         self.rebuild = Rebuild(self.store, set(ranks), self.config.budget,
-                               self.config.transport, self.say, reads, self.behind, published)
+                               self.config.transport, self.say, reads, self.behind, published,
+                               carried=self._carried)
         self.interrupted = []
         self.rebuild_step = step
         self._steps_rebuilding = 0
@@ -333,6 +339,19 @@ class ParityGuard:
                 p.mappable and p.serves and p.key == peer_rows.host_key()
                 for p in survivors.values()):
             self.reads.premap(survivors, keep=keep)
+
+    def outgoing(self) -> list[list[int]] | None:
+        """The exchange hook, first thing in a lookup: a sweep an evaluation lookup's round left
+        is joined, then the running rebuild's next round gives its counts to the lookup's
+        exchange where it can (`Rebuild.outgoing`). Collective where a sweep is joined."""
+        self._complete_report()
+        self._before_gradients(in_step=False)
+        rb = self.rebuild
+        return rb.outgoing() if rb is not None else None
+
+    def incoming(self, got: list[list[int]]) -> None:
+        if self.rebuild is not None:
+            self.rebuild.incoming(got)
 
     def _on_lookup(self, rows: torch.Tensor) -> None:
         self._complete_report()

@@ -6,10 +6,10 @@ round's counts), with the shared buffers that hold them (`shared_rows`); a lost 
 spans of a survivor's rows and parity for a range of periods (`PeerReader.span`) and single
 units for degraded reads (`PeerReader.units`): views of the survivor's buffers where it could
 map them at the probe, else copies into scratch buffers it reuses (one iovec per degraded
-row). The survivor does nothing: the round's counts exchange
-is the point where its rows are consistent, and it changes none of them before the lost rank's
-lookup has finished (its rows change only in its sparse update, which needs the pooled rows of
-the lost rank's lookup). Local.
+row). The survivor does nothing: the round's counts exchange (or the lookup's, where it carries
+them: `Rebuild.outgoing`) is the point where its rows are consistent, and it changes none of
+them before the lost rank's lookup has finished (its rows change only in its sparse update,
+which needs the pooled rows of the lost rank's lookup). Local.
 """
 from __future__ import annotations
 

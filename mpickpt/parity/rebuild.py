@@ -23,11 +23,15 @@ Where the lost rank reads its survivors' memory (r = 1) and the model calls a gr
 included) and leaves the chunk's sweep running on a thread of its own while the step's dense
 forward and backward go on; every rank's gradient hook then `join`s it, the lost rank waiting
 for the sweep, and one small exchange holds every rank until then, before any row of the step
-changes (ECRM's decode beside training, with the same consistency as a round).
+changes (ECRM's decode beside training, with the same consistency as a round); embeddings whose
+gradients' all-to-all follows the hook hold them with it instead (`gradient_hooks_gate_updates`).
+Once a round has read memory, the next rounds' counts can travel in the lookup's own first
+exchange (`outgoing`, `incoming`): a round then adds no collective to its step.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -55,7 +59,7 @@ class Rebuild:
 
     def __init__(self, store, failed: set[int], budget: float, transport: str = "auto",
                  say=None, reads: MemoryReads | None = None, behind: bool = False,
-                 published: dict[int, Peer] | None = None):
+                 published: dict[int, Peer] | None = None, carried: bool = False):
         """`transport`: "auto" reads the survivors' memory where the whole group shares a host
         and the kernel allows it (`peer_rows`: in their shared buffers where it can map them,
         `shared_rows`, else by copies), else uses the process group; "copy" the same without
@@ -70,7 +74,9 @@ class Rebuild:
         (`ParityGuard.encode`, in this generation; None where not): a lost rank that mapped
         its survivors as published there (`MemoryReads.premap`) says so in its first round, and
         where they all publish the same buffers then, every rank takes that for its probe (one
-        exchange fewer)."""
+        exchange fewer). `carried`: the lookups carry a round's counts in their own exchange
+        (`outgoing`), as HybridDLRM's do: rounds after one that read memory need no exchange
+        of their own."""
         self.store, self.failed, self.budget = store, set(failed), budget
         self.transport, self.say = transport, say or (lambda line: None)
         L, me = store.layout, store.topo.rank
@@ -104,6 +110,13 @@ class Rebuild:
         """Sweeps this lost rank left running beside a step."""
         self.beside_rounds = 0
         """Rounds that left their sweep beside the step (the same on every rank)."""
+        self.carried = carried
+        self.carried_rounds = 0
+        """Rounds whose counts travelled in the lookup's exchange (the same on every rank)."""
+        self.read_memory = False
+        """The last round read the survivors' memory (the same on every rank)."""
+        self._header: _Header | None = None
+        """The next round's counts, taken by `outgoing` for the lookup's exchange."""
         self._periods_left = True  # some lost rank has periods its rounds have not taken
         self.pull_cost: float | None = None  # seconds per stripe of the last memory sweep
         self._step_seconds: float | None = None
@@ -132,23 +145,22 @@ class Rebuild:
                                "beside its step was joined (ParityGuard joins it first)")
         self._step_seconds = step_seconds
         st = self.store
-        vote = int(self.behind and not everything and st.layout.r == 1 and
-                   self.transport != "network")  # this rank may leave a sweep beside the step
-        if self.rounds == 0 and self.mine:
-            self._offer_premap()
-        degraded, (p0, p1) = self._request(needed_rows, everything, keep_chunk=bool(vote))
-        left = int(self.mine and p1 < st.layout.periods)  # the sweep has periods to go
-        world = st.topo.world_size
-        survivors = [st.layout.base + p for p in range(st.layout.g) if p not in self.group_failed]
-        info = peer_rows.describe(st, self.transport != "network", peer_rows.PROBED if
-                                  self.probed else peer_rows.PREMAPPED if self.premapped else 0,
-                                  mapping=self.transport == "auto")
-        counts = [([len(degraded), p0, p1, left] if (self.mine and d in survivors)
-                   else [0, 0, 0, left]) + [vote] + info for d in range(world)]
-        got = exchange_counts(st.topo, st.words.device, counts)
+        header = self._header if not everything and self._header is not None and \
+            self._header.got is not None else None
+        self._drop_header(keep=header)
+        if header is None:  # not carried: the round's own exchange
+            header = self._header_of(everything)
+        vote, p0, p1 = header.vote, header.p0, header.p1
+        degraded = self._degraded(needed_rows, p0, p1, keep_chunk=bool(vote))
+        counts = header.counts(len(degraded))
+        got = header.got or exchange_counts(st.topo, st.words.device, counts)
+        self.carried_rounds += header.got is not None
         lefts = [c[3] for c in got]
         defer = all(c[4] for c in got)  # every rank will join it before its gradients leave
+        survivors = header.survivors
         peers = self._memory_peers(got, survivors)
+        if peers is None and header.got is not None:  # the network after all (alike on every
+            got = exchange_counts(st.topo, st.words.device, counts)  # rank): it needs the count
         if peers is not None and self._probing(got):
             p1, agreed = self._agree_probe(peers, p0, p1, everything)
             if agreed is None:
@@ -178,6 +190,7 @@ class Rebuild:
         else:
             self._over_network(counts, request, degraded, got, survivors)
         self.rounds += 1
+        self.read_memory = peers is not None
         self.deferred = peers is not None and defer
         self._periods_left = any(lefts)
         self.beside_rounds += self.deferred
@@ -425,20 +438,65 @@ class Rebuild:
         step = max(1, self.chunk // L.g)
         return L.periods if L.periods - (p0 + step) < step // 2 else p0 + step
 
-    def _request(self, needed_rows, everything: bool, keep_chunk: bool = False
-                 ) -> tuple[np.ndarray, tuple[int, int]]:
-        """What this round decodes: the sorted lost stripes among `needed_rows` (degraded reads)
-        outside the chunk (inside it too where `keep_chunk`: a sweep left running beside the
-        step writes the chunk after the lookup has read it), and the chunk, the periods [p0, p1)
-        from the cursor on. Local."""
-        L = self.store.layout
+    def outgoing(self) -> list[list[int]] | None:
+        """The next round's counts, to travel in the lookup's own first exchange
+        (`add_exchange_hook`) instead of one of the round's: where `carried` and the last round
+        read the survivors' memory (alike on every rank), else None. The round takes its chunk
+        now (the degraded reads' count, which only the network needs, is unknown until the
+        index hooks: sent as 0; a round that goes to the network after all asks again). The
+        lookup must run the round (`round`, from its index hook). Local."""
+        self._drop_header()
+        if not (self.carried and self.read_memory and self.active) or self.deferred:
+            return None
+        self._header = self._header_of(False)
+        return self._header.counts(0)
+
+    def incoming(self, got: list[list[int]]) -> None:
+        """What every rank sent for this round in the lookup's exchange. Local."""
+        if self._header is not None:
+            self._header.got = got
+
+    def _drop_header(self, keep: "_Header | None" = None) -> None:
+        """Forget the header `outgoing` took, its chunk given back where it is not `keep` (no
+        round used it). Local."""
+        if self._header is not None and self._header is not keep:
+            self.cursor = self._header.cursor
+        self._header = None
+
+    def _header_of(self, everything: bool) -> "_Header":
+        """This rank's part of the next round's counts, its chunk taken. Local."""
+        st = self.store
+        vote = int(self.behind and not everything and st.layout.r == 1 and
+                   self.transport != "network")  # this rank may leave a sweep beside the step
+        if self.rounds == 0 and self.mine:
+            self._offer_premap()
+        cursor = self.cursor
+        p0, p1 = self._chunk(everything)
+        left = int(self.mine and p1 < st.layout.periods)  # the sweep has periods to go
+        survivors = [st.layout.base + p for p in range(st.layout.g) if p not in self.group_failed]
+        info = peer_rows.describe(st, self.transport != "network", peer_rows.PROBED if
+                                  self.probed else peer_rows.PREMAPPED if self.premapped else 0,
+                                  mapping=self.transport == "auto")
+        return _Header(cursor, vote, p0, p1, left, survivors, info, self.mine,
+                       st.topo.world_size)
+
+    def _chunk(self, everything: bool) -> tuple[int, int]:
+        """This round's chunk, the periods [p0, p1) from the cursor on ((0, 0) where this
+        rank lost nothing), the cursor moved past it. Local."""
         if not self.mine:
-            return np.empty(0, dtype=np.int64), (0, 0)
+            return 0, 0
         p0 = self.cursor
-        p1 = L.periods if everything else self._chunk_end(p0)
+        p1 = self.store.layout.periods if everything else self._chunk_end(p0)
         self.cursor = p1
+        return p0, p1
+
+    def _degraded(self, needed_rows, p0: int, p1: int, keep_chunk: bool = False) -> np.ndarray:
+        """The sorted lost stripes among `needed_rows` (degraded reads) outside the chunk
+        [p0, p1) (inside it too where `keep_chunk`: a sweep left running beside the step writes
+        the chunk after the lookup has read it). Local."""
+        L = self.store.layout
         degraded = np.empty(0, dtype=np.int64)
-        if needed_rows is not None and len(needed_rows):
+        if self.mine and needed_rows is not None and len(needed_rows):
             wanted = np.zeros(L.stripes, dtype=bool)  # sorted and unique without a sort
             wanted[L.stripe_of_row(self.store.pos, needed_rows.cpu().numpy())] = True
             if not keep_chunk:
@@ -446,7 +504,7 @@ class Rebuild:
             s = np.flatnonzero(wanted & self.lost)
             self.degraded_rows += len(s)
             degraded = s
-        return degraded, (p0, p1)
+        return degraded
 
     def _xor_onto_lost(self, request: np.ndarray, answers: list[torch.Tensor], got,
                        degraded: int) -> None:
@@ -594,3 +652,24 @@ def _slope(points: list[tuple[int, float]]) -> float | None:
         return None
     n0 = n - n.mean()
     return float((n0 * (t - t.mean())).sum() / (n0 * n0).sum())
+
+
+@dataclass
+class _Header:
+    """One rank's part of a round's counts, and (`got`) what every rank sent for it."""
+
+    cursor: int  # the lost rank's cursor before the round took its chunk
+    vote: int
+    p0: int
+    p1: int
+    left: int
+    survivors: list[int]
+    info: list[int]
+    mine: bool
+    world: int
+    got: list[list[int]] | None = None
+
+    def counts(self, degraded: int) -> list[list[int]]:
+        """Per destination rank: [degraded reads asked of it, p0, p1, left, vote, *info]."""
+        return [([degraded, self.p0, self.p1, self.left] if (self.mine and d in self.survivors)
+                 else [0, 0, 0, self.left]) + [self.vote] + self.info for d in range(self.world)]

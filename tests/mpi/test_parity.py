@@ -169,6 +169,9 @@ def test_degraded_reads_and_rebuild_are_exact(topology, path, monkeypatch):
         assert joins.count(True) == (3 if beside else 0), (path, joins)
         assert len(holds) == joins.count(False) == (3 if beside else 0), (path, holds, joins)
         probes.clear(), holds.clear(), joins.clear()
+        # after the first round read memory, every round's counts travelled in its lookup's
+        # exchange (the first was called outside a lookup); over the network none did
+        assert rb.carried_rounds == (rb.rounds - 1 if mem else 0), (path, rb.carried_rounds)
         # mapped: everything was read where the survivors' rows lie, nothing copied
         assert rb.mapped_bytes == (rb.received_bytes if mapped else 0), (path, rb.mapped_bytes)
         # the rebuilt state trains on exactly like a model that never failed
@@ -212,21 +215,28 @@ def test_a_refused_memory_read_falls_back_to_the_network(topology, monkeypatch):
     assert _all_ok(topology, ok), (rb.memory_rounds, said)
 
 
-@pytest.mark.mpi(min_size=2)
-def test_the_probe_round_decodes_every_row_its_step_reads(topology):
-    """The first round by memory re-sizes its chunk after the probe; a step so short that the
-    memory chunk would be smaller than the one asked for must not drop the stripes in between
-    (they were left out of the degraded reads): every row the step reads is whole after it."""
+def _lost_after_two_steps(topology, **config):
+    """A guarded model trained 2 steps whose first shape's ranks have just failed, its rebuild
+    started: (guard, failed ranks, every row's words before the loss)."""
     k, r, failed = _shapes(topology.world_size)[0]
     model = _model(topology, "adagrad")
-    guard = ParityGuard(topology, model, ParityConfig(k=k, r=r), say=lambda line: None)
+    guard = ParityGuard(topology, model, ParityConfig(k=k, r=r, **config), say=lambda line: None)
     guard.encode()
     _train(topology, model, 2)
     words = guard.store.words
     truth = words.gather(torch.arange(words.rows))
     guard.fail(failed)
     guard.start_rebuild(failed, step=2)
-    rb = guard.rebuild
+    return guard, failed, truth
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_probe_round_decodes_every_row_its_step_reads(topology):
+    """The first round by memory re-sizes its chunk after the probe; a step so short that the
+    memory chunk would be smaller than the one asked for must not drop the stripes in between
+    (they were left out of the degraded reads): every row the step reads is whole after it."""
+    guard, failed, truth = _lost_after_two_steps(topology)
+    rb, words = guard.rebuild, guard.store.words
     rb.chunk = 256  # asked for; a 1 us step buys the memory reads the minimum, 64
     want = torch.arange(0, words.rows, 5)
     rb.round(want if topology.rank in failed else None, step_seconds=1e-6)
@@ -236,6 +246,27 @@ def test_the_probe_round_decodes_every_row_its_step_reads(topology):
     assert _all_ok(topology, ok)
     guard.settle()
     assert _all_ok(topology, torch.equal(words.gather(torch.arange(words.rows)), truth))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_chunk_taken_for_a_lookups_exchange_and_not_used_is_given_back(topology):
+    """After a round read memory, the next round's counts are taken for the lookup's exchange
+    with its chunk; where no round uses them (a settle comes instead), the chunk goes back to
+    the sweep: every row is whole after it, none skipped."""
+    guard, failed, truth = _lost_after_two_steps(topology, sweep="lookup")
+    rb, words = guard.rebuild, guard.store.words
+    rb.chunk = 0  # degraded reads only
+    rb.round(None, step_seconds=None)
+    assert _all_ok(topology, rb.read_memory and rb.active and rb.carried)
+    rb.chunk = 64
+    cursor = rb.cursor
+    counts = guard.outgoing()  # a lookup's exchange hook: the next round's counts, chunk taken
+    assert counts is not None and len(counts) == topology.world_size
+    if topology.rank in failed:
+        assert rb.cursor > cursor and max(c[2] for c in counts) == rb.cursor
+    guard.settle()  # not a lookup: its own exchange, the chunk given back first
+    ok = torch.equal(words.gather(torch.arange(words.rows)), truth) and rb.remaining() == 0
+    assert _all_ok(topology, ok and rb.carried_rounds == 0 and not rb.active)
 
 
 @pytest.mark.mpi(min_size=2)
