@@ -8,8 +8,8 @@
 #   (default: all but the last three)
 #   parity_cores, lost_cores: CPU benchmarks on the node's own cores, which ranks of one thread
 #   each leave free, on the CPU (CUDA_VISIBLE_DEVICES empty: gloo): bench/parity.py (4 ranks;
-#   PARITY_SWEEPS, default beside,lookup) and bench/time_lost.py (LOST_RANKS, default 2;
-#   LOST_STEPS, default 400)
+#   PARITY_SWEEPS, default beside,lookup; PARITY_BUDGETS, default 0.07, the trainer's) and
+#   bench/time_lost.py (LOST_RANKS, default 2; LOST_STEPS, default 400)
 #   cou: COU_SCALE_DOWN (Criteo Kaggle tables / this, default 2) and COU_PAIRS (default 1)
 #   stall: STALL_SIZES_MB (default 64,256,1024) and STALL_MODES (default both snapshot modes)
 set -u
@@ -137,7 +137,7 @@ parity_cores|lost_cores)
         OMPI_MCA_mca_base_env_list="PYTHONPATH;LD_LIBRARY_PATH;PYTHONUNBUFFERED"
     if [ $s = parity_cores ]; then
     section "free cores: parity rebuild against restore + replay, 4 gloo ranks on $(nproc) cores"
-    CUDA_VISIBLE_DEVICES= timeout 250 python3 bench/parity.py --repeats 1 --budgets 0.3 --rebuild-repeats 3 \
+    CUDA_VISIBLE_DEVICES= timeout 250 python3 bench/parity.py --repeats 1 --budgets ${PARITY_BUDGETS:-0.07} --rebuild-repeats 3 \
         --sweeps ${PARITY_SWEEPS:-beside,lookup} \
         --out "$OUT" --name parity_cores 2>&1 | tail -14
     ran "parity (free cores)" "${PIPESTATUS[0]}"
