@@ -400,10 +400,14 @@ class ParityGuard:
 
     def _report(self) -> None:
         """The rebuild ended: start its report's reductions (every rank ends it at the same
-        point) and go on; `_complete_report` says it. Collective (started, not waited for)."""
+        point) and go on; `_complete_report` says it. In a generation whose members have not
+        published their rows yet (a replacement's rebuild), every rank publishes them now, and
+        maps its group's ahead again. Collective (the report started, not waited for)."""
         self._complete_report()
         self._report_due = RebuildReport(self.topo.control, self.rebuild, self.rebuild_step,
                                          self.rebuild_step + self._steps_rebuilding + 1)
+        if self._published_in != self.topo.generation:
+            self._publish()
 
     def _complete_report(self) -> None:
         """Say the last rebuild's report and keep its record, once its reductions are in.

@@ -270,6 +270,43 @@ def test_a_chunk_taken_for_a_lookups_exchange_and_not_used_is_given_back(topolog
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_new_generation_maps_ahead_again_once_its_rebuild_ends(topology, monkeypatch):
+    """A replacement's rebuild (a new generation: the maps made ahead are dropped) ends with
+    every rank publishing its rows again and mapping its group's ahead, so the generation's next
+    loss finds them made and needs no probe."""
+    from mpickpt.parity.rebuild import Rebuild
+
+    k, r, failed = _shapes(topology.world_size)[0]
+    model = _model(topology, "adagrad")
+    config = ParityConfig(k=k, r=r, sweep="lookup")
+    shared = shared_rows.for_parity(model, config)
+    guard = ParityGuard(topology, model, config, say=lambda line: None, shared=shared)
+    guard.encode()
+    _train(topology, model, 2)
+    assert guard._published_in == 0 and guard.reads._premap is not None
+    monkeypatch.setattr(type(topology), "generation", property(lambda self: 1))
+    guard.fail(failed)
+    guard.start_rebuild(failed, step=2)
+    assert guard.rebuild.published is None and guard.reads._premap is None  # dropped
+    _train(topology, model, 1)
+    guard.settle()
+    assert _all_ok(topology, guard._published_in == 1 and guard.reads._premap is not None)
+    probes = []
+    real_probe = Rebuild._agree_probe
+    monkeypatch.setattr(Rebuild, "_agree_probe",
+                        lambda self, *a: probes.append(1) or real_probe(self, *a))
+    words = guard.store.words
+    truth = words.gather(torch.arange(words.rows))
+    guard.fail(failed)
+    guard.start_rebuild(failed, step=3)
+    guard.settle()
+    rb = guard.rebuild
+    ok = torch.equal(words.gather(torch.arange(words.rows)), truth) and not probes
+    assert _all_ok(topology, ok and rb.premapped == (topology.rank in failed))
+    shared.close()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_round_that_sweeps_everything_reads_no_row_twice_and_reports_later(topology):
     """A step long enough for the whole sweep: the probe round grows the chunk it asked for to
     every period, so none of the rows its step reads is read again by a degraded read. The
