@@ -112,7 +112,8 @@ class Rebuild:
         """Rounds that left their sweep beside the step (the same on every rank)."""
         self.carried = carried
         self.carried_rounds = 0
-        """Rounds whose counts travelled in the lookup's exchange (the same on every rank)."""
+        """Rounds whose counts travelled in the lookup's exchange alone (the same on every
+        rank; not one that went to the network after all and exchanged them again)."""
         self.read_memory = False
         """The last round read the survivors' memory (the same on every rank)."""
         self._header: _Header | None = None
@@ -154,13 +155,14 @@ class Rebuild:
         degraded = self._degraded(needed_rows, p0, p1, keep_chunk=bool(vote))
         counts = header.counts(len(degraded))
         got = header.got or exchange_counts(st.topo, st.words.device, counts)
-        self.carried_rounds += header.got is not None
         lefts = [c[3] for c in got]
         defer = all(c[4] for c in got)  # every rank will join it before its gradients leave
         survivors = header.survivors
         peers = self._memory_peers(got, survivors)
         if peers is None and header.got is not None:  # the network after all (alike on every
             got = exchange_counts(st.topo, st.words.device, counts)  # rank): it needs the count
+        else:
+            self.carried_rounds += header.got is not None
         if peers is not None and self._probing(got):
             p1, agreed = self._agree_probe(peers, p0, p1, everything)
             if agreed is None:

@@ -1,5 +1,8 @@
 """Parity on real sharded models: difference propagation keeps parity equal to a fresh encode,
 degraded reads and rebuilds return the lost rows bit for bit (r = 1 and r = 2)."""
+import threading
+import time
+
 import pytest
 import torch
 
@@ -78,6 +81,7 @@ def test_degraded_reads_and_rebuild_are_exact(topology, path, monkeypatch):
     votes for them, the others against, so every round sweeps in the lookup; mapped: every rank
     keeps its rows and parity in shared memory, which every rank maps ahead and the lost rank
     reads (sweeps in the lookup), with no probe exchange."""
+    from mpickpt.parity.memory_reads import MemoryReads
     from mpickpt.parity.rebuild import Rebuild
 
     probes, holds, joins = [], [], []
@@ -87,6 +91,12 @@ def test_degraded_reads_and_rebuild_are_exact(topology, path, monkeypatch):
     monkeypatch.setattr(Rebuild, "hold_all", lambda self: holds.append(1) or real_hold(self))
     monkeypatch.setattr(Rebuild, "join", lambda self, in_step=True: (
         joins.append(in_step) if self.deferred else None) or real_join(self, in_step))
+    # a sweep beside the step starts late: the survivors reach their gradients' all-to-all
+    # before it reads them, and must change nothing until the lost rank has joined it
+    real_pull = MemoryReads.pull
+    monkeypatch.setattr(MemoryReads, "pull", lambda self, *a: (time.sleep(0.2) if (
+        threading.current_thread().name.startswith("mpickpt-sweep")) else None) or
+        real_pull(self, *a))
     rank, mem, mapped = topology.rank, path in ("memory", "memory-votes", "mapped"), \
         path == "mapped"
     for k, r, failed in _shapes(topology.world_size):
@@ -267,6 +277,31 @@ def test_a_chunk_taken_for_a_lookups_exchange_and_not_used_is_given_back(topolog
     guard.settle()  # not a lookup: its own exchange, the chunk given back first
     ok = torch.equal(words.gather(torch.arange(words.rows)), truth) and rb.remaining() == 0
     assert _all_ok(topology, ok and rb.carried_rounds == 0 and not rb.active)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_carried_round_that_must_go_to_the_network_exchanges_its_counts_again(topology,
+                                                                               monkeypatch):
+    """The counts a lookup carried hold no degraded-read count; where the round finds it must go
+    over the network (a survivor no longer serves its memory), every rank exchanges them again
+    and the survivors answer the degraded reads too: the rows come back exact."""
+    guard, failed, truth = _lost_after_two_steps(topology, sweep="lookup")
+    rb, words = guard.rebuild, guard.store.words
+    rb.chunk = 0  # degraded reads only
+    rb.round(None, step_seconds=None)
+    assert _all_ok(topology, rb.read_memory and rb.memory_rounds == 1)
+    if topology.rank not in failed:  # serves = 0 from now on
+        real = peer_rows.describe
+        monkeypatch.setattr(peer_rows, "describe", lambda *a, **kw: (
+            lambda f: f[:2] + [0] + f[3:])(real(*a, **kw)))
+    rb.chunk = 64
+    batch, _ = SyntheticStream(SyntheticConfig(table_sizes=SIZES, pooling=2, seed=6)).read_slice(
+        SyntheticPosition(), 32 * topology.world_size, topology.rank, topology.world_size)
+    guard.embeddings.lookup(batch.sparse)  # an evaluation lookup carries the round's counts
+    guard.settle()
+    ok = torch.equal(words.gather(torch.arange(words.rows)), truth) and rb.remaining() == 0
+    assert _all_ok(topology, ok and rb.memory_rounds == 1 and rb.carried_rounds == 0
+                   and rb.rounds >= 2 and (rb.degraded_rows > 0) == (topology.rank in failed))
 
 
 @pytest.mark.mpi(min_size=2)
