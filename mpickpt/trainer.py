@@ -315,6 +315,10 @@ class Trainer:
             self.survival.give_up_in_place(dead | self.survival.more_dead(), str(e))
         left = time.perf_counter() - started
         self.step = joined.step
+        for phase in (p for p in joined.finish_done if p not in self.finish_done):
+            print(f"mpickpt: rank {self.topo.rank}: another survivor completed the {phase} "
+                  f"phase of the run's end, which this rank was ending: it ends it alone",
+                  flush=True)
         self._take_over(joined)
         self.reader = self._make_reader(position_from_dict(joined.reader))
         self._left_at = None  # a dump from here on takes the step and reader above
@@ -487,22 +491,38 @@ class Trainer:
         stopped, then the report. Collective. A death in the middle forms a new generation like
         any other; its members then run only the phases the survivors had not completed
         (`finish_done`, agreed when the generation formed), so that all make the same
-        collectives; a replacement stops its idle writers locally instead of a close the
-        survivors already made."""
+        collectives. Each phase ends with local work only: a member that was still in a phase
+        another survivor completed (`agreed_end`) finishes it alone, as a replacement stops its
+        idle writers instead of a close the survivors already made."""
         for name, phase in (("settle", self._settle), ("close", self._close_checkpoints),
                             ("report", self._report_end)):
             if name in self.finish_done:
-                if name == "close" and self.ckpt is not None:
-                    self.ckpt.abort()  # nothing of this process's to commit; no-op if closed
+                if name == "close":
+                    self._closed_elsewhere()
                 continue
             phase()
             self.finish_done.append(name)
+
+    def _closed_elsewhere(self) -> None:
+        """The close phase counts as done (a replacement, or a survivor that was in its last
+        collective when a peer died): stop the writers without a commit (every commit of the
+        run is made: a no-op where this rank closed them) and drop the survivor dumps as the
+        close would have. Local."""
+        if self.ckpt is not None:
+            self.ckpt.abort()
+        if self.dumps_pending and (self.stopped is None or self.stop_committed):
+            self._drop_dumps("the job completed" if self.stopped is None else
+                             f"checkpoint step {self.step} committed")
 
     def _settle(self) -> None:
         if self.parity is not None:
             self.parity.settle()
 
     def _close_checkpoints(self) -> None:
+        """The last checkpoint, committed, and the writers stopped. Collective. Its commits end
+        at the close's barrier; what follows (the writers stopped, the dumps dropped) is what
+        `_closed_elsewhere` does for a member that a death stopped at that barrier or after
+        it while another survivor completed the phase (`agreed_end`)."""
         cfg = self.config
         if self.ckpt is not None:
             self.ckpt.urgent()  # training is over: nothing left to yield to

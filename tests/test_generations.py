@@ -291,3 +291,19 @@ def test_sigusr1_stays_a_stop_under_a_launcher_without_death_notices():
         assert signals.received == "SIGUSR1" and not signals.muted
     finally:
         signals.uninstall()
+
+
+def test_the_run_s_end_counts_a_phase_done_that_a_survivor_completed_and_others_were_ending():
+    """A death at the close's barrier can let some survivors through and not others: the phase
+    counts as done (the others finish it alone); 'settle' is left out (every member settles
+    again); anything else mixed is refused."""
+    from mpickpt.survivors.inplace import agreed_end
+
+    assert agreed_end([["settle", "close"], ["settle"], ["settle", "close"]]) == ["close"]
+    assert agreed_end([["settle"], []]) == []
+    assert agreed_end([["settle", "close"]] * 3) == ["close"]
+    with pytest.raises(GenerationError, match=r"different parts of the run's end: \[\(\), "
+                                              r"\('close', 'report'\)\]"):
+        agreed_end([["close", "report"], []])
+    with pytest.raises(GenerationError, match="different parts"):
+        agreed_end([["report"], ["close"]])

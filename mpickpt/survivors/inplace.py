@@ -40,9 +40,26 @@ class Rejoined:
     attempt: str | None
     interval: int | None
     finish_done: list[str]
-    """The phases of the run's end that the survivors completed (`Trainer._finish`)."""
+    """The phases of the run's end counted as done (`agreed_end`; `Trainer._finish`)."""
     pids: dict[int, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+
+
+def agreed_end(ends: list[list[str]]) -> list[str]:
+    """The phases of the run's end (`Trainer._finish`, in order) that the new generation counts
+    as done, from each survivor's list; "settle" is left out (every member settles again).
+    Each phase's collective work ends at a barrier, which no member leaves before every
+    member has entered it: where one survivor completed a phase and another did not (the dead
+    rank took part in that barrier for some members and not for others), the other was at the
+    barrier or past it, its part of the phase's collective work done, and it finishes the
+    phase alone (`Trainer._finish`); the phase counts as done. Any other mix raises
+    GenerationError: nothing resumes from a mixed state. Local and pure."""
+    ends = [[p for p in end if p != "settle"] for end in ends]
+    longest = max(ends, key=len, default=[])
+    if any(end != longest[:len(end)] or len(longest) - len(end) > 1 for end in ends):
+        raise GenerationError(f"the survivors completed different parts of the run's end: "
+                              f"{sorted(set(map(tuple, ends)))}")
+    return longest
 
 
 class InPlace:
@@ -93,10 +110,7 @@ class InPlace:
         survivors = [r for r, e in enumerate(everyone) if e["step"] is not None]
         if not survivors:
             raise GenerationError("no member of the new generation holds the training state")
-        ends = {tuple(everyone[r]["finish_done"]) for r in survivors}
-        if len(ends) > 1:  # never resume from a mixed state
-            raise GenerationError(f"the survivors completed different parts of the run's end: "
-                                  f"{sorted(ends)}")
+        finish_done = agreed_end([everyone[r]["finish_done"] for r in survivors])
         agreed = min(everyone[r]["step"] for r in survivors)
         undone = [r for r in survivors if everyone[r]["step"] != agreed]
         for r in undone:
@@ -125,5 +139,5 @@ class InPlace:
                 self.parity.lose_parity([me])
         return Rejoined(self.topo.generation, agreed, shared["reader"], shared["pls"], replaced,
                         unrebuilt, undone, shared["attempt"], shared["interval"],
-                        list(everyone[first]["finish_done"]),
+                        finish_done,
                         {r: e["pid"] for r, e in enumerate(everyone)})
