@@ -289,12 +289,16 @@ def _join_and_build(config, signals, what: str, join, rendezvous):
     except SlotTaken:
         watch.end()
         raise
-    except Exception:
+    except Exception as e:
         import traceback
 
-        traceback.print_exc()
-        print(f"mpickpt-train: {what} failed in {watch.current}; exit status "
-              f"{EXIT_STARTUP_FAILED}", file=sys.stderr, flush=True)
+        from mpickpt.generation import GenerationError
+
+        if not isinstance(e, GenerationError):  # the generation's own refusal needs no stack
+            traceback.print_exc()
+        print(f"mpickpt-train: {what} failed in {watch.current}"
+              + (f" ({e})" if isinstance(e, GenerationError) else "")
+              + f"; exit status {EXIT_STARTUP_FAILED}", file=sys.stderr, flush=True)
         _run_exit_hooks()
         _exit_now(EXIT_STARTUP_FAILED)
     watch.end()

@@ -307,3 +307,25 @@ def test_the_run_s_end_counts_a_phase_done_that_a_survivor_completed_and_others_
         agreed_end([["close", "report"], []])
     with pytest.raises(GenerationError, match="different parts"):
         agreed_end([["report"], ["close"]])
+
+
+def test_a_replacement_refused_by_its_generation_says_why_in_one_line():
+    """The generation's refusal (GenerationError) ends a joining process with status 77 and its
+    message, without a stack trace (any other error keeps its trace)."""
+    import subprocess
+    import sys
+
+    script = (
+        "from types import SimpleNamespace as N\n"
+        "from mpickpt.generation import GenerationError\n"
+        "from mpickpt.train import _join_and_build\n"
+        "def join():\n"
+        "    raise GenerationError('the survivors completed different parts of the run')\n"
+        "_join_and_build(N(recovery=N(startup_timeout=60)), None, 'the replacement of rank 1',\n"
+        "                join, N(job_over=lambda: None))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 77, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert ("the replacement of rank 1 failed in joining the next generation (the survivors "
+            "completed different parts of the run); exit status 77") in proc.stderr, proc.stderr
