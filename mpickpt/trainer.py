@@ -90,6 +90,8 @@ class Trainer:
         """The policy of the last recovery (a generation's log names it)."""
         self.dumps_pending = False
         self.finish_done: list[str] = []
+        self._closed_here = False
+        """This process ran the close phase itself (`_close_checkpoints`)."""
         """The phases of the run's end (`_finish`) completed, in order."""
         self.step, start, pls, lost = self._join_as_replacement() if topo.replacement \
             else self._resume(first)
@@ -506,13 +508,12 @@ class Trainer:
     def _closed_elsewhere(self) -> None:
         """The close phase counts as done (a replacement, or a survivor that was in its last
         collective when a peer died): stop the writers without a commit (every commit of the
-        run is made: a no-op where this rank closed them) and drop the survivor dumps as the
-        close would have. Local."""
+        run is made: a no-op where this rank closed them) and, where the job completed, drop
+        the survivor dumps as the close would have. Local."""
         if self.ckpt is not None:
             self.ckpt.abort()
-        if self.dumps_pending and (self.stopped is None or self.stop_committed):
-            self._drop_dumps("the job completed" if self.stopped is None else
-                             f"checkpoint step {self.step} committed")
+        if self.dumps_pending and self.stopped is None and not self._closed_here:
+            self._drop_dumps("the job completed")  # after a stop they stay for the survey
 
     def _settle(self) -> None:
         if self.parity is not None:
@@ -533,6 +534,7 @@ class Trainer:
                 self._drop_dumps_once_replaced()
             if self.dumps_pending and self.stopped is None:
                 self._drop_dumps("the job completed")  # nothing resumes from them now
+        self._closed_here = True
 
     def _report_end(self) -> None:
         cfg = self.config

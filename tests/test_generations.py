@@ -307,6 +307,8 @@ def test_the_run_s_end_counts_a_phase_done_that_a_survivor_completed_and_others_
         agreed_end([["close", "report"], []])
     with pytest.raises(GenerationError, match="different parts"):
         agreed_end([["report"], ["close"]])
+    with pytest.raises(GenerationError, match="different parts"):  # only the close ends so
+        agreed_end([["close", "report"], ["close"]])
 
 
 def test_a_replacement_refused_by_its_generation_says_why_in_one_line():

@@ -48,15 +48,16 @@ class Rejoined:
 def agreed_end(ends: list[list[str]]) -> list[str]:
     """The phases of the run's end (`Trainer._finish`, in order) that the new generation counts
     as done, from each survivor's list; "settle" is left out (every member settles again).
-    Each phase's collective work ends at a barrier, which no member leaves before every
-    member has entered it: where one survivor completed a phase and another did not (the dead
+    The close's collective work ends at a barrier, which no member leaves before every
+    member has entered it: where one survivor completed the close and another did not (the dead
     rank took part in that barrier for some members and not for others), the other was at the
-    barrier or past it, its part of the phase's collective work done, and it finishes the
-    phase alone (`Trainer._finish`); the phase counts as done. Any other mix raises
+    barrier or past it, its part of the close's collective work done, and it finishes the
+    close alone (`Trainer._finish`); the close counts as done. Any other mix raises
     GenerationError: nothing resumes from a mixed state. Local and pure."""
     ends = [[p for p in end if p != "settle"] for end in ends]
     longest = max(ends, key=len, default=[])
-    if any(end != longest[:len(end)] or len(longest) - len(end) > 1 for end in ends):
+    if any(end != longest[:len(end)] or len(longest) - len(end) > 1
+           or (len(end) < len(longest) and longest[len(end)] != "close") for end in ends):
         raise GenerationError(f"the survivors completed different parts of the run's end: "
                               f"{sorted(set(map(tuple, ends)))}")
     return longest
