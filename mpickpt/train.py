@@ -294,10 +294,10 @@ def _join_and_build(config, signals, what: str, join, rendezvous):
 
         from mpickpt.generation import GenerationError
 
-        if not isinstance(e, GenerationError):  # the generation's own refusal needs no stack
+        refused = isinstance(e, GenerationError)  # the generation's own refusal: no stack
+        if not refused:
             traceback.print_exc()
-        print(f"mpickpt-train: {what} failed in {watch.current}"
-              + (f" ({e})" if isinstance(e, GenerationError) else "")
+        print(f"mpickpt-train: {what} failed in {watch.current}" + (f" ({e})" if refused else "")
               + f"; exit status {EXIT_STARTUP_FAILED}", file=sys.stderr, flush=True)
         _run_exit_hooks()
         _exit_now(EXIT_STARTUP_FAILED)

@@ -90,8 +90,6 @@ class Trainer:
         """The policy of the last recovery (a generation's log names it)."""
         self.dumps_pending = False
         self.finish_done: list[str] = []
-        self._closed_here = False
-        """This process ran the close phase itself (`_close_checkpoints`)."""
         """The phases of the run's end (`_finish`) completed, in order."""
         self.step, start, pls, lost = self._join_as_replacement() if topo.replacement \
             else self._resume(first)
@@ -493,9 +491,9 @@ class Trainer:
         stopped, then the report. Collective. A death in the middle forms a new generation like
         any other; its members then run only the phases the survivors had not completed
         (`finish_done`, agreed when the generation formed), so that all make the same
-        collectives. Each phase ends with local work only: a member that was still in a phase
-        another survivor completed (`agreed_end`) finishes it alone, as a replacement stops its
-        idle writers instead of a close the survivors already made."""
+        collectives. The close ends at a barrier: a member that was still in a close another
+        survivor completed (`agreed_end`) finishes it alone, as a replacement stops its idle
+        writers instead of a close the survivors already made."""
         for name, phase in (("settle", self._settle), ("close", self._close_checkpoints),
                             ("report", self._report_end)):
             if name in self.finish_done:
@@ -512,7 +510,7 @@ class Trainer:
         the survivor dumps as the close would have. Local."""
         if self.ckpt is not None:
             self.ckpt.abort()
-        if self.dumps_pending and self.stopped is None and not self._closed_here:
+        if self.dumps_pending and self.stopped is None:  # none left where this rank closed
             self._drop_dumps("the job completed")  # after a stop they stay for the survey
 
     def _settle(self) -> None:
@@ -534,7 +532,6 @@ class Trainer:
                 self._drop_dumps_once_replaced()
             if self.dumps_pending and self.stopped is None:
                 self._drop_dumps("the job completed")  # nothing resumes from them now
-        self._closed_here = True
 
     def _report_end(self) -> None:
         cfg = self.config
