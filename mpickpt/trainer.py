@@ -168,9 +168,15 @@ class Trainer:
 
     def _take_over(self, joined: Rejoined) -> None:
         """Checkpointing continues from the agreed step: a new baseline next, the job's attempt
-        id and interval. Local."""
+        id and interval. Where the run's end had closed the checkpoints (`finish_done`), every
+        member stops its writers now, before the recovery: a recovery that reads checkpoints
+        (partial, a rollback) and the steps a rollback replays then make the same (no)
+        checkpoint collectives on the survivors that closed, a survivor that lagged in the
+        close, and a replacement. Local."""
         # the replaced shards' recovery (a parity rebuild) is settled again by every member
         self.finish_done = [p for p in joined.finish_done if p != "settle"]
+        if self.ckpt is not None and "close" in self.finish_done:
+            self.ckpt.abort()  # every commit of the run is made (`agreed_end`)
         if self.ckpt is not None:
             self.ckpt.resumed_at(joined.step)
             if joined.attempt is not None:
@@ -571,6 +577,9 @@ class Trainer:
                 self.step = outcome.step
                 self.reader = self._make_reader(position_from_dict(outcome.reader_state))
                 self.log.restart_at(self.step)
+                if self.ckpt is not None and self.ckpt.closed:
+                    self.log.say(f"steps {self.step + 1}.. replay without checkpoints: the "
+                                 f"run's end had closed them")
 
     def _trace(self) -> None:
         path = self.config.faults.trace_samples

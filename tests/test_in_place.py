@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from mpickpt.store.manifest import list_manifests
 from tests.fault_jobs import (OPEN_MPI_ARGS, Job, alive, digest_in, mpickpt_run, open_mpi_skip,
                               rank_of)
 from tests.launch import descendants, run_ranks
@@ -445,13 +446,15 @@ def test_second_deaths_during_the_parity_rebuild_randomized(tmp_path, slow_rebui
     assert t["code"] == 0 and digest_in(out) == slow_rebuild_digest, out
 
 
-def _end_trial(tmp_path, pattern: str, rank: int, delay: float) -> tuple[Job, int, int, float]:
+def _end_trial(tmp_path, pattern: str, rank: int, delay: float,
+               flags=()) -> tuple[Job, int, int, float]:
     """Kill launcher rank `rank`'s trainer `delay` s after a line matching `pattern`, at the
-    run's end; (job, exit status, killed pid, seconds from the kill to the job's end). The
+    run's end (`flags` after FLAGS); (job, exit status, killed pid, seconds from the kill to the
+    job's end). The
     kill must land: AssertionError where the trainer had already exited (a zombie its agent
     had not reaped yet takes a SIGKILL without effect)."""
     job = Job(mpickpt_run("-n", "4", "--max-restarts", "1", "--", *FLAGS,
-                          "--ckpt-dir", str(tmp_path / "ckpt")))
+                          "--ckpt-dir", str(tmp_path / "ckpt"), *flags))
     try:
         assert job.wait_for_step(5), job.output
         pid = {rank_of(p): p for p in job.ranks()}[rank]
@@ -480,6 +483,28 @@ def test_a_death_at_the_runs_end_neither_hangs_nor_changes_the_digest(tmp_path, 
     assert f"rank {rank}: its trainer (pid {pid}) was killed by SIGKILL" in out, out
     assert code == 0 and digest_in(out) == clean_digest, out
     assert "relaunching" not in out and took < 30, (took, _recovery_lines(out))
+
+
+@pytest.mark.parametrize("recovery", ["full", pytest.param("partial", marks=pytest.mark.slow)])
+def test_a_recovery_from_checkpoints_after_the_run_s_end_closed_them(tmp_path, clean_digest,
+                                                                     recovery):
+    """Killed after the close, the last checkpoint at step 100 of 120: the new generation's
+    managers are all closed (a replacement's and a lagging survivor's stop before the
+    recovery); a partial recovery reloads the lost shard from step 100, a full rollback
+    replays steps 101-120 without saving and ends at the failure-free digest."""
+    job, code, pid, _ = _end_trial(tmp_path, r"^checkpoints: \d+ saved", 1, 0.0,
+                                   ("--recovery", recovery, "--ckpt-interval", "25"))
+    out = job.output
+    assert code == 0 and "relaunching" not in out and "Traceback" not in out, out
+    assert re.search(r"in-place recovery: generation 1 at step 120: rank\(s\) \[1\] replaced",
+                     out), _recovery_lines(out)
+    if recovery == "full":
+        assert "steps 101.. replay without checkpoints: the run's end had closed them" in out, out
+        assert len(re.findall(r"^step 101/120 ", out, re.M)) == 2 and \
+            digest_in(out) == clean_digest, out
+    else:
+        assert "reloaded from checkpoint step 100" in out and digest_in(out), out
+    assert max(m.step for m in list_manifests(str(tmp_path / "ckpt"))) == 100, out
 
 
 @pytest.mark.slow

@@ -148,9 +148,17 @@ class CheckpointManager:
             self.log(line)
 
     # ---- training-loop hooks -------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """The writers are stopped (`close`, `abort`): the run's checkpoints are over, as after
+        the run's end, and a rollback after it replays steps without saving. Local."""
+        return self.writers is None
+
     def allowance(self, step: int, total: int) -> int:
-        """Batches the reader may deliver after `step`: up to the next checkpoint or the end.
-        Local."""
+        """Batches the reader may deliver after `step`: up to the next checkpoint or the end
+        (closed: the end). Local."""
+        if self.closed:
+            return max(0, total - step)
         return self.schedule.allowance(step, total)
 
     def due(self, step: int) -> bool:
@@ -158,7 +166,10 @@ class CheckpointManager:
         return self.schedule.due(step)
 
     def after_step(self, step: int, reader, total: int) -> None:
-        """Call after every training step. Collective when a checkpoint is due, else local."""
+        """Call after every training step. Collective when a checkpoint is due, else local (a
+        no-op once closed)."""
+        if self.closed:
+            return
         self.poll()
         if self.due(step):
             self.save(step, reader.state().to_dict())
@@ -257,10 +268,13 @@ class CheckpointManager:
     @property
     def busy(self) -> bool:
         """A checkpoint is being copied or written on this rank. Local."""
-        return self._deferred is not None or self.writers.busy
+        return not self.closed and (self._deferred is not None or self.writers.busy)
 
     def settle(self) -> None:
-        """Let the checkpoint in flight finish and commit. Collective."""
+        """Let the checkpoint in flight finish and commit. Collective; nothing once closed (all
+        its checkpoints committed or abandoned)."""
+        if self.closed:
+            return
         self._submit_deferred(block=True)
         results = self.writers.wait()
         if results is not None:
@@ -271,7 +285,9 @@ class CheckpointManager:
         """Settle, and let the background companion (IncrCP's extractor) finish what it was
         handed, so that nothing changes under a restore that reads the newest checkpoint (a
         chunk index generation read before an extraction commits can name a column file the
-        extraction then deletes). Collective."""
+        extraction then deletes). Collective, closed or not: in a generation formed after the
+        run's end some members closed their managers and others not, with nothing in flight in
+        any (the generation abandoned it), and all make the barrier."""
         self.settle()
         self.incremental.poll(drain=True)
         self.topo.control.Barrier()
@@ -289,8 +305,9 @@ class CheckpointManager:
 
     def save_now(self, step: int, reader) -> bool:
         """A checkpoint of `step` outside the interval (an emergency stop), waiting for the one
-        in flight whatever the overlap policy; False when `step` was just saved. Collective."""
-        if step in (self._last_submitted, self._restored_step):
+        in flight whatever the overlap policy; False when `step` was just saved or the manager
+        is closed. Collective."""
+        if self.closed or step in (self._last_submitted, self._restored_step):
             return False
         return self.save(step, reader.state().to_dict(), wait=True)
 

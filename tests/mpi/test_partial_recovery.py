@@ -230,3 +230,43 @@ def test_prioritized_saves_report_their_trackers_memory(topology, ckpt_dir, rule
     assert reported, line
     assert int(reported.group(1)) == expected and int(reported.group(3)) == topology.rank
     assert float(reported.group(4)) == pytest.approx(100 * expected / (rows * dim * 4), abs=0.01)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_recoveries_in_a_generation_formed_after_the_run_s_end_closed_the_checkpoints(topology,
+                                                                                     ckpt_dir):
+    """In place after the run's end: rank 0's manager is closed, the others' still open with
+    nothing in flight (as a survivor that lagged in the close before it stops its writers). A
+    partial recovery reloads the newest checkpoint's rows and a full rollback restores it on
+    every rank; a closed manager saves nothing in the steps a rollback replays and lets the
+    reader run to the end."""
+    topo = topology
+    model = _model(topo)
+    ckpt = CheckpointManager(topo, CheckpointConfig(directory=ckpt_dir, interval=2, keep=10,
+                                                    resume="none"), model, log=lambda _: None)
+    restorer = Restorer(topo, ckpt_dir, model, lambda _: None)
+    _train(topo, model, ckpt, 7)  # checkpoints at 2, 4, 6
+    ckpt.quiesce()
+    manifest, saved = _checkpoint_rows(ckpt_dir, model, topo)
+    if topo.rank == 0:
+        ckpt.abort()
+    assert ckpt.closed == (topo.rank == 0) and not ckpt.busy
+    lost = _lost_rank(topo)
+    if topo.rank == lost:
+        model.embeddings.wipe_rows([0])
+    partial = PartialRecovery(ckpt, restorer, model, PLSAccount(1000), BATCH, lambda _: None)
+    assert partial.recover(Loss.of_ranks([lost], 7, model.plan)).step == 7
+    if topo.rank == lost:
+        assert all(np.array_equal(v.cpu().numpy(), saved[k]) for k, v in model.row_state().items())
+    model.embeddings.wipe_rows([0])
+    outcome = FullRollback(ckpt, restorer, topo.world_size, model).recover(Loss.of_ranks([lost], 7,
+                                                                                      model.plan))
+    assert outcome.step == manifest.step == 6 and outcome.reader_state is not None
+    assert _all(topo, all(np.array_equal(v.cpu().numpy(), saved[k])
+                          for k, v in model.row_state().items()))
+    if topo.rank == 0:  # replaying steps 7 and 8: no save at 8, the reader allowed to the end
+        ckpt.after_step(8, None, 10)
+        assert ckpt.allowance(6, 10) == 4 and not ckpt.save_now(8, None)
+    topo.control.Barrier()
+    assert [m.step for m in list_manifests(ckpt_dir)] == [2, 4, 6]
+    ckpt.abort()
