@@ -176,7 +176,7 @@ class Trainer:
         # the replaced shards' recovery (a parity rebuild) is settled again by every member
         self.finish_done = [p for p in joined.finish_done if p != "settle"]
         if self.ckpt is not None and "close" in self.finish_done:
-            self.ckpt.abort()  # every commit of the run is made (`agreed_end`)
+            self.ckpt.abort(summary=True)  # every commit of the run is made (`agreed_end`)
         if self.ckpt is not None:
             self.ckpt.resumed_at(joined.step)
             if joined.attempt is not None:

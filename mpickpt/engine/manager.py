@@ -462,6 +462,10 @@ class CheckpointManager:
             print(f"mpickpt: rank {self.topo.rank}: {line}", flush=True)
         self.snapshots.close()
         self.writers = None
+        self._summary()
+
+    def _summary(self) -> None:
+        """The run's checkpoints in one line (rank 0), where any was saved. Local."""
         s = self.counters
         if s["saved"]:
             self.say(f"checkpoints: {s['saved']} saved, {len(self.commits.committed)} committed, "
@@ -469,8 +473,10 @@ class CheckpointManager:
                      f"({s['wait_seconds']:.2f} s), {s['skips']} skips; mean stall "
                      f"{np.mean(self.stalls) * 1e3:.1f} ms")
 
-    def abort(self) -> None:
-        """Stop writers and free staging without committing (error paths). Local. Safe twice."""
+    def abort(self, summary: bool = False) -> None:
+        """Stop writers and free staging without committing (error paths; `summary`: a close
+        that another survivor completed, whose summary line this rank says as its close would
+        have). Local. Safe twice."""
         if self.writers is None:
             return
         if self.copier is not None:
@@ -482,6 +488,8 @@ class CheckpointManager:
         self.commits.close()
         self.incremental.abort()
         self.writers = None
+        if summary:
+            self._summary()
 
 
 def _architecture(model) -> dict:

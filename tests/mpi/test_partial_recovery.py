@@ -239,17 +239,20 @@ def test_recoveries_in_a_generation_formed_after_the_run_s_end_closed_the_checkp
     nothing in flight (as a survivor that lagged in the close before it stops its writers). A
     partial recovery reloads the newest checkpoint's rows and a full rollback restores it on
     every rank; a closed manager saves nothing in the steps a rollback replays and lets the
-    reader run to the end."""
+    reader run to the end; the closed rank says the summary its close would have said."""
     topo = topology
     model = _model(topo)
+    lines = []
     ckpt = CheckpointManager(topo, CheckpointConfig(directory=ckpt_dir, interval=2, keep=10,
-                                                    resume="none"), model, log=lambda _: None)
+                                                    resume="none"), model, log=lines.append)
     restorer = Restorer(topo, ckpt_dir, model, lambda _: None)
     _train(topo, model, ckpt, 7)  # checkpoints at 2, 4, 6
     ckpt.quiesce()
     manifest, saved = _checkpoint_rows(ckpt_dir, model, topo)
     if topo.rank == 0:
-        ckpt.abort()
+        ckpt.abort(summary=True)
+        assert any(line.startswith("checkpoints: 3 saved, 3 committed, 0 abandoned")
+                   for line in lines), lines
     assert ckpt.closed == (topo.rank == 0) and not ckpt.busy
     lost = _lost_rank(topo)
     if topo.rank == lost:
