@@ -3,9 +3,10 @@
 The collectives of a job do not say it: MPICH's collectives wait forever for a dead peer, gloo and
 NCCL for their timeouts (minutes), and a launcher that kills every rank when one dies leaves
 nothing to learn. So the ranks form a ring of TCP connections of their own (addresses agreed over
-MPI at start): each rank watches its two neighbours on a background thread, sends a heartbeat
-every `HEARTBEAT` seconds and expects one within `timeout`. A neighbour whose connection closes
-(the kernel closes a killed process's sockets at once) or falls silent (its node is gone) is dead.
+the control channel at start): each rank watches its two neighbours on a background thread, sends
+a heartbeat every `HEARTBEAT` seconds and expects one within `timeout`. A neighbour whose
+connection closes (the kernel closes a killed process's sockets at once) or falls silent (its
+node is gone) is dead.
 The rank that sees a death tells its other neighbour, which passes the word on around the ring,
 so every survivor knows within a few round trips. A rank that ends normally says goodbye first,
 so its neighbours do not mistake a finished job for a dead peer.
@@ -34,8 +35,8 @@ class PeerWatch:
     """The watch of one rank: its ring connections and the thread that watches them."""
 
     def __init__(self, control, on_death=None, timeout: float = DEFAULT_TIMEOUT):
-        """Collective over `control` (an MPI communicator): listen, agree on addresses, connect
-        to the next rank, accept the previous one, start the watch thread."""
+        """Collective over `control` (the topology's control channel): listen, agree on
+        addresses, connect to the next rank, accept the previous one, start the watch thread."""
         self.rank, self.size = control.Get_rank(), control.Get_size()
         self.on_death, self.timeout = on_death, timeout
         self.dead: set[int] = set()

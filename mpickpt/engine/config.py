@@ -106,7 +106,7 @@ class CheckpointConfig:
                                   metavar="R")
     """prioritized saves: the fraction r of each table's rows one save may write"""
     priority_baseline_every: int | None = option(None, parse=int_at_least(0), metavar="K")
-    """prioritized saves: a full baseline every K saves (0: only the first; default 4 / r)"""
+    """prioritized saves: a full baseline every K saves (0: only the first; default 4·ceil(1/r))"""
     incrcp_ratio: float = option(0.02, parse=ratio)
     """IncrCP's selective-extraction threshold R (0..1)"""
     incrcp_reset: str = option("cost", choices=INCRCP_RESETS)

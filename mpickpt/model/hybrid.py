@@ -161,32 +161,40 @@ class HybridDLRM:
         """Every table's rows and sparse optimizer state in global row order, on `root` only.
 
         Collective over the control channel. Returns {table: {"weight": array, state: array}}
-        on root, None elsewhere. Memory on root is one table at a time plus the result."""
+        on root, None elsewhere: the whole model's rows on root (`each_table` holds one)."""
+        out = {} if self.topo.rank == root else None
+        for t, arrays in self.each_table(root):
+            if out is not None:
+                out[t] = arrays
+        return out
+
+    def each_table(self, root: int = 0):
+        """Yield (table, {"weight": array, state: array}) in table order, the arrays in global
+        row order on `root` and None elsewhere: one table's rows on root at a time. Collective
+        over the control channel (every rank iterates to the end)."""
         emb = self.embeddings
         tables, _ = self.plan.split_global(emb.local_gids)
         arrays = {"weight": emb.weight, **emb.optimizer.state}
         local = {name: t.detach().cpu().numpy() for name, t in arrays.items()}
-        out = {} if self.topo.rank == root else None
         for t in range(self.plan.num_tables):
             mask = tables == t
             part = (emb.local_gids[mask], {k: v[mask] for k, v in local.items()})
             parts = self.topo.control.gather(part, root=root)
-            if out is not None:
-                out[t] = _assemble(parts)
-        return out
+            yield t, (_assemble(parts) if self.topo.rank == root else None)
 
     def digest(self) -> str:
         """SHA-256 of the whole training state in a canonical, world-size-independent order:
         embedding rows by global id, their optimizer state, dense parameters, dense optimizer
-        state. Collective; every rank returns the same hex string."""
-        tables = self.gather_tables(root=0)
-        hexdigest = None
-        if self.topo.rank == 0:
-            h = hashlib.sha256(DIGEST_VERSION)
-            for t, arrays in tables.items():
+        state; hashed on rank 0 table by table as they arrive. Collective; every rank returns
+        the same hex string."""
+        h = hashlib.sha256(DIGEST_VERSION) if self.topo.rank == 0 else None
+        for t, arrays in self.each_table(root=0):
+            if h is not None:
                 for name in sorted(arrays):
                     h.update(f"table{t}/{name}".encode())
                     h.update(np.ascontiguousarray(arrays[name]).tobytes())
+        hexdigest = None
+        if h is not None:
             _hash_dense(h, self.dense, self.dense_optimizer)
             hexdigest = h.hexdigest()
         return self.topo.control.bcast(hexdigest, root=0)

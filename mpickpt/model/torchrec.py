@@ -297,20 +297,25 @@ class TorchRecModel:
             self.load_dense_state(self._initial_dense)
 
     def digest(self) -> str:
-        """SHA-256 of the rows by global id (with their optimizer state) and the dense part.
-        Collective; the same hex string on every rank."""
-        emb = self.embeddings
+        """SHA-256 of the rows by global id (with their optimizer state) and the dense part,
+        hashed on rank 0 one table of one array at a time as they arrive. Collective; the same
+        hex string on every rank."""
+        gids = self.embeddings.local_gids
+        tables, _ = self.plan.split_global(gids)
         local = {k: t.detach().cpu().numpy() for k, t in self.row_state().items()}
-        parts = self.topo.control.gather((emb.local_gids, local), root=0)
-        hexdigest = None
-        if self.topo.rank == 0:
-            gids = np.concatenate([p[0] for p in parts])
-            order = np.argsort(gids, kind="stable")
-            h = hashlib.sha256(DIGEST_VERSION)
-            for name in sorted(local):
+        h = hashlib.sha256(DIGEST_VERSION) if self.topo.rank == 0 else None
+        for name in sorted(local):
+            if h is not None:
                 h.update(name.encode())
-                h.update(np.ascontiguousarray(np.concatenate([p[1][name] for p in parts])[order])
-                         .tobytes())
+            for t in range(self.plan.num_tables):  # a table's ids follow the one before's
+                mask = tables == t
+                parts = self.topo.control.gather((gids[mask], local[name][mask]), root=0)
+                if h is not None:
+                    order = np.argsort(np.concatenate([p[0] for p in parts]), kind="stable")
+                    h.update(np.ascontiguousarray(np.concatenate([p[1] for p in parts])[order])
+                             .tobytes())
+        hexdigest = None
+        if h is not None:
             for name, value in sorted(self.dense_state().items()):
                 h.update(name.encode())
                 h.update(np.ascontiguousarray(value.cpu().numpy()).tobytes())
