@@ -92,6 +92,16 @@ def values_from(cls, args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, _dest(cls, f)) for f, _ in option_fields(cls)}
 
 
+def changed_flags(cls, values, names=None) -> list[str]:
+    """The flags of `cls`'s option fields (those in `names`, else all) whose value in `values`
+    (a dict by field name, or an instance of `cls`) differs from the field's default: the flags
+    the user set. Local."""
+    get = values.get if isinstance(values, dict) else lambda n: getattr(values, n)
+    return [flag_of(f, meta) for f, meta in option_fields(cls)
+            if (names is None or f.name in names) and f.default is not dataclasses.MISSING
+            and get(f.name) != f.default]
+
+
 def _dest(cls, f: dataclasses.Field) -> str:
     return f"{cls.__name__}__{f.name}"
 
@@ -127,6 +137,17 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
     if not value > 0 or value != value or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0. Local."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
     return value
 
 

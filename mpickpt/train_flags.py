@@ -21,7 +21,8 @@ from mpickpt.model.dense import DenseArch, parse_mlp
 from mpickpt.model.optimizers import OPTIMIZERS, OptimizerConfig
 from mpickpt.model.registry import MODEL_NAMES
 from mpickpt.model.shard_plan import ShardPlan, ShardPlanOptions
-from mpickpt.options import add_options, int_at_least, option, positive_float, values_from
+from mpickpt.options import (add_options, changed_flags, int_at_least, option, positive_float,
+                             values_from)
 from mpickpt.parity.guard import ParityConfig
 from mpickpt.quant.config import QuantConfig
 from mpickpt.recovery.config import RecoveryConfig, check_combination
@@ -91,6 +92,18 @@ class ModelConfig:
     max_rows_per_rank: int | None = option(None, parse=int_at_least(1))
     """capacity of one rank in embedding rows (default: unlimited)"""
 
+    def check_placement_flags(self) -> None:
+        """Each model's placement flags only with that model (the other would ignore them):
+        FlagError naming them. Local."""
+        if self.model == "torchrec":
+            _refuse_without(changed_flags(ModelConfig, self, ("row_wise_threshold",
+                                                              "max_rows_per_rank")),
+                            "--model dlrm", "--model torchrec places its tables by "
+                            "--torchrec-sharding and would ignore it")
+        else:
+            _refuse_without(changed_flags(ModelConfig, self, ("torchrec_sharding",)),
+                            "--model torchrec", f"--model {self.model} would ignore it")
+
     def check_dcp_flags(self) -> None:
         """--import-dcp and --export-dcp: only with --model torchrec; the import directory must
         hold a DCP checkpoint. ValueError naming the flag. Local."""
@@ -102,6 +115,12 @@ class ModelConfig:
                 not os.path.isfile(os.path.join(self.import_dcp, ".metadata")):
             raise FlagError(f"--import-dcp {self.import_dcp}: not a DCP checkpoint directory "
                             f"(no .metadata file)")
+        if self.import_dcp is not None:
+            from mpickpt.model.torchrec_dcp import importable_entries
+            try:
+                importable_entries(self.import_dcp)
+            except ValueError as e:
+                raise FlagError(f"--import-dcp {e}") from None
 
     def table_sizes(self) -> tuple[int, ...]:
         """The tables' row counts; FlagError naming the flag when malformed. Local."""
@@ -155,6 +174,10 @@ class DataConfig:
     def check(self, table_sizes: tuple[int, ...]) -> None:
         """The data source fits the model and its files can be read. Local."""
         if self.data_generation != "criteo-tsv":
+            stray = changed_flags(DataConfig, self, ("raw_data_file", "raw_test_file",
+                                                     "skip_bad_lines"))
+            _refuse_without(stray, "--data-generation criteo-tsv",
+                            f"--data-generation {self.data_generation} would ignore it")
             return
         if not self.raw_data_file:
             raise FlagError("--data-generation criteo-tsv needs --raw-data-file PATH[,PATH...]")
@@ -237,8 +260,14 @@ class TrainConfig:
         if model.model == "torchrec":
             from mpickpt.model.torchrec_dlrm import check_torchrec_options
             check_torchrec_options(model.optimizer, model.torchrec_sharding, len(sizes), 1)
+        model.check_placement_flags()
         model.check_dcp_flags()
-        return cls(model=model, data=data, run=RunConfig(**values_from(RunConfig, args)),
+        run = RunConfig(**values_from(RunConfig, args))
+        for flag, path, folder in (("--run-report", run.run_report, False),
+                                   ("--trace-samples", faults.trace_samples, False),
+                                   ("--export-dcp", model.export_dcp, True)):
+            check_output(flag, path, folder)
+        return cls(model=model, data=data, run=run,
                    checkpoint=checkpoint, parity=parity, recovery=recovery, faults=faults,
                    table_sizes=sizes, arch=arch,
                    optim=OptimizerConfig(kind=model.optimizer, lr=model.learning_rate),
@@ -275,13 +304,47 @@ class TrainConfig:
 
 def _parity(args) -> ParityConfig | None:
     values = values_from(ParityConfig, args)
-    return ParityConfig(**values) if values["k"] is not None else None
+    if values["k"] is None:
+        _refuse_without(changed_flags(ParityConfig, values), "--parity-k K",
+                        "parity is off without it")
+        return None
+    return ParityConfig(**values)
 
 
 def _checkpoint(args) -> CheckpointConfig | None:
     values = values_from(CheckpointConfig, args)
     if values["directory"] is None:
+        _refuse_without(changed_flags(CheckpointConfig, values) +
+                        changed_flags(QuantConfig, values_from(QuantConfig, args)),
+                        "--ckpt-dir DIR", "checkpointing is off without it")
         return None
     config = CheckpointConfig(**values, quant=QuantConfig(**values_from(QuantConfig, args)))
     config.check_directory()
     return config
+
+
+def _refuse_without(flags: list[str], needed: str, why: str) -> None:
+    """FlagError naming `flags` when any was given without `needed` (which would ignore them
+    silently). Local."""
+    if flags:
+        one = len(flags) == 1
+        raise FlagError(f"{', '.join(flags)} {'needs' if one else 'need'} {needed}: "
+                        + (why if one else why.replace(" it", " them")))
+
+
+def check_output(flag: str, path: str | None, folder: bool) -> None:
+    """An output the run writes at its end (or as it goes) can be written there: FlagError
+    naming `flag` before any work otherwise. A file's directory must exist; a `folder` is
+    created with its missing parents, under the nearest existing one. Local."""
+    if path is None:
+        return
+    if os.path.isdir(path) != folder and os.path.exists(path):
+        raise FlagError(f"{flag} {path}: exists and is {'not ' if folder else ''}a directory")
+    target = path if os.path.exists(path) else os.path.dirname(os.path.abspath(path))
+    if folder:
+        while not os.path.exists(target):
+            target = os.path.dirname(target)
+    elif not os.path.isdir(target):
+        raise FlagError(f"{flag} {path}: its directory {target} does not exist")
+    if not os.access(target, os.W_OK | (os.X_OK if os.path.isdir(target) else 0)):
+        raise FlagError(f"{flag} {path}: {target} is not writable")

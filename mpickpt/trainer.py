@@ -22,6 +22,7 @@ from mpickpt.generation import GenerationError
 from mpickpt.recovery.tolerance import FaultTolerance
 from mpickpt.run_report import RunReport
 from mpickpt.stop_signals import StopSignals, stop_failed_message
+from mpickpt.store.errors import CheckpointError
 from mpickpt.survivors.inplace import InPlace, Rejoined
 from mpickpt.survivors.survival import COMM_ERRORS, Survival, restart_count
 from mpickpt.timing import PhaseTimer
@@ -105,11 +106,26 @@ class Trainer:
         self.stopped: str | None = None
         self.stop_committed = False
         """The emergency checkpoint of the step a stop signal ended at was committed."""
+        self._say_if_nothing_is_due()
         if topo.replacement:
             self._injected_settling_kill()
         self.survival.start_watch(self._boundary)  # first: a death during recovery is seen
         if lost:
             self._recover(Loss.of_ranks(lost, self.step, self.model.plan))
+
+    def _say_if_nothing_is_due(self) -> None:
+        """Say at the start (rank 0) when the run ends before its next checkpoint is due and
+        --ckpt-final is off: nothing would be saved but a stop signal's. Local."""
+        cfg = self.config
+        if self.ckpt is None or cfg.checkpoint.final or self.topo.replacement or \
+                self.step >= cfg.num_batches:
+            return
+        due = self.ckpt.schedule.next
+        if due > cfg.num_batches:
+            self.log.say(f"no checkpoint is due in this run: the next one at step {due}, "
+                         f"after its end at step {cfg.num_batches} (--ckpt-interval "
+                         f"{self.ckpt.schedule.interval}); only a stop signal would save one, "
+                         f"--ckpt-final saves the last step")
 
     def _resume(self, first):
         """Where training starts: survivor dumps of a relaunch, else the newest checkpoint, else
@@ -141,10 +157,17 @@ class Trainer:
         path = self.config.model.import_dcp
         if path is None:
             return None
+        from torch.distributed.checkpoint.api import CheckpointException
+
         from mpickpt.model.torchrec_dcp import load_dcp
 
         start = time.perf_counter()
-        meta = load_dcp(self.model, path)
+        try:
+            meta = load_dcp(self.model, path)
+        except (Exception, CheckpointException) as e:  # a BaseException; DCP's planning
+            raise CheckpointError(  # gathers every rank's errors and raises them on all ranks:
+                f"--import-dcp {path}: cannot be loaded into this model: "  # an agreed refusal
+                f"{_last_error_line(e)}") from None
         step, position = (meta["step"], position_from_dict(meta["reader"])) if meta else \
             (0, first)
         self.log.say(f"imported DCP checkpoint {path} at step {step} in "
@@ -615,3 +638,9 @@ class Trainer:
         if self.ckpt is not None:
             self.ckpt.abort()
 
+
+def _last_error_line(e: BaseException) -> str:
+    """The last line that names an error in `e`'s message (DCP's gather every rank's
+    traceback into it), else its type. Local."""
+    lines = [line.strip() for line in str(e).splitlines() if "Error" in line]
+    return lines[-1] if lines else type(e).__name__

@@ -164,7 +164,8 @@ def test_a_table_wise_checkpoint_restores_on_1_rank_and_row_wise(root):
 def test_a_dcp_export_imports_as_a_baseline_and_continues_like_the_original(root, tmp_path):
     """Half the run exported to DCP (--export-dcp), the other half started from it
     (--import-dcp, its first checkpoint the imported state at step 12): it ends with the
-    uninterrupted run's digest."""
+    uninterrupted run's digest. A model whose tables differ is refused with exit 2 and one
+    line naming the mismatch."""
     dcp_dir, ckpt = str(tmp_path / "dcp"), str(tmp_path / "ckpt")
     half = run_ranks(2, "mpickpt.train", *TORCHREC, "--num-batches", "12",
                      "--export-dcp", dcp_dir)
@@ -174,3 +175,9 @@ def test_a_dcp_export_imports_as_a_baseline_and_continues_like_the_original(root
     assert f"imported DCP checkpoint {dcp_dir} at step 12" in rest.stdout, rest.stdout
     assert min(m.step for m in list_manifests(ckpt)) == 12  # the baseline
     assert digest_of(rest) == digest  # (an export loaded under another plan: tests/mpi)
+    other = run_ranks(2, "mpickpt.train", *TORCHREC, "--arch-embedding-size", "300-200-100-60",
+                      "--import-dcp", dcp_dir)  # the last table has 10 more rows
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr
+    assert re.search(rf"^mpickpt-train: error: --import-dcp {dcp_dir}: cannot be loaded into "
+                     r"this model: ValueError: Size mismatch between saved torch.Size\(\[50",
+                     other.stderr, re.M), other.stderr

@@ -3,6 +3,7 @@ import re
 
 import pytest
 
+from mpickpt.store.manifest import list_manifests
 from tests.launch import SHARED_CRITEO, digest_of, finish, run_ranks, start_ranks
 
 SMALL = ("--arch-embedding-size", "300-200-100-50", "--arch-sparse-feature-size", "8",
@@ -74,3 +75,18 @@ def test_malformed_line_mid_file_names_file_and_line(tmp_path):
     skipped = run_ranks(2, "mpickpt.train", *args, "--skip-bad-lines", "--print-freq", "1")
     assert skipped.returncode == 0, skipped.stderr
     assert "step 5/5" in skipped.stdout
+
+
+def test_a_run_that_ends_before_its_first_checkpoint_says_so(tmp_path):
+    """--ckpt-dir with the default interval (100) on a 3-step run: nothing would be saved, and
+    the start says it; with --ckpt-final the last step is saved and nothing is said."""
+    ckpt = str(tmp_path / "ckpt")
+    jobs = [start_ranks(1, "mpickpt.train", *SMALL, "--num-batches", "3", "--ckpt-dir", d, *more)
+            for d, more in ((ckpt, ()), (ckpt + "-final", ("--ckpt-final",)))]
+    silent, final = (finish(job) for job in jobs)
+    said = ("no checkpoint is due in this run: the next one at step 100, after its end at step 3 "
+            "(--ckpt-interval 100); only a stop signal would save one, --ckpt-final saves the "
+            "last step")
+    assert said in silent.stdout and not list_manifests(ckpt), silent.stdout
+    assert "no checkpoint is due" not in final.stdout, final.stdout
+    assert [m.step for m in list_manifests(ckpt + "-final")] == [3], final.stdout

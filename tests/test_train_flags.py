@@ -3,6 +3,7 @@ message naming the flag (or file) and what was expected; `--help` lists every fl
 its default; each flag is declared once, on its config dataclass."""
 import argparse
 import dataclasses
+import re
 
 import pytest
 
@@ -114,6 +115,30 @@ BAD_INPUTS = [
     (2, ["--mtbf=-3h"], r"--mtbf must be a positive number"),
     (2, ["--ckpt-dir", "{tmp}", "--ckpt-interval", "often"], r"--ckpt-interval: expected an "
                                                              r"integer >= 1"),
+    # flags that would be ignored silently: their mechanism is off, or another kind is chosen
+    (2, ["--ckpt-interval", "5"], r"^--ckpt-interval needs --ckpt-dir DIR: checkpointing is off "
+                                  r"without it$"),
+    (2, ["--ckpt-kind", "incrcp", "--ckpt-bits", "4", "--ckpt-final"],
+     r"^--ckpt-final, --ckpt-kind, --ckpt-bits need --ckpt-dir DIR: checkpointing is off "
+     r"without them$"),
+    (2, ["--parity-r", "2", "--rebuild-budget", "4"], r"^--parity-r, --rebuild-budget need "
+                                                      r"--parity-k K"),
+    (2, ["--raw-data-file", "x"], r"^--raw-data-file needs --data-generation criteo-tsv: "
+                                  r"--data-generation synthetic would ignore it$"),
+    (2, ["--ckpt-dir", "{tmp}", "--ckpt-save-fraction", "0.5"],
+     r"^--ckpt-save-fraction only applies to --ckpt-kind priority \(set by --ckpt-priority "
+     r"RULE\); --ckpt-kind full would ignore it$"),
+    (2, ["--ckpt-dir", "{tmp}", "--ckpt-kind", "consecutive", "--incrcp-reset", "never",
+         "--incrcp-ratio", "0.1"], r"^--incrcp-ratio, --incrcp-reset only apply to --ckpt-kind "
+                                   r"incrcp; --ckpt-kind consecutive would ignore them$"),
+    (2, ["--ckpt-dir", "{tmp}", "--ckpt-bits", "auto", "--node-failure-rate", "nan",
+         "--expected-train-hours", "5"], r"--node-failure-rate: expected a finite number >= 0"),
+    (2, ["--torchrec-sharding", "row_wise"], r"^--torchrec-sharding needs --model torchrec: "
+                                             r"--model dlrm would ignore it$"),
+    # outputs written at the end, checked before the run
+    (2, ["--run-report", "/nonexistent/r.json"], r"^--run-report /nonexistent/r.json: its "
+                                                 r"directory /nonexistent does not exist$"),
+    (2, ["--trace-samples", "{tmp}"], r"^--trace-samples .*: exists and is a directory$"),
 ]
 
 
@@ -331,3 +356,34 @@ def test_recovery_defaults_follow_the_launcher():
     with pytest.raises(ValueError, match=r"--in-place on needs the node agents that mpickpt-run "
                                          r"starts"):
         RecoveryConfig(in_place="on").check_launcher({"MPICKPT_RESTART": "0"})
+
+
+def test_outputs_are_checked_where_they_will_be_written(tmp_path):
+    from mpickpt.train_flags import FlagError, check_output
+
+    check_output("--run-report", str(tmp_path / "r.json"), folder=False)
+    check_output("--export-dcp", str(tmp_path / "new" / "dcp"), folder=True)  # made by DCP
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FlagError, match=r"^--export-dcp .*file: exists and is not a directory$"):
+        check_output("--export-dcp", str(tmp_path / "file"), folder=True)
+    with pytest.raises(FlagError, match=r"its directory .*missing does not exist$"):
+        check_output("--run-report", str(tmp_path / "missing" / "r.json"), folder=False)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_dcp_checkpoint_without_a_model_entry_is_refused_before_training(tmp_path):
+    pytest.importorskip("torchrec")
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"weights": torch.zeros(3)}, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
+    error = config_error(["--model", "torchrec", "--import-dcp", str(tmp_path / "plain")], 1)
+    assert error is not None and re.search(r"^--import-dcp .*plain: a DCP checkpoint without a "
+                                           r"'model' entry \(it holds \['weights'\]\)", error), error
+
+
+def test_the_native_model_s_placement_flags_are_refused_with_torchrec():
+    pytest.importorskip("torchrec")
+    error = config_error(["--model", "torchrec", "--max-rows-per-rank", "1000"], 1)
+    assert error == ("--max-rows-per-rank needs --model dlrm: --model torchrec places its tables "
+                     "by --torchrec-sharding and would ignore it"), error

@@ -10,7 +10,7 @@ from mpickpt.kinds.incrcp import RESETS as INCRCP_RESETS
 from mpickpt.kinds.priority import DEFAULT_FRACTION
 from mpickpt.kinds.priority import RULES as PRIORITY_RULES
 from mpickpt.kinds.registry import KINDS
-from mpickpt.options import int_at_least, option, positive_float, ratio
+from mpickpt.options import changed_flags, int_at_least, option, positive_float, ratio
 from mpickpt.quant.config import QuantConfig
 
 OVERLAP_POLICIES = ("wait", "skip")
@@ -45,6 +45,12 @@ def _fraction(text: str) -> float:
     if not 0.0 < value <= 1.0:
         raise ValueError(f"--ckpt-save-fraction must lie in (0, 1], got {text!r}")
     return value
+
+
+KIND_OPTIONS = {"priority": ("save_fraction", "priority_baseline_every"),
+                "incrcp": ("incrcp_ratio", "incrcp_reset", "inject_extract_crash")}
+"""The options only one kind reads (`CheckpointConfig` refuses them with another)."""
+KIND_HOW = {"priority": " (set by --ckpt-priority RULE)"}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -155,6 +161,13 @@ class CheckpointConfig:
             raise ValueError(f"--incrcp-reset must be 'cost' or 'never', got {self.incrcp_reset!r}")
         if not 0.0 <= self.incrcp_ratio <= 1.0:
             raise ValueError(f"--incrcp-ratio must lie in [0, 1], got {self.incrcp_ratio!r}")
+        for kind, names in KIND_OPTIONS.items():
+            stray = changed_flags(CheckpointConfig, self, names)
+            if stray and self.kind != kind:
+                one = len(stray) == 1
+                raise ValueError(f"{', '.join(stray)} only {'applies' if one else 'apply'} to "
+                                 f"--ckpt-kind {kind}{KIND_HOW.get(kind, '')}; --ckpt-kind "
+                                 f"{self.kind} would ignore {'it' if one else 'them'}")
         if self.inject_slow_copy is not None and self.snapshot != "copy-on-update":
             raise ValueError("--inject-slow-copy slows the copy-on-update copier; it needs "
                              "--ckpt-snapshot copy-on-update")

@@ -52,17 +52,29 @@ def save_dcp(model, path: str, step: int, reader: dict) -> None:
         dcp.save(_state(model, meta), checkpoint_id=path, process_group=model.topo.pg)
 
 
+def importable_entries(path: str) -> set[str]:
+    """The top-level entries of the DCP checkpoint at `path` (its metadata only); ValueError
+    naming it where it cannot be read or holds no `"model"` entry. Local."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    except Exception as e:  # a truncated or foreign .metadata file
+        raise ValueError(f"{path}: its DCP metadata cannot be read ({e})") from None
+    tops = {k.split(".", 1)[0] for k in keys}
+    if "model" not in tops:
+        raise ValueError(f"{path}: a DCP checkpoint without a 'model' entry (it holds "
+                         f"{sorted(tops)}); expected dmp.state_dict() saved under 'model'")
+    return tops
+
+
 def load_dcp(model, path: str) -> dict | None:
     """Read the DCP checkpoint at `path` into `model` (tables, their fused optimizer state,
     the dense part and its optimizer, whichever it holds; `"model"` must be there). Returns
     `{"step", "reader"}` when mpickpt wrote it, else None. Collective."""
     import torch.distributed.checkpoint as dcp
 
-    keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
-    tops = {k.split(".", 1)[0] for k in keys}
-    if "model" not in tops:
-        raise ValueError(f"{path}: a DCP checkpoint without a 'model' entry (it holds "
-                         f"{sorted(tops)}); expected dmp.state_dict() saved under 'model'")
+    tops = importable_entries(path)
     state = _state(model, "" if META_KEY in tops else None)
     for name in ("fused_optimizer", "dense_optimizer"):
         if name not in tops:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mpickpt.options import int_at_least, option, ratio
+from mpickpt.options import int_at_least, non_negative_float, option, ratio
 from mpickpt.quant.codecs import QUANT_CHOICES
 from mpickpt.quant.search import SEARCHES
 
@@ -28,17 +28,19 @@ class QuantConfig:
     """adaptive range search: refined (greedy walk + least-squares polish, never worse) or greedy
     (the paper's walk)"""
     bins: int = option(0, flag="--quant-bins", parse=int_at_least(1))
-    """walk bins (0: greedy: the paper's 25 at 2 and 3 bits, 45 at 4 bits; refined: 12 at 2 bits,
-    else the paper's)"""
+    """walk bins (default, shown as 0: greedy: the paper's 25 at 2 and 3 bits, 45 at 4 bits;
+    refined: 12 at 2 bits, else the paper's)"""
     ratio: float = option(-1.0, flag="--quant-ratio", parse=ratio)
-    """walk: fraction of the range it may clip (negative: greedy: the paper's 0.5 at 2 bits, 0.2
-    at 3 and 4 bits; refined: 0.5 at 2 bits, 0.2 at 3, 0.09 at 4)"""
+    """walk: fraction of the range it may clip (default, shown as -1: greedy: the paper's 0.5 at
+    2 bits, 0.2 at 3 and 4 bits; refined: 0.5 at 2 bits, 0.2 at 3, 0.09 at 4)"""
     state_bits: int | None = option(None, flag="--ckpt-state-bits", parse=int,
                                     choices=STATE_BIT_CHOICES)
     """optimizer state bits (default: 32 with lossless weights, else 16)"""
-    failure_rate: float | None = option(None, flag="--node-failure-rate", parse=float)
+    failure_rate: float | None = option(None, flag="--node-failure-rate",
+                                       parse=non_negative_float)
     """--ckpt-bits auto: failures per node per hour"""
-    hours: float | None = option(None, flag="--expected-train-hours", parse=float)
+    hours: float | None = option(None, flag="--expected-train-hours",
+                                parse=non_negative_float)
     """--ckpt-bits auto: expected training time in hours"""
     nodes: int | None = option(None, flag="--nodes", parse=int_at_least(1))
     """--ckpt-bits auto: nodes of the job (default: counted from the ranks)"""
