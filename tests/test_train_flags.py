@@ -378,8 +378,9 @@ def test_a_dcp_checkpoint_without_a_model_entry_is_refused_before_training(tmp_p
 
     dcp.save({"weights": torch.zeros(3)}, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
     error = config_error(["--model", "torchrec", "--import-dcp", str(tmp_path / "plain")], 1)
-    assert error is not None and re.search(r"^--import-dcp .*plain: a DCP checkpoint without a "
-                                           r"'model' entry \(it holds \['weights'\]\)", error), error
+    assert error is not None, error
+    assert re.search(r"^--import-dcp .*plain: a DCP checkpoint without a 'model' entry \(it "
+                     r"holds \['weights'\]\)", error), error
 
 
 def test_the_native_model_s_placement_flags_are_refused_with_torchrec():
