@@ -109,6 +109,8 @@ def _start(config, error, signals, watch):
     if config is not None and error is None:
         try:
             config.recovery.check_launcher(os.environ, comm.Get_size())
+            if comm.Get_rank() == 0:
+                config.check_root_outputs()
             config.check_world(comm.Get_size() - config.recovery.spares)
         except (ValueError, OSError) as e:
             error = str(e)

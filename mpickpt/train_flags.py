@@ -263,16 +263,19 @@ class TrainConfig:
         model.check_placement_flags()
         model.check_dcp_flags()
         run = RunConfig(**values_from(RunConfig, args))
-        for flag, path, folder in (("--run-report", run.run_report, False),
-                                   ("--trace-samples", faults.trace_samples, False),
-                                   ("--export-dcp", model.export_dcp, True)):
-            check_output(flag, path, folder)
+        check_output("--export-dcp", model.export_dcp, folder=True)  # every rank writes there
         return cls(model=model, data=data, run=run,
                    checkpoint=checkpoint, parity=parity, recovery=recovery, faults=faults,
                    table_sizes=sizes, arch=arch,
                    optim=OptimizerConfig(kind=model.optimizer, lr=model.learning_rate),
                    plan_options=ShardPlanOptions(row_wise_threshold=model.row_wise_threshold,
                                                  max_rows_per_rank=model.max_rows_per_rank))
+
+    def check_root_outputs(self) -> None:
+        """Rank 0's outputs (`--run-report`, `--trace-samples`) can be written where rank 0
+        runs: call there only (the directory may exist on its node alone). Local."""
+        check_output("--run-report", self.run.run_report, folder=False)
+        check_output("--trace-samples", self.faults.trace_samples, folder=False)
 
     def check_world(self, world_size: int) -> ShardPlan:
         """Checks that need the world size; returns the shard plan. Local."""
@@ -319,6 +322,7 @@ def _checkpoint(args) -> CheckpointConfig | None:
                         "--ckpt-dir DIR", "checkpointing is off without it")
         return None
     config = CheckpointConfig(**values, quant=QuantConfig(**values_from(QuantConfig, args)))
+    config.check_kind_options()
     config.check_directory()
     return config
 
@@ -334,17 +338,18 @@ def _refuse_without(flags: list[str], needed: str, why: str) -> None:
 
 def check_output(flag: str, path: str | None, folder: bool) -> None:
     """An output the run writes at its end (or as it goes) can be written there: FlagError
-    naming `flag` before any work otherwise. A file's directory must exist; a `folder` is
-    created with its missing parents, under the nearest existing one. Local."""
+    naming `flag` before any work otherwise. A file's directory must exist and be writable (a
+    file is written beside itself and renamed over); a `folder` is created with its missing
+    parents, under the nearest existing one. Local."""
     if path is None:
         return
     if os.path.isdir(path) != folder and os.path.exists(path):
         raise FlagError(f"{flag} {path}: exists and is {'not ' if folder else ''}a directory")
-    target = path if os.path.exists(path) else os.path.dirname(os.path.abspath(path))
+    target = path if folder and os.path.exists(path) else os.path.dirname(os.path.abspath(path))
     if folder:
         while not os.path.exists(target):
             target = os.path.dirname(target)
     elif not os.path.isdir(target):
         raise FlagError(f"{flag} {path}: its directory {target} does not exist")
-    if not os.access(target, os.W_OK | (os.X_OK if os.path.isdir(target) else 0)):
+    if not os.access(target, os.W_OK | os.X_OK):
         raise FlagError(f"{flag} {path}: {target} is not writable")

@@ -90,11 +90,12 @@ class Trainer:
         self._recovered_by: str | None = None
         """The policy of the last recovery (a generation's log names it)."""
         self.dumps_pending = False
+        self.dumps_step: int | None = None
+        """The step of the survivor dumps kept until a newer checkpoint commits."""
         self.finish_done: list[str] = []
         """The phases of the run's end (`_finish`) completed, in order."""
         self.step, start, pls, lost = self._join_as_replacement() if topo.replacement \
             else self._resume(first)
-        self.resumed_step = self.step
         self.faults = FaultTolerance(config, topo, self.model, self.ckpt, self.restorer,
                                      self.parity, self.log.say, self.step, pls, first.to_dict())
         self._pin_training()  # after the counts of free cores above, which read the whole mask
@@ -136,7 +137,7 @@ class Trainer:
         if found is not None:
             reader, pls = found
             self.ckpt.resumed_at(survey.step)
-            self.dumps_pending = True
+            self.dumps_pending, self.dumps_step = True, survey.step
             return survey.step, position_from_dict(reader), pls, sorted(survey.lost)
         restored = self.restorer.restore() if self.restorer is not None else None  # collective
         imported = self._import_dcp(first) if restored is None else None
@@ -164,7 +165,7 @@ class Trainer:
         start = time.perf_counter()
         try:
             meta = load_dcp(self.model, path)
-        except (Exception, CheckpointException) as e:  # a BaseException; DCP's planning
+        except (ValueError, CheckpointException) as e:  # a BaseException; DCP's planning
             raise CheckpointError(  # gathers every rank's errors and raises them on all ranks:
                 f"--import-dcp {path}: cannot be loaded into this model: "  # an agreed refusal
                 f"{_last_error_line(e)}") from None
@@ -191,15 +192,17 @@ class Trainer:
 
     def _take_over(self, joined: Rejoined) -> None:
         """Checkpointing continues from the agreed step: a new baseline next, the job's attempt
-        id and interval. Where the run's end had closed the checkpoints (`finish_done`), every
-        member stops its writers now, before the recovery: a recovery that reads checkpoints
-        (partial, a rollback) and the steps a rollback replays then make the same (no)
-        checkpoint collectives on the survivors that closed, a survivor that lagged in the
+        id and interval. Where a survivor had closed its checkpoints (the run's end, or a
+        stop's checkpoint), every member stops its writers now, before the recovery: a recovery
+        that reads checkpoints (partial, a rollback) and the steps after it then make the same
+        (no) checkpoint collectives on the survivors that closed, a survivor that lagged in the
         close, and a replacement. Local."""
         # the replaced shards' recovery (a parity rebuild) is settled again by every member
         self.finish_done = [p for p in joined.finish_done if p != "settle"]
-        if self.ckpt is not None and "close" in self.finish_done:
+        if self.ckpt is not None and joined.checkpoints_closed:
             self.ckpt.abort(summary=True)  # every commit of the run is made (`agreed_end`)
+        # survivor dumps a relaunch resumed from: every member watches for the newer commit
+        self.dumps_pending, self.dumps_step = joined.dumps_from is not None, joined.dumps_from
         if self.ckpt is not None:
             self.ckpt.resumed_at(joined.step)
             if joined.attempt is not None:
@@ -337,7 +340,9 @@ class Trainer:
         try:
             joined = self.in_place.survivor(dead, step, reader, pls, attempt, interval,
                                             self.survival.more_dead, self.finish_done,
-                                            self._went_back)
+                                            self._went_back,
+                                            self.ckpt is not None and self.ckpt.closed,
+                                            self.dumps_step if self.dumps_pending else None)
         except (GenerationError, *COMM_ERRORS) as e:
             # the old ring stays open: the fallback is at the store before the others see this
             # rank's connections close (at its exit) and give up too
@@ -486,6 +491,13 @@ class Trainer:
             return
         if self.parity is not None:
             self.parity.settle()
+        if self.ckpt.closed:  # a stop's close came before a peer's death: nothing to save
+            newest = self.restorer.newest_step()  # collective; storage, not a manager
+            self.stop_committed = newest is not None
+            self.log.say(f"stopping on {name} after step {self.step}: the checkpoints were "
+                         f"closed by the stop before a peer died; the newest committed is "
+                         f"step {newest}")
+            return
         start = time.perf_counter()
         self.ckpt.urgent()
         saved = self.ckpt.save_now(self.step, self.reader)
@@ -507,13 +519,13 @@ class Trainer:
         """Survivor dumps restored at the relaunch go once a newer checkpoint commits.
         Collective (`dumps_pending` is the same on every rank)."""
         newest = self.ckpt.newest_committed()
-        if newest is not None and newest > self.resumed_step:
+        if newest is not None and newest > self.dumps_step:
             self._drop_dumps(f"checkpoint step {newest} committed")
 
     def _drop_dumps(self, why: str) -> None:
         self.survival.drop_dump()
         self.dumps_pending = False
-        self.log.say(f"survivor dumps of step {self.resumed_step} removed: {why}")
+        self.log.say(f"survivor dumps of step {self.dumps_step} removed: {why}")
 
     def _finish(self) -> None:
         """The run's end: the rebuild settled, the last checkpoint committed and the writers

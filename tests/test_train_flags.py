@@ -23,7 +23,9 @@ CONFIGS = (ModelConfig, DataConfig, RunConfig, CheckpointConfig, QuantConfig, Pa
 def config_error(argv, world: int = 2) -> str | None:
     """What `mpickpt-train` would refuse `argv` with on `world` ranks (as train.main does)."""
     try:
-        TrainConfig.from_args(argv).check_world(world)
+        config = TrainConfig.from_args(argv)
+        config.check_world(world)
+        config.check_root_outputs()  # rank 0's
     except (ValueError, OSError) as e:
         return str(e)
     return None

@@ -161,6 +161,15 @@ class CheckpointConfig:
             raise ValueError(f"--incrcp-reset must be 'cost' or 'never', got {self.incrcp_reset!r}")
         if not 0.0 <= self.incrcp_ratio <= 1.0:
             raise ValueError(f"--incrcp-ratio must lie in [0, 1], got {self.incrcp_ratio!r}")
+        if self.inject_slow_copy is not None and self.snapshot != "copy-on-update":
+            raise ValueError("--inject-slow-copy slows the copy-on-update copier; it needs "
+                             "--ckpt-snapshot copy-on-update")
+        if self.resume not in ("latest", "none") and not str(self.resume).isdigit():
+            raise ValueError(f"--resume must be 'latest', 'none' or a step number, got {self.resume!r}")
+
+    def check_kind_options(self) -> None:
+        """Another kind's options given with this kind (which would ignore them): ValueError
+        naming them. The trainer's flags only: a library caller may set them all. Local."""
         for kind, names in KIND_OPTIONS.items():
             stray = changed_flags(CheckpointConfig, self, names)
             if stray and self.kind != kind:
@@ -168,11 +177,6 @@ class CheckpointConfig:
                 raise ValueError(f"{', '.join(stray)} only {'applies' if one else 'apply'} to "
                                  f"--ckpt-kind {kind}{KIND_HOW.get(kind, '')}; --ckpt-kind "
                                  f"{self.kind} would ignore {'it' if one else 'them'}")
-        if self.inject_slow_copy is not None and self.snapshot != "copy-on-update":
-            raise ValueError("--inject-slow-copy slows the copy-on-update copier; it needs "
-                             "--ckpt-snapshot copy-on-update")
-        if self.resume not in ("latest", "none") and not str(self.resume).isdigit():
-            raise ValueError(f"--resume must be 'latest', 'none' or a step number, got {self.resume!r}")
 
     @property
     def auto_interval(self) -> bool:

@@ -43,6 +43,12 @@ class Rejoined:
     """The phases of the run's end counted as done (`agreed_end`; `Trainer._finish`)."""
     pids: dict[int, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    checkpoints_closed: bool = False
+    """A survivor's checkpoint manager was closed (the run's end, or a stop's close): every
+    member stops its writers, so that all make the same (no) checkpoint collectives."""
+    dumps_from: int | None = None
+    """The step of the survivor dumps a relaunch resumed from, where a survivor still keeps
+    them (until a newer checkpoint commits): every member then watches for that commit."""
 
 
 def agreed_end(ends: list[list[str]]) -> list[str]:
@@ -72,10 +78,13 @@ class InPlace:
 
     def survivor(self, dead, step: int, reader: dict, pls: dict | None, attempt: str | None,
                  interval: int | None, more_dead=None, finish_done=(),
-                 went_back=None) -> Rejoined:
+                 went_back=None, closed: bool = False,
+                 dumps_from: int | None = None) -> Rejoined:
         """Leave the broken generation and form the next one with the replacements of `dead`.
         `step`, `reader`: this rank's last completed step and the reader position there;
         `finish_done`: the phases of the run's end it completed (a death during the end);
+        `closed`: its checkpoint manager is closed; `dumps_from`: the step of the survivor
+        dumps it still keeps (None: none);
         `went_back(step, reader)`: called under the state lock when this rank undoes its last
         step because the others did not complete it.
         Collective with the next generation's members; raises GenerationError when a member
@@ -86,7 +95,8 @@ class InPlace:
         if regroup is not None:  # a model that holds the old generation's groups itself
             regroup()
         joined = time.perf_counter()
-        out = self._agree(step, reader, pls, attempt, interval, list(finish_done), went_back)
+        out = self._agree(step, reader, pls, attempt, interval, list(finish_done), went_back,
+                          closed, dumps_from)
         out.seconds.update(join=joined - start, agree=time.perf_counter() - joined)
         out.generation = generation
         return out
@@ -101,10 +111,11 @@ class InPlace:
 
     @torch.no_grad()
     def _agree(self, step, reader, pls, attempt, interval, finish_done,
-               went_back=None) -> Rejoined:
+               went_back=None, closed: bool = False, dumps_from: int | None = None) -> Rejoined:
         me, control = self.topo.rank, self.topo.control
         last = self.undo.last if self.undo is not None else None
-        mine = {"step": step, "pid": os.getpid(), "finish_done": finish_done,
+        mine = {"step": step, "pid": os.getpid(), "finish_done": finish_done, "closed": closed,
+                "dumps_from": dumps_from,
                 "back": step is not None and last is not None and last.step == step,
                 "rebuilding": self.parity.rebuilding() if self.parity is not None else []}
         everyone = control.allgather(mine)
@@ -141,4 +152,7 @@ class InPlace:
         return Rejoined(self.topo.generation, agreed, shared["reader"], shared["pls"], replaced,
                         unrebuilt, undone, shared["attempt"], shared["interval"],
                         finish_done,
-                        {r: e["pid"] for r, e in enumerate(everyone)})
+                        {r: e["pid"] for r, e in enumerate(everyone)},
+                        checkpoints_closed=any(e["closed"] for e in everyone),
+                        dumps_from=max((e["dumps_from"] for e in everyone
+                                        if e["dumps_from"] is not None), default=None))

@@ -209,3 +209,28 @@ def test_a_relaunch_that_finds_no_dump_says_it_falls_back(topology, root):
     assert len(said) == 1 and said[0].startswith("relaunch (restart 2): no rank found a "
                                                  "survivor dump"), said
     assert "falling back to the newest checkpoint" in said[0]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_generation_agrees_on_closed_checkpoints_and_kept_dumps(topology):
+    """The last rank joins as a replacement (no state); the survivors differ: only rank 0's
+    checkpoint manager is closed and only rank 0 still keeps the dumps of step 30 (a survivor
+    that lagged in the close keeps its writers; one that closed dropped them). Every member
+    agrees that the checkpoints are closed and that dumps of step 30 are kept, so that all make
+    the same checkpoint and dump collectives afterwards."""
+    from mpickpt.survivors.inplace import InPlace
+
+    topo = topology
+    me, last = topo.rank, topo.world_size - 1
+    model = _model(topo)
+    agree = InPlace(topo, model, None, None, 30.0)._agree
+    if me == last:  # the replacement's side
+        joined = agree(None, None, None, None, None, None)
+    else:
+        joined = agree(40, {"samples": 7}, None, "a1", 10, [], None, me == 0,
+                       30 if me == 0 else None)
+    assert joined.checkpoints_closed and joined.dumps_from == 30 and joined.step == 40
+    assert joined.replaced == [last] and joined.reader == {"samples": 7}
+    nobody = InPlace(topo, model, None, None, 30.0)._agree(
+        None if me == last else 40, {}, None, None, None, None if me == last else [])
+    assert not nobody.checkpoints_closed and nobody.dumps_from is None
