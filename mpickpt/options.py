@@ -13,6 +13,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import os
 import textwrap
 
 _KEY = "mpickpt.option"
@@ -160,3 +161,28 @@ def ratio(text: str) -> float:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}")
     return value
+
+
+class OutputError(ValueError):
+    """An output flag names a place the run cannot write."""
+
+
+def check_output(flag: str, path: str | None, folder: bool) -> None:
+    """An output the run writes at its end (or as it goes) can be written there: OutputError
+    naming `flag` before any work otherwise. A file's directory must exist and be writable (a
+    file is written beside itself and renamed over); a `folder` may be missing with its
+    parents, under a writable nearest existing one. Local."""
+    if path is None:
+        return
+    if os.path.isdir(path) != folder and os.path.exists(path):
+        raise OutputError(f"{flag} {path}: exists and is {'not ' if folder else ''}a directory")
+    target = path if folder and os.path.exists(path) else os.path.dirname(os.path.abspath(path))
+    if folder:
+        while not os.path.exists(target):
+            target = os.path.dirname(target)
+        if not os.path.isdir(target):
+            raise OutputError(f"{flag} {path}: {target} exists and is not a directory")
+    elif not os.path.isdir(target):
+        raise OutputError(f"{flag} {path}: its directory {target} does not exist")
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise OutputError(f"{flag} {path}: {target} is not writable")

@@ -21,8 +21,8 @@ from mpickpt.model.dense import DenseArch, parse_mlp
 from mpickpt.model.optimizers import OPTIMIZERS, OptimizerConfig
 from mpickpt.model.registry import MODEL_NAMES
 from mpickpt.model.shard_plan import ShardPlan, ShardPlanOptions
-from mpickpt.options import (add_options, changed_flags, int_at_least, option, positive_float,
-                             values_from)
+from mpickpt.options import (add_options, changed_flags, check_output, int_at_least, option,
+                             positive_float, values_from)
 from mpickpt.parity.guard import ParityConfig
 from mpickpt.quant.config import QuantConfig
 from mpickpt.recovery.config import RecoveryConfig, check_combination
@@ -334,22 +334,3 @@ def _refuse_without(flags: list[str], needed: str, why: str) -> None:
         one = len(flags) == 1
         raise FlagError(f"{', '.join(flags)} {'needs' if one else 'need'} {needed}: "
                         + (why if one else why.replace(" it", " them")))
-
-
-def check_output(flag: str, path: str | None, folder: bool) -> None:
-    """An output the run writes at its end (or as it goes) can be written there: FlagError
-    naming `flag` before any work otherwise. A file's directory must exist and be writable (a
-    file is written beside itself and renamed over); a `folder` is created with its missing
-    parents, under the nearest existing one. Local."""
-    if path is None:
-        return
-    if os.path.isdir(path) != folder and os.path.exists(path):
-        raise FlagError(f"{flag} {path}: exists and is {'not ' if folder else ''}a directory")
-    target = path if folder and os.path.exists(path) else os.path.dirname(os.path.abspath(path))
-    if folder:
-        while not os.path.exists(target):
-            target = os.path.dirname(target)
-    elif not os.path.isdir(target):
-        raise FlagError(f"{flag} {path}: its directory {target} does not exist")
-    if not os.access(target, os.W_OK | os.X_OK):
-        raise FlagError(f"{flag} {path}: {target} is not writable")

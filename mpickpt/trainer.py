@@ -6,6 +6,7 @@ import os
 import time
 import torch
 
+from mpickpt.background import error_line
 from mpickpt.data.criteo_tsv import CriteoTSVConfig, CriteoTSVSource
 from mpickpt.data.position import SyntheticPosition, TSVPosition, position_from_dict
 from mpickpt.data.prefetch import PrefetchReader
@@ -89,9 +90,9 @@ class Trainer:
         self._left_at = None
         self._recovered_by: str | None = None
         """The policy of the last recovery (a generation's log names it)."""
-        self.dumps_pending = False
         self.dumps_step: int | None = None
-        """The step of the survivor dumps kept until a newer checkpoint commits."""
+        """The step of the survivor dumps kept until a newer checkpoint commits (None: none
+        kept)."""
         self.finish_done: list[str] = []
         """The phases of the run's end (`_finish`) completed, in order."""
         self.step, start, pls, lost = self._join_as_replacement() if topo.replacement \
@@ -137,7 +138,7 @@ class Trainer:
         if found is not None:
             reader, pls = found
             self.ckpt.resumed_at(survey.step)
-            self.dumps_pending, self.dumps_step = True, survey.step
+            self.dumps_step = survey.step
             return survey.step, position_from_dict(reader), pls, sorted(survey.lost)
         restored = self.restorer.restore() if self.restorer is not None else None  # collective
         imported = self._import_dcp(first) if restored is None else None
@@ -199,11 +200,11 @@ class Trainer:
         close, and a replacement. Local."""
         # the replaced shards' recovery (a parity rebuild) is settled again by every member
         self.finish_done = [p for p in joined.finish_done if p != "settle"]
-        if self.ckpt is not None and joined.checkpoints_closed:
-            self.ckpt.abort(summary=True)  # every commit of the run is made (`agreed_end`)
         # survivor dumps a relaunch resumed from: every member watches for the newer commit
-        self.dumps_pending, self.dumps_step = joined.dumps_from is not None, joined.dumps_from
+        self.dumps_step = joined.dumps_from
         if self.ckpt is not None:
+            if joined.checkpoints_closed:  # the run's end or a stop's checkpoint committed
+                self.ckpt.abort(summary=True)  # every commit it would make: stop the writers
             self.ckpt.resumed_at(joined.step)
             if joined.attempt is not None:
                 self.ckpt.attempt = joined.attempt
@@ -342,7 +343,7 @@ class Trainer:
                                             self.survival.more_dead, self.finish_done,
                                             self._went_back,
                                             self.ckpt is not None and self.ckpt.closed,
-                                            self.dumps_step if self.dumps_pending else None)
+                                            self.dumps_step)
         except (GenerationError, *COMM_ERRORS) as e:
             # the old ring stays open: the fallback is at the store before the others see this
             # rank's connections close (at its exit) and give up too
@@ -515,6 +516,11 @@ class Trainer:
                      + f" {committed:.2f} s after the signal ({write:.2f} s to write "
                        f"and commit; {since:.2f} s to reach the step boundary)")
 
+    @property
+    def dumps_pending(self) -> bool:
+        """Survivor dumps are kept until a newer checkpoint commits. Local."""
+        return self.dumps_step is not None
+
     def _drop_dumps_once_replaced(self) -> None:
         """Survivor dumps restored at the relaunch go once a newer checkpoint commits.
         Collective (`dumps_pending` is the same on every rank)."""
@@ -524,8 +530,8 @@ class Trainer:
 
     def _drop_dumps(self, why: str) -> None:
         self.survival.drop_dump()
-        self.dumps_pending = False
         self.log.say(f"survivor dumps of step {self.dumps_step} removed: {why}")
+        self.dumps_step = None
 
     def _finish(self) -> None:
         """The run's end: the rebuild settled, the last checkpoint committed and the writers
@@ -653,6 +659,6 @@ class Trainer:
 
 def _last_error_line(e: BaseException) -> str:
     """The last line that names an error in `e`'s message (DCP's gather every rank's
-    traceback into it), else its type. Local."""
+    traceback into it), else `e` as one line (`error_line`). Local."""
     lines = [line.strip() for line in str(e).splitlines() if "Error" in line]
-    return lines[-1] if lines else type(e).__name__
+    return lines[-1] if lines else error_line(e)

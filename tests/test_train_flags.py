@@ -78,7 +78,7 @@ BAD_INPUTS = [
     (2, ["--in-place", "maybe"], r"--in-place: invalid choice: 'maybe'"),
     (2, ["--spares", "-1"], r"--spares: expected an integer >= 0, got -1"),
     (2, ["--spares", "one"], r"--spares: expected an integer >= 0, got 'one'"),
-    (2, ["--ckpt-dir", "/proc/version"], r"--ckpt-dir /proc/version exists and is not a "
+    (2, ["--ckpt-dir", "/proc/version"], r"--ckpt-dir /proc/version: exists and is not a "
                                          r"directory"),
     # partial recovery, intervals, prioritized saves, the failure emulator (issue 13)
     (2, ["--ckpt-dir", "{tmp}", "--recovery", "partial", "--target-pls", "1.5"],
@@ -361,15 +361,17 @@ def test_recovery_defaults_follow_the_launcher():
 
 
 def test_outputs_are_checked_where_they_will_be_written(tmp_path):
-    from mpickpt.train_flags import FlagError, check_output
+    from mpickpt.options import OutputError, check_output
 
     check_output("--run-report", str(tmp_path / "r.json"), folder=False)
     check_output("--export-dcp", str(tmp_path / "new" / "dcp"), folder=True)  # made by DCP
     (tmp_path / "file").write_text("")
-    with pytest.raises(FlagError, match=r"^--export-dcp .*file: exists and is not a directory$"):
+    with pytest.raises(OutputError, match=r"^--export-dcp .*file: exists and is not a directory$"):
         check_output("--export-dcp", str(tmp_path / "file"), folder=True)
-    with pytest.raises(FlagError, match=r"its directory .*missing does not exist$"):
+    with pytest.raises(OutputError, match=r"its directory .*missing does not exist$"):
         check_output("--run-report", str(tmp_path / "missing" / "r.json"), folder=False)
+    with pytest.raises(OutputError, match=r"^--ckpt-dir .*file/ckpt: .*file exists and is not a dir"):
+        CheckpointConfig(directory=str(tmp_path / "file" / "ckpt")).check_directory()
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -10,7 +10,8 @@ from mpickpt.kinds.incrcp import RESETS as INCRCP_RESETS
 from mpickpt.kinds.priority import DEFAULT_FRACTION
 from mpickpt.kinds.priority import RULES as PRIORITY_RULES
 from mpickpt.kinds.registry import KINDS
-from mpickpt.options import changed_flags, int_at_least, option, positive_float, ratio
+from mpickpt.options import (OutputError, changed_flags, check_output, int_at_least, option,
+                             positive_float, ratio)
 from mpickpt.quant.config import QuantConfig
 
 OVERLAP_POLICIES = ("wait", "skip")
@@ -193,12 +194,11 @@ class CheckpointConfig:
         return int(self.resume) if str(self.resume).isdigit() else None
 
     def check_directory(self) -> None:
-        """Create the directory if needed; raise naming it when it cannot be used. Local."""
-        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
-            raise NotADirectoryError(f"--ckpt-dir {self.directory} exists and is not a directory")
+        """Create the directory if needed; OutputError naming it when it cannot be used.
+        Local."""
+        check_output("--ckpt-dir", self.directory, folder=True)
         try:
             os.makedirs(self.directory, exist_ok=True)
         except OSError as e:
-            raise OSError(f"--ckpt-dir {self.directory} cannot be created: {e.strerror}") from None
-        if not os.access(self.directory, os.W_OK | os.X_OK):
-            raise PermissionError(f"--ckpt-dir {self.directory} is not writable")
+            raise OutputError(f"--ckpt-dir {self.directory}: cannot be created: "
+                              f"{e.strerror}") from None
