@@ -78,6 +78,7 @@ class RunReport:
             d["write_bytes"] = trainer.ckpt.write_bytes
             d["background_cpu_seconds"] = children_cpu_seconds()
             d["companion_cpu_seconds"] = trainer.ckpt.incremental.companion_cpu_seconds
+            d["companion_bytes"] = trainer.ckpt.incremental.companion_bytes
             copier = trainer.ckpt.copier
             d["copy_cpu_seconds"] = copier.cpu_seconds if copier is not None else 0.0
             d["restore_seconds"] = trainer.restorer.seconds

@@ -81,6 +81,7 @@ class LocalChain:
         self.indexes: dict = {}
         self.history: list[dict] = []
         self.extracted_rows = 0  # rows the extractors moved between chunks, all ingestions
+        self.ingestions: list = []  # every ingestion's ExtractionStats, in order
         os.makedirs(root, exist_ok=True)
 
     # The planners of all ranks see global sums: each rank contributes in turn.
@@ -182,6 +183,7 @@ class LocalChain:
             stats = extractor.ingest(self.indexes[key], step, refs, ["state/sum", "weight"],
                                      retained, reader=reader)
             self.extracted_rows += stats.extracted_rows
+            self.ingestions.append(stats)
         seconds = time.perf_counter() - start
         restore = max(time_restore(self.root, self.indexes[(save.chain, r)], step,
                                    ["state/sum", "weight"]) for r in range(len(self.ranks)))

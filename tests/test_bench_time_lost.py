@@ -95,6 +95,23 @@ def test_the_bounds_count_all_background_cpu_and_the_machine_floor_its_interfere
     assert bench.verdict(0.001, 0.002, float("nan")) == "-"
 
 
+def test_with_no_core_free_the_cpu_per_gb_counts_the_extractor_s_bytes_too(bench):
+    """The jobs' CPU per GB over the writers' bytes, and over all the background wrote (the
+    extractor's bundles too), each against 1.5 × the floor; a row recorded before the
+    extractor's bytes has no verdict on the second."""
+    if bench.free_core(2):
+        pytest.skip("2 ranks leave a core free on this machine")
+    rows = [_row(0.014, [], ranks=2, kind="incrcp", jobs_cpu_per_gb=r * 2.0,
+                 jobs_cpu_per_gb_all=r * 0.7) for r in (1.0, 1.2, 0.9)]
+    (s,) = bench.summarize(rows, {"incrcp": 0.5})
+    assert s["jobs_cpu_s_per_gb"] == pytest.approx(2.0) and s["jobs_over_floor"] == \
+        pytest.approx(4.0) and s["jobs_met"] is False
+    assert s["jobs_cpu_s_per_gb_all"] == pytest.approx(0.7)
+    assert s["jobs_all_over_floor"] == pytest.approx(1.4) and s["jobs_all_met"] is True
+    (old,) = bench.summarize([_row(0.014, [], ranks=2)], {"full": 0.5})
+    assert old["jobs_all_met"] is None and old["jobs_met"] is True
+
+
 def test_the_interference_share_is_the_median_of_the_rounds_per_kind(bench):
     probes = [{"ranks": 1, "share_copy": c, "share_write": w}
               for c, w in ((0.2, 0.9), (0.3, 0.8), (0.25, 1.0))]

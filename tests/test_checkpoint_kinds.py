@@ -293,8 +293,12 @@ def test_the_extractor_keeps_the_bloom_filters_of_the_chunks_it_makes(tmp_path, 
     from mpickpt.incrcp import extraction
     from mpickpt.incrcp.bloom import BloomFilter
 
+    from mpickpt.incrcp.bloom_stage import BloomStage
+
     chain = LocalChain(str(tmp_path), PLAN, dim=3, policy="incrcp", seed=3, ratio=0.0,
                        incrcp_reset="never")
+    for e in chain.extractors:  # with hot rows the stage would go off (next test)
+        e.bloom_stage = BloomStage.always()
     reads = []
     real = extraction.ChunkReader.gids
     monkeypatch.setattr(extraction.ChunkReader, "gids",
@@ -319,6 +323,60 @@ def test_the_extractor_keeps_the_bloom_filters_of_the_chunks_it_makes(tmp_path, 
             assert np.array_equal(kept.bits, BloomFilter.of(real(reader, ref)).bits), ref
     finally:
         reader.close()
+
+
+def test_the_bloom_stage_goes_off_where_it_skips_nothing_and_extracts_the_same(tmp_path):
+    """Hot rows in every interval: Bloom tests skip no chunk, and after two such ingestions the
+    stage goes off (no filters built or tested) except for a probe every third; cold rows (new
+    keys inside old chunks' key ranges but none of their keys): a probe skips chunks and the
+    stage is on again. The index, the extracted rows and every restored step equal those of an
+    extractor whose stage always runs."""
+    from mpickpt.incrcp.bloom_stage import BloomStage
+
+    def run(root, stage):
+        chain = LocalChain(str(root), PLAN, dim=3, policy="incrcp", seed=5,
+                           incrcp_reset="never")
+        for e in chain.extractors:
+            e.bloom_stage = stage()
+        rng, expected = np.random.default_rng(5), {}
+        for step in range(1, 17):
+            for r in range(PLAN.world_size):
+                n = PLAN.local_rows(r)
+                parity = 0 if step <= 8 else 1  # even rows hot, then odd rows only
+                rows = np.arange(parity, n, 2)
+                chain.touch(r, rows if step <= 8 else rng.choice(rows, len(rows) // 4), rng)
+            chain.save(step)
+            expected[step] = chain.snapshot()
+        return chain, expected
+
+    always, _ = run(tmp_path / "always", BloomStage.always)
+    adaptive, expected = run(tmp_path / "adaptive", lambda: BloomStage(quiet=2, probe_every=3))
+    ran = [s.bloom for s in adaptive.ingestions[::PLAN.world_size]]  # rank 0's ingestions
+    assert all(s.bloom for s in always.ingestions)
+    # step 2 tests no chunk (its only older column is the baseline's), steps 3 and 4 skip none:
+    # off from step 5, a probe at step 7 (skips none), off at steps 8 and 9, a probe at step 10
+    assert ran[:8] == [True, True, True, False, False, True, False, False], ran
+    skipping = [i for i, s in enumerate(always.ingestions[::PLAN.world_size]) if s.skipped_bloom]
+    assert skipping and min(skipping) == 7, skipping  # the cold phase (step 9 on) skips
+    assert all(ran[8:]), ran  # the probe at step 10 skipped: on again
+    assert adaptive.ingestions[2 * 8].skipped_bloom > 0
+    assert adaptive.ingestions[2 * 7].skipped_ratio > 0  # step 9: stage 3 kept those chunks
+    assert adaptive.extracted_rows == always.extracted_rows > 0
+    for rank in range(PLAN.world_size):
+        chain = list_manifests(str(tmp_path / "adaptive"))[-1].chain
+        assert chain == list_manifests(str(tmp_path / "always"))[-1].chain
+        got = load_index(str(tmp_path / "adaptive"), chain, rank).to_json()
+        want = load_index(str(tmp_path / "always"), chain, rank).to_json()
+        assert got == want, f"rank {rank}: the chunk index differs"
+    for step in (3, 8, 12, 16):
+        _assert_state(adaptive.restore(step)[0], expected[step], f"step {step}")
+
+
+def test_the_bloom_stage_refuses_a_non_positive_setting():
+    from mpickpt.incrcp.bloom_stage import BloomStage
+
+    with pytest.raises(ValueError, match="quiet and probe_every must be >= 1, got 0 and 8"):
+        BloomStage(quiet=0)
 
 
 def test_chunk_refs_serialize_as_their_fields():

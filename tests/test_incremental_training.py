@@ -1,6 +1,7 @@
 """Real 2-rank training runs with incremental checkpoint kinds: SIGKILL and resume to the
 uninterrupted digest, a SIGKILLed extractor in the middle of an extraction, exports across kinds."""
 import json
+import re
 
 import pytest
 
@@ -31,8 +32,9 @@ def test_incrcp_sigkill_then_resume_is_identical(tmp_path, straight):
     kinds = {m.step: m.kind for m in list_manifests(str(ckpt))}
     assert "incrcp" in kinds.values(), kinds
     report = tmp_path / "report.json"
-    resumed = run_ranks(2, "mpickpt.train", *_args(ckpt, "incrcp", "--ckpt-keep", "3"), "--digest",
-                        "--run-report", str(report))
+    resumed = run_ranks(2, "mpickpt.train", *_args(ckpt, "incrcp", "--ckpt-keep", "3",
+                                                   "--incrcp-reset", "never"),  # extractions
+                        "--digest", "--run-report", str(report))
     assert resumed_step(resumed.stdout) in (20, 24), resumed.stdout
     assert digest_of(resumed) == straight
     # the background's CPU: its processes' whole lives >= their jobs' (writers, extractor) > 0
@@ -40,6 +42,8 @@ def test_incrcp_sigkill_then_resume_is_identical(tmp_path, straight):
     jobs = sum(doc["write_cpu_seconds"]) + doc["companion_cpu_seconds"]
     assert len(doc["write_cpu_seconds"]) == doc["checkpoints"] > 0
     assert doc["companion_cpu_seconds"] > 0 and 0 < jobs <= doc["background_cpu_seconds"], doc
+    bundles = sum(float(mb) for mb in re.findall(r"into ([\d.]+) MB of bundles", resumed.stdout))
+    assert doc["companion_bytes"] > 0 and abs(doc["companion_bytes"] / 1e6 - bundles) < 0.1, doc
 
 
 def test_killed_extractor_leaves_every_checkpoint_restorable(tmp_path, straight):

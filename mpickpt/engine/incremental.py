@@ -40,6 +40,8 @@ class IncrementalSaves:
                                         background or Background.of(config.background))
         self.companion_cpu_seconds = 0.0
         """CPU the companion's process spent on its answered jobs, kept past `close`."""
+        self.companion_bytes = 0
+        """Bytes the companion's process wrote in its answered jobs, kept past `close`."""
 
     def _allreduce(self, op: str):
         topo = self.topo
@@ -76,6 +78,7 @@ class IncrementalSaves:
         if self.companion is not None:
             self.companion.poll(self.planner.kind, self.topo.rank, drain)
             self.companion_cpu_seconds = getattr(self.companion, "cpu_seconds", 0.0)
+            self.companion_bytes = getattr(self.companion, "bytes_written", 0)
 
     def prioritize(self, background: str) -> None:
         """The companion's background process (the IncrCP extractor) at `background`. Local."""

@@ -1,10 +1,12 @@
 """Ingest one checkpoint's chunk into the 2-D lists: selective extraction, bundles, GC. Local.
 
 For every table, the new chunk's keys are compared with each older row-0 chunk through IncrCP's
-three filters (§4.3): key-range overlap, Bloom-filter hit ratio >= R, actual duplicate ratio >= R
-(ratios relative to the older chunk's rows). Chunks that pass are split: the rows the new chunk
-repeats go to a new row-1 chunk of their column (``until`` = the new step), the rest become that
-column's new row 0. All chunks produced by one extraction are concatenated into two bundle files
+three filters (§4.3): key-range overlap (new keys in the older chunk's key range, at least R of
+its rows: no more can be duplicates), Bloom-filter hit ratio >= R (where it pays:
+`bloom_stage.BloomStage`), actual duplicate ratio >= R (ratios relative to the older chunk's
+rows; a chunk an earlier filter skips, a later one would skip too). Chunks that pass are split:
+the rows the new chunk repeats go to a new row-1 chunk of their column (``until`` = the new step),
+the rest become that column's new row 0. All chunks produced by one extraction are concatenated into two bundle files
 (§4.4), one for the new row-0 chunks and one for the new row-1 chunks, addressed by (offset, length)
 per table; a file's reference count is the number of index entries naming it and it is deleted once
 that reaches zero, *after* the index generation that drops it is committed.
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpickpt.incrcp.bloom import BloomFilter, key_hashes
+from mpickpt.incrcp.bloom_stage import BloomStage
 from mpickpt.store.attr_digest import AttrRecord
 from mpickpt.store.block_cache import BlockCache
 from mpickpt.store.chunk_index import ChunkIndex, ChunkRef, commit_index, index_dir
@@ -38,6 +41,8 @@ class ExtractionStats:
     compared: int = 0
     skipped_range: int = 0
     skipped_bloom: int = 0
+    bloom: bool = True
+    """Whether stage 2 ran (`BloomStage`)."""
     skipped_ratio: int = 0
     extracted_chunks: int = 0
     extracted_rows: int = 0
@@ -169,11 +174,13 @@ class ChunkReader:
 class Extractor:
     """Runs ingestions for one rank; keeps Bloom filters of row-0 chunks in memory. Local."""
 
-    def __init__(self, root: str, ratio: float = 0.02, bits_per_key: int = 10):
+    def __init__(self, root: str, ratio: float = 0.02, bits_per_key: int = 10,
+                 bloom_stage: BloomStage | None = None):
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"extraction ratio R must lie in [0, 1], got {ratio!r}")
         self.root, self.ratio, self.bits_per_key = root, ratio, bits_per_key
         self.blooms: dict[tuple, BloomFilter] = {}
+        self.bloom_stage = bloom_stage or BloomStage()
         # chunk files stay open between ingestions, and their verified blocks in memory
         self.blocks = BlockCache()
         self.opened = VerifiedFiles(root, blocks=self.blocks)
@@ -208,7 +215,7 @@ class Extractor:
     def _ingest(self, index, step, new_refs, row_names, retained, before_commit, align, direct,
                 reader) -> ExtractionStats:
         start = time.perf_counter()
-        stats = ExtractionStats(step)
+        stats = ExtractionStats(step, bloom=self.bloom_stage.runs())
         if step in index.columns:
             reader.close()
             return stats
@@ -216,11 +223,12 @@ class Extractor:
         rel = os.path.relpath(index_dir(self.root, index.chain, index.rank), self.root)
         row0 = BundleBuilder(f"{rel}/bundle-{step:012d}-row0.h5")
         row1 = BundleBuilder(f"{rel}/bundle-{step:012d}-row1.h5")
-        learned = {}
+        learned = {} if stats.bloom else None  # no filters are built while stage 2 is off
         try:
             for table in sorted({r.table for r in new_refs} | set(index.cells)):
                 keys = self._keys(reader, [r for r in new_refs if r.table == table], learned)
-                keys = (keys, key_hashes(keys))  # hashed once, tested against many filters
+                # hashed once, tested against many filters
+                keys = (keys, key_hashes(keys) if stats.bloom else None)
                 for column in sorted(index.cells.get(table, {})):
                     kept, moved = self._extract_cell(reader, index.row0(table, column), keys,
                                                      step, row_names, row0, row1, stats, learned)
@@ -230,9 +238,11 @@ class Extractor:
                                   row1.write(self.root, step, align, direct))
             if stats.bundle_bytes:
                 fsync_path(os.path.join(self.root, rel))
-            self._remember_blooms(index, learned)
+            self._remember_blooms(index, learned or {})
         finally:
             reader.close()
+        self.bloom_stage.record(stats.bloom, stats.compared - stats.skipped_range,
+                                stats.skipped_bloom)
         if retained is not None:
             ascending = sorted(retained)
             stats.dropped_refs = index.drop(lambda r: keeps(r, ascending))
@@ -254,20 +264,23 @@ class Extractor:
         pieces = []
         for ref in sorted(refs, key=lambda r: r.gid_min):
             pieces.append(reader.gids(ref))
-            learned[_bloom_key(ref)] = BloomFilter.of(pieces[-1], self.bits_per_key)
+            if learned is not None:
+                learned[_bloom_key(ref)] = BloomFilter.of(pieces[-1], self.bits_per_key)
         return np.concatenate(pieces)
 
     def _extract_cell(self, reader, refs, hashed_keys, step, names, row0, row1, stats, learned):
-        (keys, (h1, h2)), kept, moved = hashed_keys, [], []
+        """One cell's row-0 chunks through the three stages. `hashed_keys`: (the new keys,
+        their `key_hashes` or None where stage 2 does not run); `learned`: the filters of the
+        chunks made, None where it does not."""
+        (keys, hashed), kept, moved = hashed_keys, [], []
         for ref in refs:
             stats.compared += 1
             lo, hi = np.searchsorted(keys, [ref.gid_min, ref.gid_max + 1])
-            if hi <= lo:  # stage 1: key ranges do not overlap
+            if hi - lo < max(1.0, self.ratio * ref.rows):  # stage 1: too few new keys in range
                 stats.skipped_range += 1
                 kept.append(ref)
                 continue
-            hits = self._bloom(reader, ref).count(keys[lo:hi], (h1[lo:hi], h2[lo:hi]))
-            if hits < self.ratio * ref.rows or hits == 0:  # stage 2: Bloom hit ratio below R
+            if hashed is not None and self._bloom_skips(reader, ref, keys, hashed, lo, hi):  # 2
                 stats.skipped_bloom += 1
                 kept.append(ref)
                 continue
@@ -284,9 +297,17 @@ class Extractor:
             stay = row0.add(ref.table, ref.column, {k: v[~dup] for k, v in rows.items()}, None)
             if stay is not None:
                 kept.append(stay)
-                learned[_bloom_key(stay)] = BloomFilter.of(rows["gids"][~dup], self.bits_per_key)
+                if learned is not None:
+                    learned[_bloom_key(stay)] = BloomFilter.of(rows["gids"][~dup],
+                                                               self.bits_per_key)
             moved.append(row1.add(ref.table, ref.column, {k: v[dup] for k, v in rows.items()}, step))
         return kept, moved
+
+    def _bloom_skips(self, reader, ref, keys, hashed, lo, hi) -> bool:
+        """Stage 2: the Bloom hit ratio of the new keys in the chunk's range is below R."""
+        h1, h2 = hashed
+        hits = self._bloom(reader, ref).count(keys[lo:hi], (h1[lo:hi], h2[lo:hi]))
+        return hits < self.ratio * ref.rows or hits == 0
 
     def _bloom(self, reader: ChunkReader, ref: ChunkRef) -> BloomFilter:
         key = _bloom_key(ref)

@@ -163,6 +163,8 @@ class Ingestion:
         self.count = 0
         self.cpu_seconds = 0.0
         """CPU the extractor spent on the answered jobs (its start-up excluded)."""
+        self.bytes_written = 0
+        """Bundle bytes the extractor wrote in the answered jobs."""
 
     def prioritize(self, background: str) -> None:
         """The extractor at `background` priority. Local."""
@@ -187,6 +189,7 @@ class Ingestion:
                 print(f"mpickpt: rank {rank}: incrcp {r['error']} (the checkpoint stays "
                       f"restorable from its chunk file)", flush=True)
                 continue
+            self.bytes_written += r["stats"]["bundle_bytes"]
             if r.get("restore_seconds") is not None:
                 kind.record_restore(r["chain"], r["step"], r["restore_seconds"])
             self._log(r)
@@ -195,7 +198,8 @@ class Ingestion:
         st = r["stats"]
         if st["compared"] or st["dropped_refs"]:
             self.say(f"incrcp step {r['step']}: compared {st['compared']} row-0 chunks "
-                     f"(skipped by range {st['skipped_range']}, Bloom {st['skipped_bloom']}, "
+                     f"(skipped by range {st['skipped_range']}, Bloom "
+                     f"{st['skipped_bloom'] if st.get('bloom', True) else 'off'}, "
                      f"ratio {st['skipped_ratio']}), extracted {st['extracted_rows']} rows "
                      f"from {st['extracted_chunks']} chunks into "
                      f"{st['bundle_bytes'] / 1e6:.2f} MB of bundles, dropped "

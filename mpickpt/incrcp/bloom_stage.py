@@ -1,0 +1,54 @@
+"""When IncrCP's stage 2 (the Bloom hit ratio) runs.
+
+Stage 2 exists to skip reading an old row-0 chunk's keys when few of the new keys can be in it.
+It costs a filter built for every chunk the extractor makes (a new column's chunks, the rows a
+split leaves in row 0) and a test of the new keys in the chunk's key range against it. Where
+the same rows are hot in every interval, every old chunk holds more than R of the new keys, the
+stage passes every chunk it tests and its cost buys nothing: a third of the extractor's CPU on
+the Criteo-shaped synthetic stream (`bench/time_lost.py`, issue 23). The stage goes off after
+`quiet` ingestions in a row whose tests skipped nothing, and runs again for one ingestion in
+`probe_every` while off (rebuilding the filters it lacks from the chunks' keys), to notice when
+it would skip again; one skip turns it back on.
+
+Which chunks are extracted does not depend on it: a Bloom filter has no false negatives, so a
+chunk that stage 2 skips (hits < R·rows) has fewer than R·rows duplicates and stage 3's exact
+count keeps it too. Local: one per extractor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class BloomStage:
+    quiet: int = 2
+    """Ingestions in a row that tested chunks and skipped none before the stage goes off."""
+    probe_every: int = 8
+    """While off, one ingestion in this many runs the stage."""
+    streak: int = 0
+    off: bool = False
+    since_run: int = 0
+    """Ingestions since the stage last ran."""
+
+    def __post_init__(self):
+        if self.quiet < 1 or self.probe_every < 1:
+            raise ValueError(f"BloomStage: quiet and probe_every must be >= 1, got "
+                             f"{self.quiet} and {self.probe_every}")
+
+    def runs(self) -> bool:
+        """Whether the next ingestion builds filters and tests chunks against them. Local."""
+        return not self.off or self.since_run + 1 >= self.probe_every
+
+    def record(self, ran: bool, tested: int, skipped: int) -> None:
+        """An ingestion's outcome: whether the stage ran, how many chunks reached it and how
+        many it skipped. Local."""
+        self.since_run = 0 if ran else self.since_run + 1
+        if not ran or not tested:
+            return
+        self.streak = 0 if skipped else self.streak + 1
+        self.off = self.streak >= self.quiet
+
+    @classmethod
+    def always(cls) -> "BloomStage":
+        """A stage that never goes off (tests of the filters themselves). Local."""
+        return cls(quiet=1 << 62)
