@@ -461,7 +461,7 @@ def print_table(summary: list[dict]) -> None:
               f"{s['floor_cpu_s_per_gb']:.2f} | {s['cpu_over_floor']:.1f}× | "
               f"{'yes' if s['met'] else 'no'} | {s['jobs_cpu_s_per_gb']:.2f} | "
               f"{s['jobs_over_floor']:.1f}× | "
-              f"{'-' if s['jobs_met'] is None else 'yes' if s['jobs_met'] else 'no'} | "
+              f"{_yes(s['jobs_met'])} | "
               f"{s.get('jobs_cpu_s_per_gb_all', float('nan')):.2f} | "
               f"{s.get('jobs_all_over_floor', float('nan')):.1f}× | "
               f"{_yes(s.get('jobs_all_met'))} |")
@@ -479,8 +479,9 @@ def print_table(summary: list[dict]) -> None:
     print(f"met ({cores_available()} cores): with a core free, lost against the stall bound; with "
           "none, the CPU per GB against 1.5 × the floor (the background's CPU with its start-up, "
           "then the jobs' alone, over the writers' bytes and then over all the background "
-          "wrote: the writers' and the IncrCP extractor's bundles); machine floor: 2·stall + the probe's copy share × the copier's "
-          "CPU + its write share × the writers' and the extractor's")
+          "wrote: the writers' and the IncrCP extractor's bundles); machine floor: 2·stall + "
+          "the probe's copy share × the copier's CPU + its write share × the writers' and the "
+          "extractor's")
 
 
 def _yes(met) -> str:

@@ -370,7 +370,7 @@ def test_outputs_are_checked_where_they_will_be_written(tmp_path):
         check_output("--export-dcp", str(tmp_path / "file"), folder=True)
     with pytest.raises(OutputError, match=r"its directory .*missing does not exist$"):
         check_output("--run-report", str(tmp_path / "missing" / "r.json"), folder=False)
-    with pytest.raises(OutputError, match=r"^--ckpt-dir .*file/ckpt: .*file exists and is not a dir"):
+    with pytest.raises(OutputError, match=r"^--ckpt-dir .*file/ckpt: .*file exists and is not a"):
         CheckpointConfig(directory=str(tmp_path / "file" / "ckpt")).check_directory()
 
 

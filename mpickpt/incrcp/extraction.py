@@ -6,9 +6,9 @@ its rows: no more can be duplicates), Bloom-filter hit ratio >= R (where it pays
 `bloom_stage.BloomStage`), actual duplicate ratio >= R (ratios relative to the older chunk's
 rows; a chunk an earlier filter skips, a later one would skip too). Chunks that pass are split:
 the rows the new chunk repeats go to a new row-1 chunk of their column (``until`` = the new step),
-the rest become that column's new row 0. All chunks produced by one extraction are concatenated into two bundle files
-(§4.4), one for the new row-0 chunks and one for the new row-1 chunks, addressed by (offset, length)
-per table; a file's reference count is the number of index entries naming it and it is deleted once
+the rest become that column's new row 0. All chunks produced by one extraction are concatenated
+into two bundle files (§4.4), one for the new row-0 chunks and one for the new row-1 chunks,
+addressed by (offset, length) per table; a file's reference count is the number of index entries naming it and it is deleted once
 that reaches zero, *after* the index generation that drops it is committed.
 """
 from __future__ import annotations
@@ -256,9 +256,11 @@ class Extractor:
         stats.seconds = time.perf_counter() - start
         return stats
 
-    def _keys(self, reader: ChunkReader, refs: list[ChunkRef], learned: dict) -> np.ndarray:
+    def _keys(self, reader: ChunkReader, refs: list[ChunkRef], learned: dict | None
+              ) -> np.ndarray:
         """The new chunks' keys, ascending; their Bloom filters go to `learned` (built from the
-        keys at hand, so that a later ingestion need not read them back)."""
+        keys at hand, so that a later ingestion need not read them back; none where `learned`
+        is None: stage 2 is off)."""
         if not refs:
             return np.zeros(0, dtype=np.int64)
         pieces = []
@@ -300,7 +302,8 @@ class Extractor:
                 if learned is not None:
                     learned[_bloom_key(stay)] = BloomFilter.of(rows["gids"][~dup],
                                                                self.bits_per_key)
-            moved.append(row1.add(ref.table, ref.column, {k: v[dup] for k, v in rows.items()}, step))
+            moved.append(row1.add(ref.table, ref.column, {k: v[dup] for k, v in rows.items()},
+                                  step))
         return kept, moved
 
     def _bloom_skips(self, reader, ref, keys, hashed, lo, hi) -> bool:

@@ -164,7 +164,8 @@ class Ingestion:
         self.cpu_seconds = 0.0
         """CPU the extractor spent on the answered jobs (its start-up excluded)."""
         self.bytes_written = 0
-        """Bundle bytes the extractor wrote in the answered jobs."""
+        """Bundle bytes the extractor wrote in the ingestions that succeeded (a failed one's
+        are not counted, its CPU is)."""
 
     def prioritize(self, background: str) -> None:
         """The extractor at `background` priority. Local."""
