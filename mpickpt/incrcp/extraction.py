@@ -26,7 +26,7 @@ from mpickpt.store.attr_digest import AttrRecord
 from mpickpt.store.block_cache import BlockCache
 from mpickpt.store.chunk_index import ChunkIndex, ChunkRef, commit_index, index_dir
 from mpickpt.store.row_arrays import EncodedRows, open_rows, write_raw
-from mpickpt.store.direct_io import direct_file
+from mpickpt.store.direct_io import concatenate, direct_file
 from mpickpt.store.open_files import VerifiedFiles
 from mpickpt.store.durable import fsync_path
 from mpickpt.store.shard_file import (FORMAT_VERSION, alignment, open_hdf5,
@@ -91,7 +91,7 @@ class BundleBuilder:
                 folder, leaf = os.path.split(name)
                 parent = group.require_group(folder) if folder else group
                 if name == "gids":
-                    write_dataset(parent, leaf, np.concatenate([p[name] for p in self.pieces]),
+                    write_dataset(parent, leaf, concatenate([p[name] for p in self.pieces]),
                                   direct=sink)
                 else:  # stored arrays copied as they are: quantized rows are never re-quantized
                     write_raw(parent, leaf, EncodedRows.concat([p[name] for p in self.pieces]),

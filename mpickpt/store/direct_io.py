@@ -9,7 +9,8 @@ and 7 ms where the pages of a just-deleted file were reused; with O_DIRECT it co
 block straight from the caller's memory (the device reads them; nothing is copied), and only the
 partial pages at a block's two ends go through the page cache, so that no page is ever written
 both ways. Blocks not in page-aligned memory (encoded rows, gathered rows) pass through one
-page-aligned bounce buffer: a copy, which is what the page cache would cost at best.
+page-aligned bounce buffer: a copy, which is what the page cache would cost at best; arrays made
+to be written (IncrCP's bundles, joined from their chunks: `concatenate`) start on a page.
 
 HDF5 keeps writing its metadata and small datasets itself; the large datasets are allocated at
 creation (`h5_lowlevel.create_dataset(early=True)`) so that their place in the file is known, and
@@ -110,6 +111,28 @@ class DirectFile:
             piece = data[at:at + BOUNCE_BYTES]
             staging[:len(piece)] = piece
             _pwrite_all(self.fd, memoryview(self.bounce)[:len(piece)], offset + at)
+
+
+def empty_like_file(shape: tuple, dtype) -> np.ndarray:
+    """An uninitialized C-contiguous array whose memory starts on a page boundary when it is
+    large enough for O_DIRECT (`MIN_DIRECT` bytes): written at a page-aligned file offset (a
+    dataset of at least `--ckpt-align` bytes), its whole pages then go out from it, without the
+    bounce buffer's copy. Smaller ones are numpy's own. Local."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes < MIN_DIRECT:
+        return np.empty(shape, dtype)
+    raw = np.empty(nbytes + PAGE, np.uint8)
+    at = -raw.ctypes.data % PAGE
+    return raw[at:at + nbytes].view(dtype).reshape(shape)
+
+
+def concatenate(arrays: list[np.ndarray]) -> np.ndarray:
+    """`np.concatenate(arrays)` along the first axis, into `empty_like_file` memory. Local."""
+    first = arrays[0]
+    dtype = np.result_type(*arrays)
+    out = empty_like_file((sum(len(a) for a in arrays), *first.shape[1:]), dtype)
+    return np.concatenate(arrays, out=out)
 
 
 @contextlib.contextmanager
