@@ -26,7 +26,8 @@ class BloomStage:
     probe_every: int = 8
     """While off, one ingestion in this many runs the stage."""
     streak: int = 0
-    off: bool = False
+    """Ingestions in a row, among those where the stage ran and tested chunks, that skipped
+    none."""
     since_run: int = 0
     """Ingestions since the stage last ran."""
 
@@ -34,6 +35,11 @@ class BloomStage:
         if self.quiet < 1 or self.probe_every < 1:
             raise ValueError(f"BloomStage: quiet and probe_every must be >= 1, got "
                              f"{self.quiet} and {self.probe_every}")
+
+    @property
+    def off(self) -> bool:
+        """Whether the stage is off (it still runs for a probe). Local."""
+        return self.streak >= self.quiet
 
     def runs(self) -> bool:
         """Whether the next ingestion builds filters and tests chunks against them. Local."""
@@ -46,7 +52,6 @@ class BloomStage:
         if not ran or not tested:
             return
         self.streak = 0 if skipped else self.streak + 1
-        self.off = self.streak >= self.quiet
 
     @classmethod
     def always(cls) -> "BloomStage":

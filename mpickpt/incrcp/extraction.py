@@ -8,8 +8,9 @@ rows; a chunk an earlier filter skips, a later one would skip too). Chunks that 
 the rows the new chunk repeats go to a new row-1 chunk of their column (``until`` = the new step),
 the rest become that column's new row 0. All chunks produced by one extraction are concatenated
 into two bundle files (§4.4), one for the new row-0 chunks and one for the new row-1 chunks,
-addressed by (offset, length) per table; a file's reference count is the number of index entries naming it and it is deleted once
-that reaches zero, *after* the index generation that drops it is committed.
+addressed by (offset, length) per table; a file's reference count is the number of index entries
+naming it and it is deleted once that reaches zero, *after* the index generation that drops it is
+committed.
 """
 from __future__ import annotations
 
