@@ -43,6 +43,32 @@ def test_take_rows_equals_numpy_for_every_dtype_index_and_mask(path):
             assert not np.shares_memory(got, a)
 
 
+def test_take_rows_gathers_into_a_given_array_and_refuses_one_that_cannot_take_the_rows(path):
+    rng = np.random.default_rng(5)
+    for name, a in _arrays(rng).items():
+        index = rng.integers(0, len(a), 300)
+        mask = rng.random(len(a)) < 0.3
+        for which in (index, mask, index[:0]):
+            picked = len(a[which])
+            dest = np.zeros((picked + 20,) + a.shape[1:], a.dtype)  # a buffer's tail
+            got = take_rows(a, which, out=dest[10:10 + picked])
+            assert np.shares_memory(got, dest) or picked == 0
+            np.testing.assert_array_equal(dest[10:10 + picked], a[which], err_msg=name)
+            untouched = np.concatenate([dest[:10], dest[10 + picked:]])
+            np.testing.assert_array_equal(untouched, np.zeros_like(untouched), err_msg=name)
+    a = rng.standard_normal((100, 4)).astype(np.float32)
+    index = rng.integers(0, 100, 30)
+    read_only = np.zeros((30, 4), np.float32)
+    read_only.flags.writeable = False
+    for bad, says in ((np.zeros((29, 4), np.float32), "shape \\(29, 4\\)"),
+                      (np.zeros((30, 4), np.float64), "float64"),
+                      (np.zeros((30, 8), np.float32)[:, ::2], "non-contiguous"),
+                      (read_only, "read-only")):
+        with pytest.raises(ValueError, match=f"{says}.*expected a writeable, contiguous "
+                                             f"float32 array of shape \\(30, 4\\)"):
+            take_rows(a, index, out=bad)
+
+
 def test_take_rows_reads_read_only_and_falls_back_on_strided_sources(path):
     rng = np.random.default_rng(1)
     a = rng.standard_normal((500, 8)).astype(np.float32)

@@ -27,8 +27,9 @@ from mpickpt.store.attr_digest import AttrRecord
 from mpickpt.store.block_cache import BlockCache
 from mpickpt.store.chunk_index import ChunkIndex, ChunkRef, commit_index, index_dir
 from mpickpt.store.row_arrays import EncodedRows, open_rows, write_raw
-from mpickpt.store.direct_io import concatenate, direct_file
+from mpickpt.store.direct_io import direct_file
 from mpickpt.store.open_files import VerifiedFiles
+from mpickpt.store.row_arena import RowArena
 from mpickpt.store.durable import fsync_path
 from mpickpt.store.shard_file import (FORMAT_VERSION, alignment, open_hdf5,
                                       read_rows, seal_attributes, write_dataset)
@@ -58,29 +59,64 @@ class ExtractionStats:
 
 class BundleBuilder:
     """Rows destined for one bundle file: every table's chunks back to back in one group, ``rows``
-    (one read per array restores a run of them); hands out ChunkRefs as rows arrive."""
+    (one read per array restores a run of them); hands out ChunkRefs as rows arrive. Each
+    chunk's rows are gathered straight into the builder's `RowArena` (one copy per row, into
+    memory kept from the last bundle), and stored arrays are copied as they are: quantized rows
+    are never re-quantized."""
 
     GROUP = "rows"
 
-    def __init__(self, relpath: str):
+    def __init__(self, relpath: str, arena: RowArena | None = None):
         self.relpath = relpath
-        self.pieces: list[dict[str, np.ndarray]] = []
+        self.arena = arena if arena is not None else RowArena(keep_bytes=0)
+        self.arena.reset()
+        self.kinds: dict[str, tuple | None] = {}
+        """name -> (codec, tail, dtype) of the stored arrays under it; None for plain keys."""
+        self.parts: dict[str, tuple] = {}
+        """name -> the names of its arrays ('' for plain keys), each a buffer of the arena."""
         self.length = 0
 
-    def add(self, table: int, column: int, rows: dict[str, np.ndarray], until: int | None):
-        n = len(rows["gids"])
+    def add(self, table: int, column: int, rows: dict, until: int | None,
+            which: np.ndarray | None = None) -> ChunkRef | None:
+        """Append rows `which` (an index array; None: all) of one chunk's `rows` (``gids`` and
+        `EncodedRows` by name); their ChunkRef in this bundle, None when no row is picked."""
+        n = len(rows["gids"]) if which is None else len(which)
         if n == 0:
             return None
         start, self.length = self.length, self.length + n
-        self.pieces.append(rows)
-        return ChunkRef(self.relpath, table, start, start + n, int(rows["gids"][0]),
-                        int(rows["gids"][-1]), column, until, self.GROUP)
+        for name, value in rows.items():
+            self._append(name, value, which)
+        gids = self.keys(start, self.length)
+        return ChunkRef(self.relpath, table, start, self.length, int(gids[0]), int(gids[-1]),
+                        column, until, self.GROUP)
+
+    def keys(self, start: int, stop: int) -> np.ndarray:
+        """The keys of rows [start, stop) added so far (a view, valid until the next bundle)."""
+        return self.arena.buffers["gids", ""].rows()[start:stop]
+
+    def _append(self, name: str, value, which) -> None:
+        kind = None if isinstance(value, np.ndarray) else (value.codec, value.tail, value.dtype)
+        if self.kinds.setdefault(name, kind) != kind:
+            raise ValueError(f"{self.relpath}: cannot bundle rows of {name} stored with "
+                             f"different codecs or shapes")
+        arrays = {"": value} if kind is None else value.arrays
+        if self.parts.setdefault(name, tuple(arrays)) != tuple(arrays):
+            raise ValueError(f"{self.relpath}: cannot bundle rows of {name} stored in "
+                             f"different arrays ({', '.join(arrays)})")
+        for part, array in arrays.items():
+            self.arena.buffer((name, part), array.shape[1:], array.dtype).append(array, which)
+
+    def _stored(self, name: str):
+        buffers = {part: self.arena.buffers[name, part].rows() for part in self.parts[name]}
+        if self.kinds[name] is None:
+            return buffers[""]
+        return EncodedRows(*self.kinds[name], buffers)
 
     def write(self, root: str, step: int, align: int = 0, direct: bool = False) -> int:
         """Write the bundle atomically and durably; returns bytes. Nothing when empty. Datasets of
         at least `align` bytes start at a multiple of it, as in checkpoint files (0: packed);
         `direct`: the large ones are written with O_DIRECT (`store.direct_io`). Local."""
-        if not self.pieces:
+        if not self.length:
             return 0
         path = os.path.join(root, self.relpath)
         tmp = path + ".tmp"
@@ -88,15 +124,14 @@ class BundleBuilder:
             record = AttrRecord()  # sealed from what is set here, not read back
             record.set(f, {"format_version": FORMAT_VERSION, "step": step, "kind": "bundle"})
             group = f.require_group(self.GROUP)
-            for name in self.pieces[0]:
+            for name in self.kinds:
                 folder, leaf = os.path.split(name)
                 parent = group.require_group(folder) if folder else group
-                if name == "gids":
-                    write_dataset(parent, leaf, concatenate([p[name] for p in self.pieces]),
-                                  direct=sink)
-                else:  # stored arrays copied as they are: quantized rows are never re-quantized
-                    write_raw(parent, leaf, EncodedRows.concat([p[name] for p in self.pieces]),
-                              sink)
+                stored = self._stored(name)
+                if isinstance(stored, np.ndarray):
+                    write_dataset(parent, leaf, stored, direct=sink)
+                else:
+                    write_raw(parent, leaf, stored, sink)
             seal_attributes(f, record)
         fsync_path(tmp)
         os.replace(tmp, path)
@@ -185,6 +220,7 @@ class Extractor:
         # chunk files stay open between ingestions, and their verified blocks in memory
         self.blocks = BlockCache()
         self.opened = VerifiedFiles(root, blocks=self.blocks)
+        self.arenas = (RowArena(), RowArena())  # the rows of the row-0 and row-1 bundles
 
     def reader(self) -> ChunkReader:
         """A reader for one ingestion, on the files and blocks this extractor keeps. Local."""
@@ -222,8 +258,8 @@ class Extractor:
             return stats
         old_files = set(index.refcounts())
         rel = os.path.relpath(index_dir(self.root, index.chain, index.rank), self.root)
-        row0 = BundleBuilder(f"{rel}/bundle-{step:012d}-row0.h5")
-        row1 = BundleBuilder(f"{rel}/bundle-{step:012d}-row1.h5")
+        row0 = BundleBuilder(f"{rel}/bundle-{step:012d}-row0.h5", self.arenas[0])
+        row1 = BundleBuilder(f"{rel}/bundle-{step:012d}-row1.h5", self.arenas[1])
         learned = {} if stats.bloom else None  # no filters are built while stage 2 is off
         try:
             for table in sorted({r.table for r in new_refs} | set(index.cells)):
@@ -297,14 +333,13 @@ class Extractor:
             rows = reader.rows(ref, names, gids)
             stats.extracted_chunks += 1
             stats.extracted_rows += ndup
-            stay = row0.add(ref.table, ref.column, {k: v[~dup] for k, v in rows.items()}, None)
+            stay = row0.add(ref.table, ref.column, rows, None, np.flatnonzero(~dup))
             if stay is not None:
                 kept.append(stay)
                 if learned is not None:
-                    learned[_bloom_key(stay)] = BloomFilter.of(rows["gids"][~dup],
+                    learned[_bloom_key(stay)] = BloomFilter.of(row0.keys(stay.start, stay.stop),
                                                                self.bits_per_key)
-            moved.append(row1.add(ref.table, ref.column, {k: v[dup] for k, v in rows.items()},
-                                  step))
+            moved.append(row1.add(ref.table, ref.column, rows, step, np.flatnonzero(dup)))
         return kept, moved
 
     def _bloom_skips(self, reader, ref, keys, hashed, lo, hi) -> bool:

@@ -48,9 +48,9 @@ class BlockCache:
             else:
                 self.hits += 1
                 self.blocks.move_to_end(key)
-            pieces.append(data)
-        data = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
-        return data[start - first * BLOCK_ROWS:stop - first * BLOCK_ROWS]
+            base = block * BLOCK_ROWS  # only the rows asked for, not whole blocks, are joined
+            pieces.append(data[max(start - base, 0):stop - base])
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def _put(self, key: tuple, data: np.ndarray) -> None:
         self.blocks[key] = data

@@ -21,19 +21,39 @@ except ImportError:  # built without a C compiler
     KERNEL = None
 
 
-def take_rows(array: np.ndarray, which: np.ndarray) -> np.ndarray:
-    """`array[which]` along the first axis, as a new array: `which` is an integer index array
+def take_rows(array: np.ndarray, which: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """`array[which]` along the first axis, as a new array, or into `out` (a C-contiguous array
+    of `array`'s dtype and one row per pick) when given: `which` is an integer index array
     (indices in [0, len(array)); negative ones are refused) or a boolean mask of len(array).
     Local."""
     which = _index(which, array)
+    if out is not None:
+        _check_out(out, array, which)
     if _kernel_takes(array, which):
-        out = np.empty((len(which),) + array.shape[1:], dtype=array.dtype)
+        if out is None:
+            out = np.empty((len(which),) + array.shape[1:], dtype=array.dtype)
         KERNEL.gather(_bytes_of(array), which, _bytes_of(out), _row_bytes(array))
         return out
     if which.dtype.kind == "b":
-        return array[which]
+        if out is None:
+            return array[which]
+        out[...] = array[which]
+        return out
     _check_bounds(which, len(array))
-    return np.take(array, which, axis=0)
+    return np.take(array, which, axis=0, out=out)
+
+
+def _check_out(out: np.ndarray, array: np.ndarray, which: np.ndarray) -> None:
+    """ValueError unless `out` can take the picked rows as they are."""
+    picked = int(which.sum()) if which.dtype.kind == "b" else len(which)
+    shape = (picked,) + array.shape[1:]
+    flags = out.flags
+    if (out.shape != shape or out.dtype != array.dtype or not flags.c_contiguous
+            or not flags.writeable):
+        raise ValueError(f"rows gathered into a{'' if flags.writeable else ' read-only'}"
+                         f"{'' if flags.c_contiguous else ' non-contiguous'} {out.dtype} array "
+                         f"of shape {out.shape}: expected a writeable, contiguous "
+                         f"{array.dtype} array of shape {shape}")
 
 
 def put_rows(out: np.ndarray, which: np.ndarray, rows) -> None:

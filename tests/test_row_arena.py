@@ -1,0 +1,103 @@
+"""Row buffers reused between files (mpickpt.store.row_arena) and the IncrCP bundles gathered
+into them: the rows appended are the rows picked, across growth and reuse, and a bundle written
+from an arena holds exactly its own chunks' rows, quantized rows copied as they are."""
+import h5py
+import numpy as np
+import pytest
+
+from mpickpt.incrcp.extraction import BundleBuilder
+from mpickpt.quant.codecs import Codec
+from mpickpt.store.direct_io import PAGE
+from mpickpt.store.row_arena import MIN_ROWS, RowArena, RowBuffer
+from mpickpt.store.row_arrays import EncodedRows, StoredRows
+from mpickpt.store.shard_file import verify_file
+
+
+def test_a_buffer_holds_the_rows_picked_across_growth():
+    rng = np.random.default_rng(0)
+    buf, expected = RowBuffer((16,), np.float32), []
+    for n in (700, 5000, 20_000, 3):  # grows past MIN_ROWS twice, its rows copied over
+        src = rng.standard_normal((n, 16)).astype(np.float32)
+        for which in (None, rng.integers(0, n, n // 2), rng.random(n) < 0.5):
+            got = buf.append(src, which)
+            picked = src if which is None else src[which]
+            np.testing.assert_array_equal(got, picked)
+            expected.append(picked)
+    np.testing.assert_array_equal(buf.rows(), np.concatenate(expected))
+    assert len(buf.data) >= buf.length > MIN_ROWS
+    assert buf.data.ctypes.data % PAGE == 0  # large enough for O_DIRECT: page-aligned
+    with pytest.raises(ValueError, match=r"rows of float64 \(16,\) appended to a buffer of "
+                                         r"float32 \(16,\) rows"):
+        buf.append(np.zeros((4, 16)))
+
+
+def test_an_arena_reuses_its_memory_and_keeps_no_more_than_it_may():
+    rng = np.random.default_rng(1)
+    arena = RowArena(keep_bytes=3 << 20)
+    big = arena.buffer("weight", (16,), np.float32)
+    big.append(rng.standard_normal((40_000, 16)).astype(np.float32))  # 2.6 MB
+    small = arena.buffer("gids", (), np.int64)
+    small.append(np.arange(40_000))
+    at = big.data.ctypes.data
+    arena.reset()  # 2.9 MB held: both kept, emptied
+    assert arena.buffer("weight", (16,), np.float32) is big and big.length == 0
+    src = rng.standard_normal((30_000, 16)).astype(np.float32)
+    np.testing.assert_array_equal(big.append(src), src)
+    assert big.data.ctypes.data == at  # the same memory, no new pages
+    assert arena.buffer("weight", (8,), np.float16) is big  # not empty: it stays, and refuses
+    with pytest.raises(ValueError, match="float16"):
+        big.append(np.zeros((2, 8), np.float16))
+    arena.buffer("scale", (1,), np.float32).append(np.ones((200_000, 1), np.float32))  # 0.8 MB
+    arena.reset()  # 3.7 MB: the largest goes
+    assert set(arena.buffers) == {"gids", "scale"} and arena.nbytes <= 3 << 20
+    assert arena.buffer("gids", (2,), np.int32) is not small  # empty: another shape, new buffer
+
+
+def _chunk(rng, lo, n, codec):
+    gids = np.arange(lo, lo + 3 * n, 3, dtype=np.int64)
+    w = rng.standard_normal((n, 16)).astype(np.float32)
+    enc = codec.encode(w)
+    return {"gids": gids, "weight": EncodedRows(codec, (16,), "float32", enc),
+            "state": EncodedRows(None, (), "float32",
+                                 {"values": rng.random(n).astype(np.float32)})}
+
+
+def _read(path, name, n):
+    with h5py.File(path, "r") as f:
+        return StoredRows(f[f"rows/{name}"], path).raw(0, n).arrays
+
+
+def test_bundles_from_one_arena_hold_their_own_chunks_rows(tmp_path):
+    rng, codec, arena = np.random.default_rng(2), Codec("adaptive", 4), RowArena()
+    for step in (5, 6):  # the second bundle reuses the first one's memory
+        bundle = BundleBuilder(f"bundle-{step}.h5", arena)
+        chunks = [_chunk(rng, 10_000 * k, n, codec) for k, n in enumerate((3000, 50, 9000))]
+        picks = [np.flatnonzero(rng.random(len(c["gids"])) < 0.4) for c in chunks]
+        refs = [bundle.add(k, 4, c, step, p) for k, (c, p) in enumerate(zip(chunks, picks))]
+        assert bundle.add(0, 4, chunks[0], step, picks[0][:0]) is None  # nothing picked
+        total = sum(map(len, picks))
+        assert [(r.table, r.start, r.stop, r.until) for r in refs] == [
+            (k, s, s + len(p), step) for k, (s, p) in
+            enumerate(zip(np.cumsum([0] + [len(p) for p in picks]), picks))]
+        for r, c, p in zip(refs, chunks, picks):
+            assert (r.gid_min, r.gid_max) == (c["gids"][p[0]], c["gids"][p[-1]])
+        assert bundle.write(str(tmp_path), step) > 0
+        path = str(tmp_path / bundle.relpath)
+        assert verify_file(path) == []
+        with h5py.File(path, "r") as f:
+            np.testing.assert_array_equal(
+                f["rows/gids"][:], np.concatenate([c["gids"][p] for c, p in zip(chunks, picks)]))
+        for name in ("weight", "state"):
+            stored = _read(path, name, total)
+            for part, got in stored.items():  # codes, scales ... copied as they are
+                np.testing.assert_array_equal(got, np.concatenate(
+                    [c[name].arrays[part][p] for c, p in zip(chunks, picks)]), err_msg=part)
+
+
+def test_a_bundle_refuses_rows_stored_another_way(tmp_path):
+    rng = np.random.default_rng(3)
+    bundle = BundleBuilder("bundle-7.h5", RowArena())
+    bundle.add(0, 7, _chunk(rng, 0, 100, Codec("adaptive", 4)), 7)
+    with pytest.raises(ValueError, match="bundle-7.h5: cannot bundle rows of weight stored "
+                                         "with different codecs"):
+        bundle.add(1, 7, _chunk(rng, 500, 100, Codec("adaptive", 2)), 7)
