@@ -130,6 +130,52 @@ def test_a_selected_quantized_save_keeps_each_tables_rows(tmp_path, plan):
         assert counts.get(t, 0) == want
 
 
+@pytest.mark.parametrize("parts", [1, 3])
+def test_rows_staged_compactly_write_the_files_rows_staged_in_place_write(tmp_path, plan, parts):
+    """The CPU stall stages an incremental save's rows compactly (`Snapshotter.compact`): the
+    k-th selected row at row k of each row array, the keys left in their places. Each part then
+    reads one slice of the row arrays, and its file holds what a gather of the rows in their
+    places writes, quantized rows included."""
+    selected = np.sort(np.random.default_rng(4).choice(plan.local_rows(0), 9_000, replace=False))
+    gids, arrays = rank_arrays(plan, 0)
+    compact = {**arrays, **{n: np.zeros_like(arrays[n]) for n in NAMES}}
+    for n in NAMES:  # rows past the selected ones hold stale values nobody may read
+        compact[n][len(selected):] = 9
+        compact[n][:len(selected)] = arrays[n][selected]
+    codecs = {"weight": asdict(Codec("asym", 8))}
+    contents = {}
+    for mode, staged in (("placed", arrays), ("compact", compact)):
+        specs = shard_specs(str(tmp_path), plan, 0, gids, NAMES, lambda j: f"{mode}-{j}.h5",
+                            "shard", lambda j: shard_attrs(7, "full", "fp32", 0, j, parts, 2),
+                            selected=selected, codecs=codecs, parts=parts,
+                            compact=mode == "compact")
+        if mode == "compact":
+            for spec in specs:  # one slice per row array, a gather for the keys alone
+                ranges = {src: rows for _, src, rows in spec.datasets}
+                assert isinstance(ranges["gids"], np.ndarray)
+                assert all(isinstance(ranges[n], list) and len(ranges[n]) == 1 for n in NAMES)
+        for spec in specs:
+            write_file(spec, staged)
+        contents[mode] = [_datasets(str(tmp_path / spec.relpath)) for spec in specs]
+    assert contents["placed"] == contents["compact"]
+    rows, steps = loaded(tmp_path, [f"compact-{j}.h5" for j in range(parts)], plan, 0,
+                         complete=False, with_steps=True)
+    assert np.array_equal(np.nonzero(steps == 7)[0], selected)
+    np.testing.assert_array_equal(rows["state/adagrad_sum"][selected],
+                                  arrays["state/adagrad_sum"][selected])
+
+
+def _datasets(path: str) -> dict:
+    """Every dataset's bytes and every attribute of the file at `path`, by name."""
+    out = {}
+    with h5py.File(path, "r") as f:
+        def visit(name, obj):
+            attrs = {k: np.asarray(v).tobytes() for k, v in obj.attrs.items()}
+            out[name] = (obj[()].tobytes() if isinstance(obj, h5py.Dataset) else None, attrs)
+        f.visititems(visit)
+    return out
+
+
 def test_a_whole_packed_shard_is_read_once_straight_into_place(tmp_path, plan, monkeypatch):
     files = write_packed(tmp_path, plan, 0)
     reads = []

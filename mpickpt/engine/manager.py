@@ -392,7 +392,7 @@ class CheckpointManager:
     def _submit(self, step: int, ckpt_id: str, stall: float, staged: int, save,
                 codecs: dict) -> None:
         groups = save_file_specs(self.model, self.root, ckpt_id, step, self.writers.size, save,
-                                 codecs, rng_blobs())
+                                 codecs, rng_blobs(), self.snapshots.compact)
         jobs = [{"step": step, "dir": os.path.join(self.root, ckpt_id), "files": files,
                  "staging": self.snapshots.area.describe(), "align": self.config.align,
                  "io": self.config.io,

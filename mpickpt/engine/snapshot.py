@@ -46,6 +46,9 @@ class Snapshotter:
         'dense/' (after `stage`: what it copied, which the dense file of that save describes)."""
         cuda = model.topo.device.type == "cuda"
         self._stream = torch.cuda.Stream() if cuda else None
+        self.compact = False
+        """Whether the last `stage` put the selected rows compactly, the k-th at row k of each
+        row array (the writers then read one slice, not a gather)."""
 
     @property
     def copier_can_write(self) -> bool:
@@ -74,13 +77,15 @@ class Snapshotter:
     def stage(self, copier=None, selected=None) -> tuple[float, int]:
         """Copy the state a save writes into staging; returns (seconds, bytes copied now).
         `selected`: the sorted local rows it writes (None: every row); on the CPU only those
-        rows are copied, into their places (the writers read no other). With `copier` (a
+        rows are copied, compactly (`compact`: the k-th at row k, one gather and no scatter;
+        the writers read no other rows). With `copier` (a
         `CopyOnUpdate`) only the dense part is copied now and the rows are left to it: pending
         until copied in the background or before their first update (CUDA rows: only into a
         staging area the device can write, `StagingArea.mapped`). Local."""
         rows, dense = self._state()
         self.prepare((rows, dense))
         start = time.perf_counter()
+        self.compact = False
         if copier is not None and self.copier_can_write:
             nbytes = self._copy(dense)
             targets = self.area.tensors()
@@ -111,13 +116,15 @@ class Snapshotter:
         return sum(t.numel() * t.element_size() for t in sources.values())
 
     def _copy_rows(self, rows: dict[str, torch.Tensor], selected) -> int:
-        """CPU: the `selected` local rows (all when None) into their places in staging."""
+        """CPU: every row into its place in staging, or the `selected` local rows compactly,
+        the k-th into row k (`compact`)."""
         if selected is None:
             return self._copy(rows)
         targets = self.area.tensors()
         idx = torch.as_tensor(selected, dtype=torch.int64)
         for name, src in rows.items():
-            targets[name].index_copy_(0, idx, src.index_select(0, idx))
+            torch.index_select(src, 0, idx, out=targets[name][:len(idx)])
+        self.compact = True
         return sum(len(idx) * t[0].numel() * t.element_size() for t in rows.values() if len(t))
 
     def close(self) -> None:
@@ -127,12 +134,13 @@ class Snapshotter:
 
 
 def save_file_specs(model, root: str, ckpt_id: str, step: int, parts: int, save,
-                    codecs: dict, rng: dict) -> list[list[FileSpec]]:
+                    codecs: dict, rng: dict, compact: bool = False) -> list[list[FileSpec]]:
     """The files of one save, one list per writer part: each part's shard file (where the save's
     kind puts it), and with the first part the RNG states, in the shard file or, for kinds whose
     increments live in a chain, in a small extra file of the step directory. Local.
 
-    `codecs` maps row-array names to the lossy Codec the writer encodes them with."""
+    `codecs` maps row-array names to the lossy Codec the writer encodes them with; `compact`:
+    the save's rows were staged compactly (`Snapshotter.compact`)."""
     plan, rank, fmt = model.plan, model.topo.rank, save.format
     label = codecs["weight"].label() if "weight" in codecs else "fp32"
     located = [fmt.shard_location(save, ckpt_id, rank, step, j) for j in range(parts)]
@@ -140,7 +148,7 @@ def save_file_specs(model, root: str, ckpt_id: str, step: int, parts: int, save,
                         relpath_of=lambda j: located[j][0], role=located[0][1],
                         attrs_of=lambda j: shard_attrs(step, save.kind, label, rank, j, parts,
                                                        plan.world_size),
-                        selected=save.rows, parts=parts,
+                        selected=save.rows, parts=parts, compact=compact,
                         codecs={name: codec_fields(c) for name, c in codecs.items()})
     groups = [[spec] for spec in specs]
     if fmt.rng_in_extra_file:

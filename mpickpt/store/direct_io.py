@@ -10,7 +10,8 @@ block straight from the caller's memory (the device reads them; nothing is copie
 partial pages at a block's two ends go through the page cache, so that no page is ever written
 both ways. Blocks not in page-aligned memory (encoded rows, gathered rows) pass through one
 page-aligned bounce buffer: a copy, which is what the page cache would cost at best; arrays made
-to be written (IncrCP's bundles, joined from their chunks: `concatenate`) start on a page.
+to be written (`empty_like_file`: IncrCP's bundles, gathered into `row_arena` buffers) start on a
+page.
 
 HDF5 keeps writing its metadata and small datasets itself; the large datasets are allocated at
 creation (`h5_lowlevel.create_dataset(early=True)`) so that their place in the file is known, and
@@ -125,14 +126,6 @@ def empty_like_file(shape: tuple, dtype) -> np.ndarray:
     raw = np.empty(nbytes + PAGE, np.uint8)
     at = -raw.ctypes.data % PAGE
     return raw[at:at + nbytes].view(dtype).reshape(shape)
-
-
-def concatenate(arrays: list[np.ndarray]) -> np.ndarray:
-    """`np.concatenate(arrays)` along the first axis, into `empty_like_file` memory. Local."""
-    first = arrays[0]
-    dtype = np.result_type(*arrays)
-    out = empty_like_file((sum(len(a) for a in arrays), *first.shape[1:]), dtype)
-    return np.concatenate(arrays, out=out)
 
 
 @contextlib.contextmanager

@@ -103,41 +103,48 @@ def part_bounds(n: int, parts: int) -> list[tuple[int, int]]:
 
 def shard_specs(root: str, plan, rank: int, gids: np.ndarray, row_names, relpath_of, role: str,
                 attrs_of, selected: np.ndarray | None = None, codecs: dict | None = None,
-                parts: int = 1) -> list[FileSpec]:
+                parts: int = 1, compact: bool = False) -> list[FileSpec]:
     """One spec per writer part: that part's rows of `gids` and every row array in `row_names`,
     packed (`store.tables`): one dataset per array holding the part's rows of every table of
     `rank`, in local row order, and the tables' row ranges in the attribute ``rows/tables``.
     Local.
 
     `relpath_of(part)` and `attrs_of(part)` name and stamp each file; `selected` (sorted local
-    rows) restricts an incremental save to those rows; `codecs` maps row-array names to the Codec
-    fields the writer encodes them with."""
+    rows) restricts an incremental save to those rows; `compact`: the row arrays were staged
+    compactly, the k-th selected row at row k (the keys stay in their places); `codecs` maps
+    row-array names to the Codec fields the writer encodes them with."""
     from mpickpt.store.tables import PACKED_GROUP, PIECES_ATTR
 
     specs = []
     for j, (a, b) in enumerate(part_bounds(plan.local_rows(rank), parts)):
         spec = FileSpec(root, relpath_of(j), role, rank, j, attrs_of(j), codecs=dict(codecs or {}))
-        lines, rows = _packed_rows(plan, rank, gids, a, b, selected)
+        lines, rows, spans = _packed_rows(plan, rank, gids, a, b, selected)
         if lines:
             spec.group_attrs[PACKED_GROUP] = {PIECES_ATTR: np.array(lines, dtype=np.int64)}
-            spec.datasets += [(f"{PACKED_GROUP}/{name}", name, rows)
-                              for name in ["gids", *row_names]]
+            staged = _merged_ranges(spans) if compact and selected is not None else rows
+            spec.datasets += [(f"{PACKED_GROUP}/gids", "gids", rows)]
+            spec.datasets += [(f"{PACKED_GROUP}/{name}", name, staged) for name in row_names]
         specs.append(spec)
     return specs
 
 
 def _packed_rows(plan, rank: int, gids: np.ndarray, a: int, b: int,
-                 selected: np.ndarray | None) -> tuple[list, object]:
+                 selected: np.ndarray | None) -> tuple[list, object, list]:
     """(the (table, start, stop, gid_min, gid_max) lines of local rows [a, b), the rows to write:
-    one [(lo, hi)] range when whole shards are saved, else the selected rows). Local."""
-    lines, at, ranges, chosen = [], 0, [], []
+    one [(lo, hi)] range when whole shards are saved, else the selected rows, and those rows'
+    [i, j) spans of positions in `selected`). Local."""
+    lines, at, ranges, chosen, spans = [], 0, [], [], []
     for s in plan.shards_of(rank):
         lo, hi = max(a, s.local_start), min(b, s.local_start + s.rows)
         if lo >= hi:
             continue
-        rows = None if selected is None else _rows_within(selected, lo, hi)
-        if rows is not None and len(rows) == 0:
-            continue
+        rows = None
+        if selected is not None:
+            i, j = (int(x) for x in np.searchsorted(selected, [lo, hi]))
+            rows = selected[i:j]
+            if i == j:
+                continue
+            spans.append((i, j))
         first, last = (lo, hi - 1) if rows is None else (int(rows[0]), int(rows[-1]))
         count = hi - lo if rows is None else len(rows)
         lines.append((s.table, at, at + count, int(gids[first]), int(gids[last])))
@@ -147,8 +154,8 @@ def _packed_rows(plan, rank: int, gids: np.ndarray, a: int, b: int,
         else:
             chosen.append(rows)
     if selected is not None:
-        return lines, (np.concatenate(chosen) if chosen else selected[:0])
-    return lines, _merged_ranges(ranges)
+        return lines, (np.concatenate(chosen) if chosen else selected[:0]), spans
+    return lines, _merged_ranges(ranges), spans
 
 
 def _merged_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -160,12 +167,6 @@ def _merged_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((lo, hi))
     return out
-
-
-def _rows_within(rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """The sorted `rows` in [lo, hi). Local."""
-    i0, i1 = np.searchsorted(rows, [lo, hi])
-    return rows[i0:i1]
 
 
 def dense_spec(root: str, ckpt_id: str, step: int, arrays: dict, param_order) -> FileSpec:

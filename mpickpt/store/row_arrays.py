@@ -21,7 +21,6 @@ import numpy as np
 
 from mpickpt.quant.codecs import Codec, from_attrs
 from mpickpt.store import h5_lowlevel
-from mpickpt.store.direct_io import concatenate
 from mpickpt.store.errors import CheckpointCorruptError
 from mpickpt.store.row_gather import take_rows
 from mpickpt.store.shard_file import BLOCK_ROWS, BlockWriter, read_rows
@@ -109,14 +108,6 @@ class EncodedRows:
     tail: tuple
     dtype: str
     arrays: dict
-
-    @staticmethod
-    def concat(pieces: list["EncodedRows"]) -> "EncodedRows":
-        first = pieces[0]
-        if any(p.codec != first.codec or p.tail != first.tail for p in pieces):
-            raise ValueError("cannot concatenate rows stored with different codecs or shapes")
-        return EncodedRows(first.codec, first.tail, first.dtype,
-                           {k: concatenate([p.arrays[k] for p in pieces]) for k in first.arrays})
 
     def __len__(self) -> int:
         return len(next(iter(self.arrays.values())))
