@@ -165,6 +165,45 @@ def test_rows_staged_compactly_write_the_files_rows_staged_in_place_write(tmp_pa
                                   arrays["state/adagrad_sum"][selected])
 
 
+def test_the_cpu_stall_stages_selected_rows_compactly_and_says_so():
+    """`Snapshotter.stage` on the CPU: every row in its place for a full save, the selected
+    rows compactly for an incremental one (rows that require grad included), and with a
+    copy-on-update copier nothing compact (the copier puts rows in their places)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mpickpt.engine.snapshot import Snapshotter
+
+    rng = np.random.default_rng(6)
+    weight = torch.tensor(rng.standard_normal((500, DIM)), dtype=torch.float32,
+                          requires_grad=True)
+    state = torch.tensor(rng.random(500), dtype=torch.float32)
+    model = SimpleNamespace(
+        topo=SimpleNamespace(device=torch.device("cpu")),
+        embeddings=SimpleNamespace(local_gids=np.arange(1000, 1500)),
+        row_state=lambda: {"weight": weight, "state/adagrad_sum": state},
+        dense_state=lambda: {})
+    snaps = Snapshotter(model, with_dense=False)
+    try:
+        snaps.stage()
+        staged = snaps.area.arrays
+        assert not snaps.compact
+        np.testing.assert_array_equal(staged["weight"], weight.detach().numpy())
+        selected = np.sort(rng.choice(500, 120, replace=False))
+        _, nbytes = snaps.stage(selected=selected)
+        assert snaps.compact and nbytes == 120 * (DIM + 1) * 4
+        np.testing.assert_array_equal(staged["weight"][:120], weight.detach().numpy()[selected])
+        np.testing.assert_array_equal(staged["state/adagrad_sum"][:120], state.numpy()[selected])
+        np.testing.assert_array_equal(staged["gids"], np.arange(1000, 1500))  # keys in place
+        started = []
+        copier = SimpleNamespace(start=lambda rows, targets, sel: started.append(sel))
+        snaps.stage(copier, selected)
+        assert not snaps.compact and started[0] is selected
+    finally:
+        snaps.close()
+
+
 def _datasets(path: str) -> dict:
     """Every dataset's bytes and every attribute of the file at `path`, by name."""
     out = {}

@@ -60,12 +60,13 @@ def test_take_rows_gathers_into_a_given_array_and_refuses_one_that_cannot_take_t
     index = rng.integers(0, 100, 30)
     read_only = np.zeros((30, 4), np.float32)
     read_only.flags.writeable = False
-    for bad, says in ((np.zeros((29, 4), np.float32), "shape \\(29, 4\\)"),
+    for bad, says in ((np.zeros((29, 4), np.float32), "float32 \\(29, 4\\)"),
                       (np.zeros((30, 4), np.float64), "float64"),
                       (np.zeros((30, 8), np.float32)[:, ::2], "non-contiguous"),
                       (read_only, "read-only")):
-        with pytest.raises(ValueError, match=f"{says}.*expected a writeable, contiguous "
-                                             f"float32 array of shape \\(30, 4\\)"):
+        with pytest.raises(ValueError, match=f"into an array of .*{says}.*: expected a "
+                                             f"writeable, contiguous float32 array of shape "
+                                             f"\\(30, 4\\)"):
             take_rows(a, index, out=bad)
 
 

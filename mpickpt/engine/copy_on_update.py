@@ -4,8 +4,9 @@ them into the staging area in chunks while training goes on. Before the sparse u
 step overwrites a row that is still pending, that row (with its optimizer state) is copied first,
 from the update hook that already brackets every sparse update (`before_update`, which sees the
 rows the update will touch before it touches them). Every staged row therefore holds its value at
-step s: the staging area ends byte-identical to a stop-the-world copy at s, and the stall no
-longer grows with the table size.
+step s, in its place: the files written are byte-identical to a stop-the-world copy's at s (which
+on the CPU stages an incremental save's rows compactly instead), and the stall no longer grows
+with the table size.
 
 Exclusion on the CPU: the hook copies and clears its rows under the mask lock before the update
 runs, so its copy is the row at s. The copier holds no lock a step needs while it reads a chunk:

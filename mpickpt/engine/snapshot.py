@@ -122,8 +122,9 @@ class Snapshotter:
             return self._copy(rows)
         targets = self.area.tensors()
         idx = torch.as_tensor(selected, dtype=torch.int64)
-        for name, src in rows.items():
-            torch.index_select(src, 0, idx, out=targets[name][:len(idx)])
+        with torch.no_grad():  # out= refuses a source that requires grad
+            for name, src in rows.items():
+                torch.index_select(src, 0, idx, out=targets[name][:len(idx)])
         self.compact = True
         return sum(len(idx) * t[0].numel() * t.element_size() for t in rows.values() if len(t))
 

@@ -278,6 +278,8 @@ class Extractor:
             self._remember_blooms(index, learned or {})
         finally:
             reader.close()
+            for arena in self.arenas:  # written (or failed): keep no more than KEEP_BYTES
+                arena.reset()
         self.bloom_stage.record(stats.bloom, stats.compared - stats.skipped_range,
                                 stats.skipped_bloom)
         if retained is not None:

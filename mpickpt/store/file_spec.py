@@ -72,7 +72,8 @@ class FileSpec:
     part: int = 0
     attrs: dict = field(default_factory=dict)
     datasets: list = field(default_factory=list)
-    """(dataset name, staged array name, rows) triples; rows: None (all), [(a, b), ...] ranges,
+    """(dataset name, staged array name, rows) triples; rows: None (all), [(a, b), ...] ranges
+    (of local rows, or of positions in a compactly staged array: `shard_specs(compact=True)`),
     or an array of selected local rows."""
     group_attrs: dict = field(default_factory=dict)
     blobs: dict = field(default_factory=dict)

@@ -8,9 +8,12 @@ copy. Gathered straight into a `RowBuffer`, each row is copied once, and into me
 last ingestion already faulted in. A buffer starts on a page boundary when it is large enough
 for O_DIRECT (`direct_io.empty_like_file`), so its dataset goes out without the bounce copy.
 
-A `RowArena` keeps a writer's buffers by name between files, up to `keep_bytes` of them: a
-bundle's rows stay in memory only while it is built and written, as before, and what is kept
-after is bounded. Local: nothing here uses MPI.
+A `RowArena` keeps a writer's buffers by name between files, up to `keep_bytes` of them: its
+owner resets it once a file is written, which empties every buffer and drops the largest while
+more is held, so a bundle's rows stay in memory only while it is built and written, as before,
+and what is kept after is bounded. A dropped buffer's capacity is remembered: the next buffer of
+that name and shape starts there instead of doubling up to it again (its pages are faulted in
+only as rows arrive). Local: nothing here uses MPI.
 """
 from __future__ import annotations
 
@@ -30,8 +33,10 @@ class RowBuffer:
     """Rows of one shape and dtype appended by gathering, in one array that grows by doubling
     (its rows so far copied over when it does). Local."""
 
-    def __init__(self, row_shape: tuple, dtype):
+    def __init__(self, row_shape: tuple, dtype, first_rows: int = MIN_ROWS):
         self.row_shape, self.dtype = tuple(row_shape), np.dtype(dtype)
+        self.first_rows = max(int(first_rows), MIN_ROWS)
+        """The capacity of its first allocation (at least the rows it then needs)."""
         self.data: np.ndarray | None = None
         self.length = 0
 
@@ -67,7 +72,7 @@ class RowBuffer:
         capacity = 0 if self.data is None else len(self.data)
         if rows <= capacity:
             return
-        grown = empty_like_file((max(rows, 2 * capacity, MIN_ROWS), *self.row_shape),
+        grown = empty_like_file((max(rows, 2 * capacity, self.first_rows), *self.row_shape),
                                 self.dtype)
         if self.length:
             grown[:self.length] = self.data[:self.length]
@@ -86,15 +91,20 @@ class RowArena:
         self.keep_bytes = keep_bytes
         self.buffers: dict = {}
         """name (any hashable) -> RowBuffer"""
+        self.dropped: dict = {}
+        """name -> (row shape, dtype, capacity in rows) of the buffer `reset` last dropped."""
 
     def buffer(self, name, row_shape: tuple, dtype) -> RowBuffer:
-        """The buffer `name` (any hashable), empty or holding what was appended to it since the last `reset`;
-        a new one when the rows asked for are of another shape or dtype than those it held
-        (only an empty buffer may change them). Local."""
+        """The buffer `name` (any hashable), empty or holding what was appended to it since the
+        last `reset`; a new one when the rows asked for are of another shape or dtype than those
+        it held (only an empty buffer may change them), or when `reset` dropped it (then
+        starting at the dropped one's capacity, for rows of its shape). Local."""
         buf = self.buffers.get(name)
         if buf is None or (buf.length == 0 and (buf.row_shape != tuple(row_shape)
                                                 or buf.dtype != np.dtype(dtype))):
-            buf = self.buffers[name] = RowBuffer(row_shape, dtype)
+            shape, kind, rows = self.dropped.pop(name, (None, None, MIN_ROWS))
+            same = shape == tuple(row_shape) and kind == np.dtype(dtype)
+            buf = self.buffers[name] = RowBuffer(row_shape, dtype, rows if same else MIN_ROWS)
         return buf
 
     @property
@@ -103,7 +113,7 @@ class RowArena:
 
     def reset(self) -> None:
         """Empty every buffer for the next file, and drop the largest ones while more than
-        `keep_bytes` are held. Local."""
+        `keep_bytes` are held (remembering their capacity). Local."""
         for buf in self.buffers.values():
             buf.length = 0
         held = self.nbytes
@@ -111,4 +121,5 @@ class RowArena:
             if held <= self.keep_bytes:
                 break
             held -= buf.nbytes
+            self.dropped[name] = (buf.row_shape, buf.dtype, len(buf.data))
             del self.buffers[name]

@@ -2,7 +2,9 @@
 of a memcpy per row.
 
 The writers of incremental checkpoints gather the rows a save selected out of the staging
-memory, IncrCP's extractor splits chunks into the rows that stay and those that move, and the
+memory where the rows stay in their places (copy-on-update, CUDA; on the CPU the stall stages
+them compactly and the writers gather only their keys), IncrCP's extractor gathers the rows
+that stay and those that move from the chunks it splits into its bundles, and the
 restore of an incremental chain puts each increment's rows in place. numpy's
 fancy indexing copies a row of 16 floats element by element (~35x a memcpy of the same bytes
 here); `np.take` halves that. The C kernel (`kernels/rows_cpu.c`, `mpickpt._rows_cpu`) copies
@@ -50,10 +52,11 @@ def _check_out(out: np.ndarray, array: np.ndarray, which: np.ndarray) -> None:
     flags = out.flags
     if (out.shape != shape or out.dtype != array.dtype or not flags.c_contiguous
             or not flags.writeable):
-        raise ValueError(f"rows gathered into a{'' if flags.writeable else ' read-only'}"
-                         f"{'' if flags.c_contiguous else ' non-contiguous'} {out.dtype} array "
-                         f"of shape {out.shape}: expected a writeable, contiguous "
-                         f"{array.dtype} array of shape {shape}")
+        faults = [w for w, bad in (("read-only", not flags.writeable),
+                                   ("non-contiguous", not flags.c_contiguous)) if bad]
+        raise ValueError(f"rows gathered into an array of {out.dtype} {out.shape}"
+                         f"{' (' + ', '.join(faults) + ')' if faults else ''}: expected a "
+                         f"writeable, contiguous {array.dtype} array of shape {shape}")
 
 
 def put_rows(out: np.ndarray, which: np.ndarray, rows) -> None:
