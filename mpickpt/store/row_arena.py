@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpickpt.store.direct_io import empty_like_file
-from mpickpt.store.row_gather import take_rows
+from mpickpt.store.row_gather import picked, take_rows
 
 KEEP_BYTES = 64 << 20
 """Buffer memory an arena keeps between files (the extractor has two: row 0 and row 1)."""
@@ -52,7 +52,7 @@ class RowBuffer:
         if source.shape[1:] != self.row_shape or source.dtype != self.dtype:
             raise ValueError(f"rows of {source.dtype} {source.shape[1:]} appended to a buffer "
                              f"of {self.dtype} {self.row_shape} rows")
-        n = len(source) if which is None else _picked(which)
+        n = len(source) if which is None else picked(which)
         self._reserve(self.length + n)
         out = self.data[self.length:self.length + n]
         if which is None:
@@ -77,11 +77,6 @@ class RowBuffer:
         if self.length:
             grown[:self.length] = self.data[:self.length]
         self.data = grown
-
-
-def _picked(which) -> int:
-    which = np.asarray(which)
-    return int(which.sum()) if which.dtype.kind == "b" else len(which)
 
 
 class RowArena:

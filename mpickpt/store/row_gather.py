@@ -45,10 +45,15 @@ def take_rows(array: np.ndarray, which: np.ndarray, out: np.ndarray | None = Non
     return np.take(array, which, axis=0, out=out)
 
 
+def picked(which) -> int:
+    """How many rows `which` (an index array or a mask, as `take_rows` takes) picks. Local."""
+    which = np.asarray(which)
+    return int(which.sum()) if which.dtype.kind == "b" else len(which)
+
+
 def _check_out(out: np.ndarray, array: np.ndarray, which: np.ndarray) -> None:
     """ValueError unless `out` can take the picked rows as they are."""
-    picked = int(which.sum()) if which.dtype.kind == "b" else len(which)
-    shape = (picked,) + array.shape[1:]
+    shape = (picked(which),) + array.shape[1:]
     flags = out.flags
     if (out.shape != shape or out.dtype != array.dtype or not flags.c_contiguous
             or not flags.writeable):
