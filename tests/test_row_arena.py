@@ -113,11 +113,14 @@ def test_a_bundle_refuses_rows_stored_another_way(tmp_path):
 
 def test_an_extractor_keeps_bounded_empty_buffers_between_ingestions_and_restores_the_same(
         tmp_path):
-    """Each ingestion's bundles are gathered into the extractor's two arenas, which it resets
-    once they are written: empty, and (with a limit below a bundle's size, so that buffers are
-    dropped and made again at every ingestion) within the limit. Every step restores what an
-    extractor whose buffers are all kept restores, bit for bit, and close to the rows saved
-    (the weights 4-bit, the optimizer state exact)."""
+    """Each ingestion's bundles are gathered into the extractor's arenas, which it resets once
+    they are written, but for the new row-0 bundle's when it fits the limit: that one is held
+    for the next ingestion, which reads its chunks from memory and never opens its file. With a
+    limit below a bundle's size (buffers dropped and made again at every ingestion) nothing is
+    held, every arena is empty and within the limit, and the next ingestion reads the bundle
+    from its file. Every step restores what an extractor that holds and keeps everything
+    restores, bit for bit, and close to the rows saved (the weights 4-bit, the optimizer state
+    exact)."""
     from mpickpt.model.shard_plan import ShardPlan
     from tests.local_chain import LocalChain
 
@@ -127,21 +130,30 @@ def test_an_extractor_keeps_bounded_empty_buffers_between_ingestions_and_restore
         chain = LocalChain(str(root), plan, dim=8, policy="incrcp", seed=7, bits=4,
                            incrcp_reset="never")
         for e in chain.extractors:
-            e.arenas = (RowArena(keep_bytes=keep), RowArena(keep_bytes=keep))
-        rng, saved = np.random.default_rng(7), {}
+            e.arenas = tuple(RowArena(keep_bytes=keep) for _ in range(3))
+        rng, saved, opened_last = np.random.default_rng(7), {}, 0
         for step in range(1, 9):
             for r in range(plan.world_size):
                 chain.touch(r, rng.choice(plan.local_rows(r), plan.local_rows(r) // 3), rng)
+            last = [e.held.relpath if e.held else None for e in chain.extractors]
             chain.save(step)
             saved[step] = chain.snapshot()
-            for e in chain.extractors:
-                assert all(b.length == 0 for a in e.arenas for b in a.buffers.values())
+            for e, rel in zip(chain.extractors, last):
+                opened_last += rel is not None and rel in e.opened.entries
+                held = e.held.arena if e.held is not None else None
+                assert all(b.length == 0 for a in e.arenas if a is not held
+                           for b in a.buffers.values())
                 assert all(a.nbytes <= keep for a in e.arenas)
-        return chain, saved
+                if held is not None:
+                    assert e.held.relpath.endswith(f"bundle-{step:012d}-row0.h5")
+                    assert {b.length for b in held.buffers.values()} == {e.held.length}
+        return chain, saved, opened_last
 
-    small, saved = run(tmp_path / "small", limit)
-    kept, _ = run(tmp_path / "kept", 1 << 30)
+    small, saved, _ = run(tmp_path / "small", limit)
+    kept, _, opened_held = run(tmp_path / "kept", 1 << 30)
     assert small.extracted_rows == kept.extracted_rows > 0
+    assert all(e.held is None for e in small.extractors)
+    assert all(e.held is not None for e in kept.extractors) and opened_held == 0
     assert max(s.bundle_bytes for s in small.ingestions) > 4 * limit
     assert any(a.dropped for e in small.extractors for a in e.arenas)
     for step in (2, 5, 8):

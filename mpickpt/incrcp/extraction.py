@@ -23,6 +23,7 @@ import numpy as np
 
 from mpickpt.incrcp.bloom import BloomFilter, key_hashes
 from mpickpt.incrcp.bloom_stage import BloomStage
+from mpickpt.incrcp.held_bundle import HeldBundle
 from mpickpt.store.attr_digest import AttrRecord
 from mpickpt.store.block_cache import BlockCache
 from mpickpt.store.chunk_index import ChunkIndex, ChunkRef, commit_index, index_dir
@@ -106,6 +107,11 @@ class BundleBuilder:
         for part, array in arrays.items():
             self.arena.buffer((name, part), array.shape[1:], array.dtype).append(array, which)
 
+    def hold(self) -> HeldBundle:
+        """The written bundle's rows, kept in this builder's arena for the next ingestion (the
+        caller must not reset the arena, or build in it, while it holds them). Local."""
+        return HeldBundle(self.relpath, self.arena, self.kinds, self.parts, self.length)
+
     def _stored(self, name: str):
         buffers = {part: self.arena.buffers[name, part].rows() for part in self.parts[name]}
         if self.kinds[name] is None:
@@ -149,6 +155,8 @@ class ChunkReader:
     cache: BlockCache = field(default_factory=BlockCache)
     """Verified blocks: neighbouring chunks of a bundle share them (the extractor's outlive
     the ingestion, dropped with their file)."""
+    held: dict = field(default_factory=dict)
+    """rel -> `HeldBundle`: bundles whose chunks are read from memory, not from their file."""
     seen: dict = field(default_factory=dict)
     """rel -> (file, lookups) for the files this ingestion visited: each a (group, name) ->
     dataset (gids) or StoredRows map, looked up once while the file stays open (a bundle or
@@ -186,6 +194,9 @@ class ChunkReader:
         return self._gids(ref)
 
     def _gids(self, ref: ChunkRef) -> np.ndarray:
+        held = self.held.get(ref.file)
+        if held is not None:
+            return held.keys(ref.start, ref.stop)
         return read_rows(self._array(ref, "gids"), ref.start, ref.stop, ref.file,
                          cache=self.cache)
 
@@ -193,6 +204,10 @@ class ChunkReader:
              ) -> dict[str, np.ndarray]:
         """A chunk's keys (`gids`, when the caller read them already) and row arrays. Local."""
         rows = {"gids": self._gids(ref) if gids is None else gids}
+        held = self.held.get(ref.file)
+        if held is not None and held.has(names):
+            rows.update({n: held.raw(n, ref.start, ref.stop) for n in names})
+            return rows
         rows.update({n: self._array(ref, n).raw(ref.start, ref.stop, self.cache) for n in names})
         return rows
 
@@ -220,17 +235,37 @@ class Extractor:
         # chunk files stay open between ingestions, and their verified blocks in memory
         self.blocks = BlockCache()
         self.opened = VerifiedFiles(root, blocks=self.blocks)
-        self.arenas = (RowArena(), RowArena())  # the rows of the row-0 and row-1 bundles
+        self.arenas = (RowArena(), RowArena(), RowArena())
+        """The rows of the bundles: row 0 in the first two in turn (the other may hold the
+        last row-0 bundle, `held`), row 1 in the third."""
+        self.held: HeldBundle | None = None
+        """The row-0 bundle the last ingestion wrote, read from memory by the next."""
 
     def reader(self) -> ChunkReader:
-        """A reader for one ingestion, on the files and blocks this extractor keeps. Local."""
-        return ChunkReader(self.root, self.opened, self.blocks)
+        """A reader for one ingestion, on the files and blocks this extractor keeps, and on
+        the bundle it holds. Local."""
+        held = {} if self.held is None else {self.held.relpath: self.held}
+        return ChunkReader(self.root, self.opened, self.blocks, held)
 
     def forget_files(self) -> None:
-        """Close every file kept open and drop their blocks (after a failed ingestion: the
-        next opens, checks and reads them again). Local."""
+        """Close every file kept open, drop their blocks and the held bundle (after a failed
+        ingestion: the next opens, checks and reads them again). Local."""
         self.opened.close()
         self.blocks.clear()
+        self._release()
+
+    def _release(self, keep: RowArena | None = None) -> None:
+        """Reset every arena but `keep` (keep no more than each one's limit), holding
+        nothing. Local."""
+        self.held = None
+        for arena in self.arenas:
+            if arena is not keep:
+                arena.reset()
+
+    def _row0_arena(self) -> RowArena:
+        """The row-0 arena the held bundle is not in. Local."""
+        first, second = self.arenas[:2]
+        return second if self.held is not None and self.held.arena is first else first
 
     def ingest(self, index: ChunkIndex, step: int, new_refs: list[ChunkRef], row_names: list[str],
                retained: list[int] | None = None, before_commit=None,
@@ -258,8 +293,8 @@ class Extractor:
             return stats
         old_files = set(index.refcounts())
         rel = os.path.relpath(index_dir(self.root, index.chain, index.rank), self.root)
-        row0 = BundleBuilder(f"{rel}/bundle-{step:012d}-row0.h5", self.arenas[0])
-        row1 = BundleBuilder(f"{rel}/bundle-{step:012d}-row1.h5", self.arenas[1])
+        row0 = BundleBuilder(f"{rel}/bundle-{step:012d}-row0.h5", self._row0_arena())
+        row1 = BundleBuilder(f"{rel}/bundle-{step:012d}-row1.h5", self.arenas[2])
         learned = {} if stats.bloom else None  # no filters are built while stage 2 is off
         try:
             for table in sorted({r.table for r in new_refs} | set(index.cells)):
@@ -278,8 +313,9 @@ class Extractor:
             self._remember_blooms(index, learned or {})
         finally:
             reader.close()
-            for arena in self.arenas:  # written (or failed): keep no more than KEEP_BYTES
-                arena.reset()
+            # written (or failed): the last bundle's rows come from its file again, and only the
+            # new row-0 bundle's may stay in memory (`ingest` resets its arena on a failure)
+            self._release(keep=row0.arena)
         self.bloom_stage.record(stats.bloom, stats.compared - stats.skipped_range,
                                 stats.skipped_bloom)
         if retained is not None:
@@ -291,6 +327,10 @@ class Extractor:
         commit_index(self.root, index)
         live = set(index.refcounts())
         self.opened.keep_only(live)  # closed before they are deleted
+        if row0.relpath in live and row0.arena.nbytes <= row0.arena.keep_bytes:
+            self.held = row0.hold()  # committed: the next ingestion reads it from memory
+        else:
+            row0.arena.reset()
         stats.deleted_files = self._delete_unreferenced(old_files - live)
         stats.seconds = time.perf_counter() - start
         return stats

@@ -1,0 +1,55 @@
+"""The last row-0 bundle an extractor wrote, kept in memory for the next ingestion to read.
+
+Each ingestion compares the new chunk with every row-0 chunk, and where a table's rows are updated
+often (small tables, long intervals), it extracts nearly all of them: most row-0 chunks then live
+in the row-0 bundle that the previous ingestion wrote, and the next ingestion reads that whole
+bundle back (from the disk when it went out with O_DIRECT), verifies its checksums and copies its
+rows into the next bundle. The rows are still in memory: they were gathered into the extractor's
+`RowArena` to be written. A `HeldBundle` keeps that arena, unreset, until the next ingestion is
+over, and serves the bundle's chunks from it: keys and stored arrays as the file holds them (the
+bundle file is never rewritten: a name is one ingestion's, and a failed ingestion holds nothing).
+
+The extractor builds each row-0 bundle in one of two arenas, the one not held, so rows are never
+appended to memory a held bundle's views show. Only a bundle whose arena fits its keep limit is
+held, so the memory kept between ingestions stays bounded as before (`row_arena.KEEP_BYTES`, one
+more arena). Local: nothing here uses MPI.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from mpickpt.store.row_arena import RowArena
+from mpickpt.store.row_arrays import EncodedRows
+
+
+class HeldBundle:
+    """A written bundle's rows, read-only, in the arena they were gathered into. Local."""
+
+    def __init__(self, relpath: str, arena: RowArena, kinds: dict, parts: dict, length: int):
+        """`kinds` and `parts`: the `BundleBuilder`'s, as it wrote the bundle `relpath`."""
+        self.relpath, self.arena, self.length = relpath, arena, length
+        self.kinds, self.parts = dict(kinds), dict(parts)
+        self.views: dict = {}
+        """(name, part) -> the bundle's dataset of that array, a read-only view of the arena."""
+        for name, names in self.parts.items():
+            for part in names:
+                view = arena.buffers[name, part].rows()
+                if len(view) != length:
+                    raise ValueError(f"{relpath}: {name} holds {len(view)} rows, the bundle "
+                                     f"{length}")
+                view.flags.writeable = False
+                self.views[name, part] = view
+
+    def has(self, names: list[str]) -> bool:
+        """Whether every row array of `names` (and the keys) is in the bundle. Local."""
+        return "gids" in self.parts and all(n in self.parts for n in names)
+
+    def keys(self, start: int, stop: int) -> np.ndarray:
+        """The keys of rows [start, stop) (a read-only view). Local."""
+        return self.views["gids", ""][start:stop]
+
+    def raw(self, name: str, start: int, stop: int) -> EncodedRows:
+        """The stored arrays of `name`'s rows [start, stop), as `StoredRows.raw` reads them
+        from the file (read-only views). Local."""
+        arrays = {part: self.views[name, part][start:stop] for part in self.parts[name]}
+        return EncodedRows(*self.kinds[name], arrays)
