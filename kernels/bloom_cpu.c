@@ -1,8 +1,12 @@
-/* Bloom filter bits for IncrCP's extractor (mpickpt._bloom_cpu), the same filter as
- * mpickpt.incrcp.bloom's numpy path: key j's positions are (h1[j] + i * h2[j]) mod num_bits for
- * i < num_hashes (uint64 arithmetic, wrapping), and position p is bit p & 7 of byte p >> 3.
- * count_present stops at a key's first clear bit, where numpy computes every position of every
- * key. The GIL is released while they run. */
+/* IncrCP's key tests for its extractor (mpickpt._bloom_cpu).
+ * Stage 2's Bloom filter bits, the same filter as mpickpt.incrcp.bloom's numpy path: key j's
+ * positions are (h1[j] + i * h2[j]) mod num_bits for i < num_hashes (uint64 arithmetic,
+ * wrapping), and position p is bit p & 7 of byte p >> 3. count_present stops at a key's first
+ * clear bit, where numpy computes every position of every key.
+ * Stage 3's exact test, members: which of a chunk's ascending keys are among the new ascending
+ * keys, one merge of the two (numpy's searchsorted is a binary search per key, through memory
+ * it misses the cache in). It refuses keys that are not ascending instead of answering wrongly.
+ * The GIL is released while they run. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -79,6 +83,50 @@ static PyObject *set_bits(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* out[i] = whether a[i] is among k[0..m), both strictly ascending; returns -1, or the position
+ * in `a` (kind 0) or `k` (kind 1) of the first key that is not above the one before it. */
+static Py_ssize_t merge(const int64_t *a, Py_ssize_t n, const int64_t *k, Py_ssize_t m,
+                        uint8_t *out, int *kind) {
+    Py_ssize_t j = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int64_t key = a[i];
+        if (i && key <= a[i - 1]) { *kind = 0; return i; }
+        while (j < m && k[j] < key) {
+            if (j && k[j] <= k[j - 1]) { *kind = 1; return j; }
+            j++;
+        }
+        out[i] = (uint8_t)(j < m && k[j] == key);
+    }
+    return -1;
+}
+
+static PyObject *members(PyObject *self, PyObject *args) {
+    Py_buffer ab, kb, ob;
+    if (!PyArg_ParseTuple(args, "y*y*w*", &ab, &kb, &ob)) return NULL;
+    PyObject *result = NULL;
+    if (ab.len % 8 || kb.len % 8 || ob.len != ab.len / 8) {
+        PyErr_Format(PyExc_ValueError, "members: inconsistent buffers (keys %zd bytes, new keys "
+                     "%zd bytes, out %zd bytes; expected int64 keys and one byte per key)",
+                     ab.len, kb.len, ob.len);
+    } else {
+        Py_ssize_t bad;
+        int kind = 0;
+        Py_BEGIN_ALLOW_THREADS
+        bad = merge((const int64_t *)ab.buf, ab.len / 8, (const int64_t *)kb.buf, kb.len / 8,
+                    (uint8_t *)ob.buf, &kind);
+        Py_END_ALLOW_THREADS
+        if (bad >= 0)
+            PyErr_Format(PyExc_ValueError, "members: %s are not strictly ascending at position "
+                         "%zd", kind ? "the new keys" : "the keys", bad);
+        else {
+            result = Py_None;
+            Py_INCREF(result);
+        }
+    }
+    PyBuffer_Release(&ab); PyBuffer_Release(&kb); PyBuffer_Release(&ob);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"count_present", count_present, METH_VARARGS,
      "count_present(bits_uint8, num_bits, num_hashes, h1_uint64, h2_uint64): how many keys "
@@ -86,6 +134,9 @@ static PyMethodDef methods[] = {
     {"set_bits", set_bits, METH_VARARGS,
      "set_bits(bits_uint8 (written), num_bits, num_hashes, h1_uint64, h2_uint64): set every "
      "position of every key"},
+    {"members", members, METH_VARARGS,
+     "members(keys_int64, new_keys_int64, out_uint8 (written)): out[i] = keys[i] is among the "
+     "new keys, both strictly ascending (ValueError otherwise)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bloom_cpu", NULL, -1, methods};

@@ -42,14 +42,41 @@ def test_keys_hashed_once_test_as_keys_hashed_per_filter():
                               f.contains(keys[100:900]))
 
 
-def test_split_membership_is_isin():
-    from mpickpt.incrcp.extraction import _members
+@pytest.mark.parametrize("path", ["kernel", "numpy"])
+def test_split_membership_is_isin(path, monkeypatch):
+    """Stage 3's membership equals np.isin on ascending chunks (the kernel's merge) and on
+    shuffled ones (the fallback), with either side empty, negative keys, and keys beyond the
+    other side's at both ends."""
+    from mpickpt.incrcp import sorted_members
 
+    if path == "numpy":
+        monkeypatch.setattr(sorted_members, "KERNEL", None)
+    elif sorted_members.KERNEL is None:
+        pytest.skip("mpickpt._bloom_cpu is not built")
     rng = np.random.default_rng(6)
-    for n, m in ((0, 5), (5, 0), (300, 40), (40, 300), (1000, 1000)):
-        keys = np.unique(rng.integers(0, 500, n))
-        gids = rng.permutation(np.unique(rng.integers(0, 500, m)))
-        assert np.array_equal(_members(gids, keys), np.isin(gids, keys))
+    for n, m in ((0, 5), (5, 0), (300, 40), (40, 300), (1000, 1000), (3, 2000)):
+        keys = np.unique(rng.integers(-50, 500, n))
+        gids = np.unique(rng.integers(-100, 600, m))
+        for chunk in (gids, rng.permutation(gids)):
+            got = sorted_members.members(chunk, keys)
+            assert got.dtype == bool and np.array_equal(got, np.isin(chunk, keys))
+
+
+def test_the_merge_refuses_keys_out_of_order_and_the_split_falls_back():
+    from mpickpt.incrcp import sorted_members
+
+    kernel = sorted_members.KERNEL
+    if kernel is None:
+        pytest.skip("mpickpt._bloom_cpu is not built")
+    keys, out = np.array([1, 5, 9], dtype=np.int64), np.empty(3, dtype=np.uint8)
+    with pytest.raises(ValueError, match="the keys are not strictly ascending at position 2"):
+        kernel.members(np.array([2, 9, 9], dtype=np.int64), keys, out)
+    with pytest.raises(ValueError, match="the new keys are not strictly ascending at position 1"):
+        kernel.members(np.array([2, 9, 10], dtype=np.int64), keys[::-1].copy(), out)
+    with pytest.raises(ValueError, match="inconsistent buffers"):
+        kernel.members(keys, keys, out[:2])
+    chunk = np.array([9, 1, 4, 5], dtype=np.int64)
+    assert sorted_members.members(chunk, keys).tolist() == [True, True, False, True]
 
 
 def test_the_gc_rule_keeps_a_chunk_while_a_retained_step_lies_in_its_span():

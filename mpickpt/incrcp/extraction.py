@@ -24,6 +24,7 @@ import numpy as np
 from mpickpt.incrcp.bloom import BloomFilter, key_hashes
 from mpickpt.incrcp.bloom_stage import BloomStage
 from mpickpt.incrcp.held_bundle import HeldBundle
+from mpickpt.incrcp.sorted_members import members
 from mpickpt.store.attr_digest import AttrRecord
 from mpickpt.store.block_cache import BlockCache
 from mpickpt.store.chunk_index import ChunkIndex, ChunkRef, commit_index, index_dir
@@ -366,7 +367,7 @@ class Extractor:
                 kept.append(ref)
                 continue
             gids = reader.split_keys(ref)
-            dup = _members(gids, keys[lo:hi])
+            dup = members(gids, keys[lo:hi])
             ndup = int(dup.sum())
             if ndup < self.ratio * ref.rows or ndup == 0:  # stage 3: actual duplicate ratio below R
                 stats.skipped_ratio += 1
@@ -413,15 +414,6 @@ class Extractor:
                 except FileNotFoundError:
                     pass
         return deleted
-
-
-def _members(gids: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """Which of a chunk's `gids` are among the ascending, unique `keys` (np.isin without its
-    sort: both are ascending). Local."""
-    if not len(keys):
-        return np.zeros(len(gids), dtype=bool)
-    at = np.minimum(np.searchsorted(keys, gids), len(keys) - 1)
-    return keys[at] == gids
 
 
 def _bloom_key(ref: ChunkRef) -> tuple:

@@ -1,0 +1,41 @@
+"""Which of a chunk's keys a new checkpoint repeats: IncrCP's third filter, exactly.
+
+Stage 3 of the selective extraction counts a row-0 chunk's keys that the new chunk's keys repeat,
+and the chunk is then split by the same answer. Both sides are ascending: a chunk's keys as its
+rows were written, and the new keys as the extractor joined them. One merge of the two
+(`kernels/bloom_cpu.c`'s ``members``) answers in one pass over each, where numpy's
+`searchsorted` makes a binary search per key. Without the kernel, or for keys that are not
+strictly ascending (which the kernel refuses rather than answer wrongly), the answer comes from
+`searchsorted`, which needs only the new keys ascending. Same answer either way. Local.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    from mpickpt import _bloom_cpu as KERNEL
+except ImportError:  # built without a C compiler
+    KERNEL = None
+
+
+def members(gids: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """A mask of `gids` (a chunk's keys) that are among `keys` (ascending, unique). Local."""
+    if not len(keys):
+        return np.zeros(len(gids), dtype=bool)
+    if KERNEL is not None and gids.dtype == keys.dtype == np.int64:
+        out = np.empty(len(gids), dtype=bool)
+        try:
+            KERNEL.members(np.ascontiguousarray(gids), np.ascontiguousarray(keys),
+                           out.view(np.uint8))
+            return out
+        except ValueError:
+            pass  # a chunk's keys out of order: the binary search below does not mind
+    return searched(gids, keys)
+
+
+def searched(gids: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """`members` by a binary search of each of `gids` in `keys` (ascending, unique). Local."""
+    if not len(keys):
+        return np.zeros(len(gids), dtype=bool)
+    at = np.minimum(np.searchsorted(keys, gids), len(keys) - 1)
+    return keys[at] == gids
