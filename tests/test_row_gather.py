@@ -174,7 +174,7 @@ def test_the_kernel_refuses_inconsistent_buffers():
         row_gather.KERNEL.scatter(src[:8], np.zeros(2, np.int64), np.zeros(64, np.uint8), 8)
 
 
-def test_the_kernel_takes_large_selections_of_rows_and_numpy_the_rest(monkeypatch):
+def test_the_kernel_takes_index_arrays_and_large_masks_and_numpy_the_rest(monkeypatch):
     if row_gather.KERNEL is None:
         pytest.skip("mpickpt._rows_cpu was not built")
     calls = []
@@ -195,9 +195,13 @@ def test_the_kernel_takes_large_selections_of_rows_and_numpy_the_rest(monkeypatc
     take_rows(a, np.arange(0, n, 2))
     take_rows(a, np.arange(n) % 2 == 0)
     put_rows(a, np.arange(n // 2), np.zeros((n // 2, 4), np.float32))
-    assert calls == ["gather", "gather", "scatter"]
-    take_rows(a, np.arange(row_gather.KERNEL_MIN_ROWS - 1))  # too few rows
-    take_rows(a[:, 0].copy(), np.arange(n))  # 1-d
+    take_rows(a, np.arange(3))  # a few rows
+    put_rows(a[:, 0].copy(), np.arange(3), np.ones(3, np.float32))  # 1-d
+    assert calls == ["gather", "gather", "scatter", "gather", "scatter"]
+    short = row_gather.KERNEL_MIN_ROWS - 1
+    take_rows(a[:short], np.arange(short) % 2 == 0)  # a mask of too short an array
+    take_rows(a[:, 0].copy(), np.arange(n) % 2 == 0)  # a mask of a 1-d array
+    take_rows(a[:, :2], np.arange(n))  # strided
     with pytest.raises(IndexError, match=str(n)):
         take_rows(a, np.r_[np.arange(n // 2), n])  # the kernel's own check
-    assert calls == ["gather", "gather", "scatter", "gather"]
+    assert calls == ["gather", "gather", "scatter", "gather", "scatter", "gather"]

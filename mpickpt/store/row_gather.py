@@ -84,13 +84,16 @@ def put_rows(out: np.ndarray, which: np.ndarray, rows) -> None:
 
 
 KERNEL_MIN_ROWS = 512
-"""Fewer rows, or 1-d arrays: numpy's indexing costs no more than the call into the kernel."""
+"""A mask of fewer rows, or of a 1-d array, is numpy's: turning it into indices for the kernel
+costs more than the kernel saves there. Index arrays of any length, and of 1-d arrays too, go
+through the kernel: one call costs half of numpy's `take` with the bounds check it needs, for a
+few rows as for many (rows of 4 and 8 bytes are copied without a memcpy call per row)."""
 
 
 def _kernel_takes(array: np.ndarray, which: np.ndarray) -> bool:
     """Whether the kernel copies `which` (an index array; a mask is numpy's) of `array`."""
-    return (KERNEL is not None and which.dtype.kind != "b" and len(which) >= KERNEL_MIN_ROWS
-            and array.ndim >= 2 and array.flags.c_contiguous and _row_bytes(array) > 0)
+    return (KERNEL is not None and which.dtype.kind != "b" and array.ndim >= 1
+            and array.flags.c_contiguous and _row_bytes(array) > 0)
 
 
 def _index(which, array: np.ndarray) -> np.ndarray:
