@@ -77,9 +77,13 @@ def test_hdf5s_io_detail_is_cut_to_what_failed_and_why():
     assert error_line(ValueError("two\n  lines")) == "ValueError: two lines"
 
 
-def test_a_small_files_space_stays_held_while_it_is_written(tmp_path):
-    """Released ahead of the writes 1/8 at a time, not all at the first block."""
+def test_a_small_files_space_stays_held_while_it_is_written(tmp_path, monkeypatch):
+    """Released ahead of the writes 1/8 at a time, not all at the first block (where the
+    filesystem has little room to spare: here, a gigabyte short of what it has)."""
+    free = writer_process._free_bytes(str(tmp_path / "f.h5"))
+    monkeypatch.setattr(writer_process, "AMPLE_BYTES", free)
     r = Reservation(str(tmp_path / "f.h5"), 1 << 20)
+    assert r.held
     held = os.path.getsize(r.path)
     try:
         r.release(4096)
@@ -92,3 +96,27 @@ def test_a_small_files_space_stays_held_while_it_is_written(tmp_path):
     finally:
         r.close()
     assert not os.path.exists(r.path)
+
+
+def test_a_small_file_with_ample_room_holds_nothing_and_a_large_one_holds_its_space(tmp_path):
+    """No reservation file for a small file where the filesystem has a gigabyte more than it
+    needs, and its job writes the file; a file above SMALL_FILE is reserved as before."""
+    if writer_process._free_bytes(str(tmp_path / "x")) < 2 * writer_process.AMPLE_BYTES:
+        pytest.skip("the filesystem of tmp_path has less than 2 GB free")
+    r = Reservation(str(tmp_path / "small.h5"), 1 << 20)
+    r.release(1 << 19)
+    assert not r.held and not os.path.exists(r.path)
+    r.close()
+    big = Reservation(str(tmp_path / "big.h5"), writer_process.SMALL_FILE)
+    try:
+        assert big.held and os.path.getsize(big.path) >= writer_process.SMALL_FILE
+    finally:
+        big.close()
+    assert not os.path.exists(big.path)
+    spec, area = one_rank_job(str(tmp_path / "ckpt"))
+    try:
+        answer = run_job({"step": 7, "files": [spec], "staging": area.describe()}, {})
+    finally:
+        area.close()
+    assert answer["ok"], answer
+    assert sorted(os.listdir(os.path.dirname(spec.path))) == ["s.h5"]
