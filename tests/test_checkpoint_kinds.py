@@ -389,6 +389,26 @@ def test_chunk_refs_serialize_as_their_fields():
         assert ChunkRef(**ref.to_json()) == ref
 
 
+def test_dropping_chunks_trims_the_empty_rows_after_a_columns_last_chunk():
+    """Rows emptied by retention go from the end of a column's list, not from between rows
+    that still hold chunks; row 0 always stays, and the index reads back as it was."""
+    from mpickpt.store.chunk_index import ChunkIndex, ChunkRef
+
+    index = ChunkIndex("chain-x", 0)
+    index.add_column(10, [ChunkRef("c10.h5", 0, 0, 8, 0, 7, 10)])
+    for step in (20, 30, 40):  # three rounds, each moving one chunk of column 10 to its row 1
+        index.add_column(step, [])
+        index.push_row1(0, 10, index.row0(0, 10), [ChunkRef("b.h5", 0, step, step + 1, 1, 1,
+                                                             10, step)])
+    assert [len(r) for r in index.cells[0][10]] == [1, 1, 1, 1]
+    assert index.drop(lambda r: r.until != 30) == 1  # a middle row runs empty: it stays
+    assert [len(r) for r in index.cells[0][10]] == [1, 1, 0, 1]
+    assert index.drop(lambda r: r.until is None) == 2  # every row past 0 runs empty
+    assert index.cells[0][10] == [[ChunkRef("c10.h5", 0, 0, 8, 0, 7, 10)]]
+    assert index.cells[0][20] == [[]] and index.depth(0) == 1
+    assert ChunkIndex.from_json(index.to_json()) == index
+
+
 def test_intermittent_predictor_and_incrcp_cost_model():
     from mpickpt.kinds.planner import KindPlanner
     from mpickpt.kinds.registry import kind_named

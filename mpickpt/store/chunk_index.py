@@ -120,7 +120,11 @@ class ChunkIndex:
         rows[:] = [row0, row1, *rows[1:]]
 
     def drop(self, keep) -> int:
-        """Remove chunk references for which `keep(ref)` is False (empty placeholders stay). Local."""
+        """Remove chunk references for which `keep(ref)` is False. Empty rows stay as
+        placeholders below the last that holds a chunk; those after it go (a column's list
+        grows by a row at every extraction round, and rows run empty as retention drops
+        their chunks: kept, they made every pass over the index, and the index file, grow
+        with the square of the chain's length). Local."""
         dropped = 0
         for table in self.cells.values():
             for rows in table.values():
@@ -129,6 +133,8 @@ class ChunkIndex:
                         kept = [r for r in row if keep(r)]
                         dropped += len(row) - len(kept)
                         rows[k] = kept
+                while len(rows) > 1 and not rows[-1]:
+                    rows.pop()
         return dropped
 
     # ---- persistence -------------------------------------------------------------------------
