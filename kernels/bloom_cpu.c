@@ -10,6 +10,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 static Py_ssize_t count(const uint8_t *bits, uint64_t nbits, Py_ssize_t k, const uint64_t *h1,
                         const uint64_t *h2, Py_ssize_t n) {
@@ -83,19 +84,37 @@ static PyObject *set_bits(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* The first position in a[lo..n) whose key is >= key (n if none): a galloping search from lo,
+ * doubling its stride until it passes key, then a binary search of the last stride. */
+static Py_ssize_t gallop(const int64_t *a, Py_ssize_t lo, Py_ssize_t n, int64_t key) {
+    Py_ssize_t hi = lo, stride = 1;
+    while (hi < n && a[hi] < key) {
+        lo = hi + 1;
+        hi = lo + stride;
+        stride <<= 1;
+    }
+    if (hi > n) hi = n;
+    while (lo < hi) {
+        const Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (a[mid] < key) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
 /* out[i] = whether a[i] is among k[0..m), both strictly ascending; returns -1, or the position
- * in `a` (kind 0) or `k` (kind 1) of the first key that is not above the one before it. */
+ * in `a` (kind 0) or `k` (kind 1) of the first key that is not above the one before it. The new
+ * keys are usually far fewer than a chunk's: each is found by galloping from the last one's
+ * place, after one pass that checks the chunk's order. */
 static Py_ssize_t merge(const int64_t *a, Py_ssize_t n, const int64_t *k, Py_ssize_t m,
                         uint8_t *out, int *kind) {
-    Py_ssize_t j = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const int64_t key = a[i];
-        if (i && key <= a[i - 1]) { *kind = 0; return i; }
-        while (j < m && k[j] < key) {
-            if (j && k[j] <= k[j - 1]) { *kind = 1; return j; }
-            j++;
-        }
-        out[i] = (uint8_t)(j < m && k[j] == key);
+    for (Py_ssize_t i = 1; i < n; i++)
+        if (a[i] <= a[i - 1]) { *kind = 0; return i; }
+    memset(out, 0, (size_t)n);
+    Py_ssize_t at = 0;
+    for (Py_ssize_t j = 0; j < m && at < n; j++) {
+        if (j && k[j] <= k[j - 1]) { *kind = 1; return j; }
+        at = gallop(a, at, n, k[j]);
+        if (at < n && a[at] == k[j]) out[at++] = 1;
     }
     return -1;
 }
