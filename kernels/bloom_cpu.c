@@ -4,8 +4,9 @@
  * wrapping), and position p is bit p & 7 of byte p >> 3. count_present stops at a key's first
  * clear bit, where numpy computes every position of every key.
  * Stage 3's exact test, members: which of a chunk's ascending keys are among the new ascending
- * keys, one merge of the two (numpy's searchsorted is a binary search per key, through memory
- * it misses the cache in). It refuses keys that are not ascending instead of answering wrongly.
+ * keys, each new key found by galloping through the chunk's from the last one's place (numpy's
+ * searchsorted is a binary search of the new keys per chunk key). It refuses keys that are not
+ * ascending instead of answering wrongly.
  * The GIL is released while they run. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
