@@ -105,15 +105,16 @@ static Py_ssize_t gallop(const int64_t *a, Py_ssize_t lo, Py_ssize_t n, int64_t 
 /* out[i] = whether a[i] is among k[0..m), both strictly ascending; returns -1, or the position
  * in `a` (kind 0) or `k` (kind 1) of the first key that is not above the one before it. The new
  * keys are usually far fewer than a chunk's: each is found by galloping from the last one's
- * place, after one pass that checks the chunk's order. */
+ * place, after one pass over each side that checks its order. */
 static Py_ssize_t merge(const int64_t *a, Py_ssize_t n, const int64_t *k, Py_ssize_t m,
                         uint8_t *out, int *kind) {
     for (Py_ssize_t i = 1; i < n; i++)
         if (a[i] <= a[i - 1]) { *kind = 0; return i; }
+    for (Py_ssize_t j = 1; j < m; j++)
+        if (k[j] <= k[j - 1]) { *kind = 1; return j; }
     memset(out, 0, (size_t)n);
     Py_ssize_t at = 0;
     for (Py_ssize_t j = 0; j < m && at < n; j++) {
-        if (j && k[j] <= k[j - 1]) { *kind = 1; return j; }
         at = gallop(a, at, n, k[j]);
         if (at < n && a[at] == k[j]) out[at++] = 1;
     }

@@ -73,6 +73,9 @@ def test_the_merge_refuses_keys_out_of_order_and_the_split_falls_back():
         kernel.members(np.array([2, 9, 9], dtype=np.int64), keys, out)
     with pytest.raises(ValueError, match="the new keys are not strictly ascending at position 1"):
         kernel.members(np.array([2, 9, 10], dtype=np.int64), keys[::-1].copy(), out)
+    with pytest.raises(ValueError, match="the new keys are not strictly ascending at position 1"):
+        kernel.members(np.array([5], dtype=np.int64), np.array([100, 5], dtype=np.int64),
+                       out[:1])  # past the chunk's last key too
     with pytest.raises(ValueError, match="inconsistent buffers"):
         kernel.members(keys, keys, out[:2])
     chunk = np.array([9, 1, 4, 5], dtype=np.int64)

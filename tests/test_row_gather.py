@@ -28,7 +28,8 @@ def _arrays(rng):
             "i64 gids": rng.integers(0, 1 << 50, rows),
             "f32 state": rng.random(rows).astype(np.float32),
             "3-d": rng.standard_normal((rows, 3, 5)),
-            "structured": structured}
+            "structured": structured,
+            "objects": np.array([f"row {i}" for i in range(rows)], dtype=object)}
 
 
 def test_take_rows_equals_numpy_for_every_dtype_index_and_mask(path):

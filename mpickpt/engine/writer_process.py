@@ -169,7 +169,9 @@ class Reservation:
     eighth, an unlink) cost a fifth of an incremental checkpoint's writer CPU, and other writers
     would have to fill a gigabyte in the milliseconds it is written to make it fail; if they do,
     HDF5's ENOSPC names the file as well, and the checkpoint is abandoned as with any full
-    disk. `held` says whether space is held. Local."""
+    disk (statvfs does not see user or project quotas: under one, a small file past it fails in
+    HDF5 with EDQUOT, which the job's error names the same way). `held` says whether space is
+    held. Local."""
 
     def __init__(self, path: str, payload: int):
         self.path = path + ".reserve"

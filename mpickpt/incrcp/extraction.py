@@ -93,7 +93,8 @@ class BundleBuilder:
                         column, until, self.GROUP)
 
     def keys(self, start: int, stop: int) -> np.ndarray:
-        """The keys of rows [start, stop) added so far (a view, valid until the next bundle)."""
+        """The keys of rows [start, stop) added so far (a view, valid until this builder's
+        arena is reset)."""
         return self.arena.buffers["gids", ""].rows()[start:stop]
 
     def _append(self, name: str, value, which) -> None:

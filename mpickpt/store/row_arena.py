@@ -9,9 +9,10 @@ last ingestion already faulted in. A buffer starts on a page boundary when it is
 for O_DIRECT (`direct_io.empty_like_file`), so its dataset goes out without the bounce copy.
 
 A `RowArena` keeps a writer's buffers by name between files, up to `keep_bytes` of them: its
-owner resets it once a file is written, which empties every buffer and drops the largest while
-more is held, so a bundle's rows stay in memory only while it is built and written, as before,
-and what is kept after is bounded. A dropped buffer's capacity is remembered: the next buffer of
+owner resets it once it no longer needs the rows, which empties every buffer and drops the
+largest while more is held, so what is kept after is bounded. (The extractor resets a row-1
+bundle's arena once it is written, and a row-0 bundle's once the next ingestion, which reads
+that bundle from it, is over: `incrcp.held_bundle`.) A dropped buffer's capacity is remembered: the next buffer of
 that name and shape starts there instead of doubling up to it again (its pages are faulted in
 only as rows arrive). Local: nothing here uses MPI.
 """
@@ -23,7 +24,8 @@ from mpickpt.store.direct_io import empty_like_file
 from mpickpt.store.row_gather import picked, take_rows
 
 KEEP_BYTES = 64 << 20
-"""Buffer memory an arena keeps between files (the extractor has two: row 0 and row 1)."""
+"""Buffer memory an arena keeps between files (the extractor has three: two for row-0 bundles
+in turn, one for row 1)."""
 
 MIN_ROWS = 1024
 """A buffer's first capacity, in rows."""

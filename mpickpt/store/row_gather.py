@@ -92,8 +92,9 @@ few rows as for many (rows of 4 and 8 bytes are copied without a memcpy call per
 
 def _kernel_takes(array: np.ndarray, which: np.ndarray) -> bool:
     """Whether the kernel copies `which` (an index array; a mask is numpy's) of `array`."""
-    return (KERNEL is not None and which.dtype.kind != "b" and array.ndim >= 1
-            and array.flags.c_contiguous and _row_bytes(array) > 0)
+    return (KERNEL is not None and which.dtype.kind != "b" and isinstance(array, np.ndarray)
+            and array.ndim >= 1 and not array.dtype.hasobject and array.flags.c_contiguous
+            and _row_bytes(array) > 0)
 
 
 def _index(which, array: np.ndarray) -> np.ndarray:

@@ -79,11 +79,11 @@ def read_sealed(path: str, version_key: str, first_sealed_version: int) -> dict:
 
 
 def dumps_sealed(record: dict, indent: int | None = None) -> str:
-    """The sealed record as JSON text: indented with sorted keys when `indent` is given (a
+    """The sealed record as JSON text: laid out with sorted keys when `indent` is given (a
     manifest, read by people), else the canonical form with the checksum put in front, which
     encodes the record once instead of twice (a chunk index of thousands of chunks, written at
     every ingestion). Readers do not mind the order of keys. Local."""
-    if indent:
+    if indent is not None:
         return json.dumps(seal(record), indent=indent, sort_keys=True, allow_nan=True)
     body = _canonical(record)
     head = f"{{{json.dumps(CHECKSUM_KEY)}:{json.dumps(_checksum_of(body))}"
