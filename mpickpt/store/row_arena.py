@@ -12,9 +12,9 @@ A `RowArena` keeps a writer's buffers by name between files, up to `keep_bytes` 
 owner resets it once it no longer needs the rows, which empties every buffer and drops the
 largest while more is held, so what is kept after is bounded. (The extractor resets a row-1
 bundle's arena once it is written, and a row-0 bundle's once the next ingestion, which reads
-that bundle from it, is over: `incrcp.held_bundle`.) A dropped buffer's capacity is remembered: the next buffer of
-that name and shape starts there instead of doubling up to it again (its pages are faulted in
-only as rows arrive). Local: nothing here uses MPI.
+that bundle from it, is over: `incrcp.held_bundle`.) A dropped buffer's capacity is
+remembered: the next buffer of that name and shape starts there instead of doubling up to it
+again (its pages are faulted in only as rows arrive). Local: nothing here uses MPI.
 """
 from __future__ import annotations
 
