@@ -350,7 +350,8 @@ def test_the_bloom_stage_goes_off_where_it_skips_nothing_and_extracts_the_same(t
         return chain, expected
 
     always, _ = run(tmp_path / "always", BloomStage.always)
-    adaptive, expected = run(tmp_path / "adaptive", lambda: BloomStage(quiet=2, probe_every=3))
+    adaptive, expected = run(tmp_path / "adaptive", lambda: BloomStage(quiet=2, probe_every=3,
+                                                                    longest=3))
     ran = [s.bloom for s in adaptive.ingestions[::PLAN.world_size]]  # rank 0's ingestions
     assert all(s.bloom for s in always.ingestions)
     # step 2 tests no chunk (its only older column is the baseline's), steps 3 and 4 skip none:
@@ -377,6 +378,34 @@ def test_the_bloom_stage_refuses_a_non_positive_setting():
 
     with pytest.raises(ValueError, match="quiet and probe_every must be >= 1, got 0 and 8"):
         BloomStage(quiet=0)
+    with pytest.raises(ValueError, match=r"longest \(4\) must be at least probe_every \(8\)"):
+        BloomStage(longest=4)
+
+
+def test_bloom_probes_that_skip_nothing_double_the_gap_to_the_next_until_a_skip():
+    """While off, probes run 3, 6, 12, 12 ingestions apart as long as they skip nothing; a
+    probe that skips turns the stage on (it runs at every ingestion) and the next time it goes
+    off, the first probe is 3 ingestions away again."""
+    from mpickpt.incrcp.bloom_stage import BloomStage
+
+    stage = BloomStage(quiet=1, probe_every=3, longest=12)
+
+    def feed(n, skipped=0):
+        ran = []
+        for _ in range(n):
+            runs = stage.runs()
+            ran.append(runs)
+            stage.record(runs, tested=5, skipped=skipped if runs else 0)
+        return [i for i, r in enumerate(ran) if r]
+
+    assert feed(1) == [0] and stage.off  # skipped nothing: off
+    assert feed(3 + 6 + 12 + 12) == [2, 8, 20, 32]
+    assert stage.gap == 12
+    assert feed(12, skipped=1) == [11]  # the probe skips: on again
+    assert not stage.off and stage.gap == 3
+    assert feed(3, skipped=1) == [0, 1, 2]  # on: every ingestion
+    assert feed(1) == [0] and stage.off  # off again; the first probe 3 away
+    assert feed(3) == [2] and stage.gap == 6
 
 
 def test_chunk_refs_serialize_as_their_fields():

@@ -8,7 +8,10 @@ stage passes every chunk it tests and its cost buys nothing: a third of the extr
 the Criteo-shaped synthetic stream (`bench/time_lost.py`, issue 23). The stage goes off after
 `quiet` ingestions in a row whose tests skipped nothing, and runs again for one ingestion in
 `probe_every` while off (rebuilding the filters it lacks from the chunks' keys), to notice when
-it would skip again; one skip turns it back on.
+it would skip again; one skip turns it back on. A probe costs a filter for every row-0 chunk, as
+many as the chain has columns, so each probe that skips nothing doubles the gap to the next, up
+to `longest` ingestions (one probe in 8 was ~9 % of the extractor's CPU on that stream after 60
+ingestions); a skip brings the gap back to `probe_every`.
 
 Which chunks are extracted does not depend on it: a Bloom filter has no false negatives, so a
 chunk that stage 2 skips (hits < R·rows) has fewer than R·rows duplicates and stage 3's exact
@@ -24,17 +27,25 @@ class BloomStage:
     quiet: int = 2
     """Ingestions in a row that tested chunks and skipped none before the stage goes off."""
     probe_every: int = 8
-    """While off, one ingestion in this many runs the stage."""
+    """While off, the first probe runs this many ingestions after the stage last ran."""
+    longest: int = 64
+    """The longest gap between probes (each probe that skips nothing doubles it)."""
     streak: int = 0
     """Ingestions in a row, among those where the stage ran and tested chunks, that skipped
     none."""
     since_run: int = 0
     """Ingestions since the stage last ran."""
+    gap: int = 0
+    """Ingestions from the last run to the next probe while off (`probe_every` at first)."""
 
     def __post_init__(self):
         if self.quiet < 1 or self.probe_every < 1:
             raise ValueError(f"BloomStage: quiet and probe_every must be >= 1, got "
                              f"{self.quiet} and {self.probe_every}")
+        if self.longest < self.probe_every:
+            raise ValueError(f"BloomStage: longest ({self.longest}) must be at least "
+                             f"probe_every ({self.probe_every})")
+        self.gap = self.gap or self.probe_every
 
     @property
     def off(self) -> bool:
@@ -43,15 +54,20 @@ class BloomStage:
 
     def runs(self) -> bool:
         """Whether the next ingestion builds filters and tests chunks against them. Local."""
-        return not self.off or self.since_run + 1 >= self.probe_every
+        return not self.off or self.since_run + 1 >= self.gap
 
     def record(self, ran: bool, tested: int, skipped: int) -> None:
         """An ingestion's outcome: whether the stage ran, how many chunks reached it and how
         many it skipped. Local."""
+        probe = ran and self.off
         self.since_run = 0 if ran else self.since_run + 1
         if not ran or not tested:
             return
         self.streak = 0 if skipped else self.streak + 1
+        if skipped:
+            self.gap = self.probe_every
+        elif probe:
+            self.gap = min(2 * self.gap, self.longest)
 
     @classmethod
     def always(cls) -> "BloomStage":
