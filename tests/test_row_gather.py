@@ -79,6 +79,9 @@ def test_take_rows_reads_read_only_and_falls_back_on_strided_sources(path):
     np.testing.assert_array_equal(take_rows(a, index), a[index])
     strided = rng.standard_normal((500, 16)).astype(np.float32)[:, ::2]
     np.testing.assert_array_equal(take_rows(strided, index), strided[index])
+    out = np.zeros((100, 8), np.float32)  # into a given array: the kernel refuses, numpy takes
+    np.testing.assert_array_equal(take_rows(strided, index, out=out), strided[index])
+    np.testing.assert_array_equal(out, strided[index])
 
 
 def test_put_rows_equals_numpy_and_the_last_of_repeated_rows_wins(path):

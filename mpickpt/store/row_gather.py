@@ -28,6 +28,12 @@ def take_rows(array: np.ndarray, which: np.ndarray, out: np.ndarray | None = Non
     of `array`'s dtype and one row per pick) when given: `which` is an integer index array
     (indices in [0, len(array)); negative ones are refused) or a boolean mask of len(array).
     Local."""
+    if out is not None and _plain(array, which, out):
+        try:  # the common call (an extractor's chunk): the kernel checks every index
+            KERNEL.gather(array, which, out, out.nbytes // len(which))
+            return out
+        except (TypeError, ValueError, BufferError):
+            pass  # not contiguous, or read-only: the path below says which
     which = _index(which, array)
     if out is not None:
         _check_out(out, array, which)
@@ -43,6 +49,18 @@ def take_rows(array: np.ndarray, which: np.ndarray, out: np.ndarray | None = Non
         return out
     _check_bounds(which, len(array))
     return np.take(array, which, axis=0, out=out)
+
+
+def _plain(array, which, out) -> bool:
+    """Whether `take_rows(array, which, out)` may try the kernel first: a 1-d int64 index
+    array, and arrays of one dtype (not objects) with one row of `out` per index (the kernel
+    refuses what is not contiguous or writeable, and checks the bounds)."""
+    return (KERNEL is not None and type(which) is np.ndarray and which.dtype == INDEX
+            and which.ndim == 1 and len(which) > 0 and out.dtype == array.dtype
+            and not array.dtype.hasobject and out.shape == (len(which),) + array.shape[1:])
+
+
+INDEX = np.dtype(np.int64)
 
 
 def picked(which) -> int:
