@@ -4,9 +4,10 @@
  * wrapping), and position p is bit p & 7 of byte p >> 3. count_present stops at a key's first
  * clear bit, where numpy computes every position of every key.
  * Stage 3's exact test, members: which of a chunk's ascending keys are among the new ascending
- * keys, each new key found by galloping through the chunk's from the last one's place (numpy's
- * searchsorted is a binary search of the new keys per chunk key). It refuses keys that are not
- * ascending instead of answering wrongly.
+ * keys, each key of the shorter side found by galloping through the longer from the last one's
+ * place (numpy's searchsorted is a binary search of the new keys per chunk key). It refuses keys
+ * that are not ascending instead of answering wrongly (the new keys' order once checked by the
+ * caller is taken on trust).
  * The GIL is released while they run. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -103,27 +104,36 @@ static Py_ssize_t gallop(const int64_t *a, Py_ssize_t lo, Py_ssize_t n, int64_t 
 }
 
 /* out[i] = whether a[i] is among k[0..m), both strictly ascending; returns -1, or the position
- * in `a` (kind 0) or `k` (kind 1) of the first key that is not above the one before it. The new
- * keys are usually far fewer than a chunk's: each is found by galloping from the last one's
- * place, after one pass over each side that checks its order. */
+ * in `a` (kind 0) or `k` (kind 1) of the first key that is not above the one before it (`k` is
+ * checked only where `check_k`: a caller that checked it once may test many chunks against it).
+ * The shorter side is walked and each of its keys found by galloping through the longer from
+ * the last one's place: O(shorter * log(longer / shorter)) after the order checks. */
 static Py_ssize_t merge(const int64_t *a, Py_ssize_t n, const int64_t *k, Py_ssize_t m,
-                        uint8_t *out, int *kind) {
+                        uint8_t *out, int check_k, int *kind) {
     for (Py_ssize_t i = 1; i < n; i++)
         if (a[i] <= a[i - 1]) { *kind = 0; return i; }
-    for (Py_ssize_t j = 1; j < m; j++)
+    for (Py_ssize_t j = 1; check_k && j < m; j++)
         if (k[j] <= k[j - 1]) { *kind = 1; return j; }
     memset(out, 0, (size_t)n);
     Py_ssize_t at = 0;
-    for (Py_ssize_t j = 0; j < m && at < n; j++) {
-        at = gallop(a, at, n, k[j]);
-        if (at < n && a[at] == k[j]) out[at++] = 1;
+    if (m <= n) {
+        for (Py_ssize_t j = 0; j < m && at < n; j++) {
+            at = gallop(a, at, n, k[j]);
+            if (at < n && a[at] == k[j]) out[at++] = 1;
+        }
+    } else {
+        for (Py_ssize_t i = 0; i < n && at < m; i++) {
+            at = gallop(k, at, m, a[i]);
+            if (at < m && k[at] == a[i]) { out[i] = 1; at++; }
+        }
     }
     return -1;
 }
 
 static PyObject *members(PyObject *self, PyObject *args) {
     Py_buffer ab, kb, ob;
-    if (!PyArg_ParseTuple(args, "y*y*w*", &ab, &kb, &ob)) return NULL;
+    int check_new = 1;
+    if (!PyArg_ParseTuple(args, "y*y*w*|p", &ab, &kb, &ob, &check_new)) return NULL;
     PyObject *result = NULL;
     if (ab.len % 8 || kb.len % 8 || ob.len != ab.len / 8) {
         PyErr_Format(PyExc_ValueError, "members: inconsistent buffers (keys %zd bytes, new keys "
@@ -134,7 +144,7 @@ static PyObject *members(PyObject *self, PyObject *args) {
         int kind = 0;
         Py_BEGIN_ALLOW_THREADS
         bad = merge((const int64_t *)ab.buf, ab.len / 8, (const int64_t *)kb.buf, kb.len / 8,
-                    (uint8_t *)ob.buf, &kind);
+                    (uint8_t *)ob.buf, check_new, &kind);
         Py_END_ALLOW_THREADS
         if (bad >= 0)
             PyErr_Format(PyExc_ValueError, "members: %s are not strictly ascending at position "
@@ -156,8 +166,9 @@ static PyMethodDef methods[] = {
      "set_bits(bits_uint8 (written), num_bits, num_hashes, h1_uint64, h2_uint64): set every "
      "position of every key"},
     {"members", members, METH_VARARGS,
-     "members(keys_int64, new_keys_int64, out_uint8 (written)): out[i] = keys[i] is among the "
-     "new keys, both strictly ascending (ValueError otherwise)"},
+     "members(keys_int64, new_keys_int64, out_uint8 (written), check_new=True): out[i] = "
+     "keys[i] is among the new keys, both strictly ascending (ValueError otherwise; the new "
+     "keys' order is taken on trust where check_new is false)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_bloom_cpu", NULL, -1, methods};

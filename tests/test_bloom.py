@@ -58,8 +58,21 @@ def test_split_membership_is_isin(path, monkeypatch):
         keys = np.unique(rng.integers(-50, 500, n))
         gids = np.unique(rng.integers(-100, 600, m))
         for chunk in (gids, rng.permutation(gids)):
-            got = sorted_members.members(chunk, keys)
-            assert got.dtype == bool and np.array_equal(got, np.isin(chunk, keys))
+            for checked in (False, True):  # the new keys' order checked by the caller
+                got = sorted_members.members(chunk, keys, checked=checked)
+                assert got.dtype == bool and np.array_equal(got, np.isin(chunk, keys))
+
+
+def test_new_keys_are_made_strictly_ascending_once_for_every_chunk_tested_against_them():
+    from mpickpt.incrcp.sorted_members import ascending, members
+
+    keys = np.array([3, 7, 8, 20], dtype=np.int64)
+    assert ascending(keys) is keys  # already so: not copied
+    messy = np.array([8, 3, 20, 7, 8], dtype=np.int64)  # two pieces overlapping, a repeat
+    fixed = ascending(messy)
+    assert fixed.tolist() == [3, 7, 8, 20]
+    chunk = np.array([1, 3, 8, 9, 20], dtype=np.int64)
+    assert members(chunk, fixed, checked=True).tolist() == [False, True, True, False, True]
 
 
 def test_the_merge_refuses_keys_out_of_order_and_the_split_falls_back():

@@ -24,7 +24,7 @@ import numpy as np
 from mpickpt.incrcp.bloom import BloomFilter, key_hashes
 from mpickpt.incrcp.bloom_stage import BloomStage
 from mpickpt.incrcp.held_bundle import HeldBundle
-from mpickpt.incrcp.sorted_members import members
+from mpickpt.incrcp.sorted_members import ascending, members
 from mpickpt.store.attr_digest import AttrRecord
 from mpickpt.store.block_cache import BlockCache
 from mpickpt.store.chunk_index import ChunkIndex, ChunkRef, commit_index, index_dir
@@ -339,9 +339,9 @@ class Extractor:
 
     def _keys(self, reader: ChunkReader, refs: list[ChunkRef], learned: dict | None
               ) -> np.ndarray:
-        """The new chunks' keys, ascending; their Bloom filters go to `learned` (built from the
-        keys at hand, so that a later ingestion need not read them back; none where `learned`
-        is None: stage 2 is off)."""
+        """The new chunks' keys, strictly ascending (sorted and unique where they were not);
+        their Bloom filters go to `learned` (built from the keys at hand, so that a later
+        ingestion need not read them back; none where `learned` is None: stage 2 is off)."""
         if not refs:
             return np.zeros(0, dtype=np.int64)
         pieces = []
@@ -349,7 +349,7 @@ class Extractor:
             pieces.append(reader.gids(ref))
             if learned is not None:
                 learned[_bloom_key(ref)] = BloomFilter.of(pieces[-1], self.bits_per_key)
-        return np.concatenate(pieces)
+        return ascending(np.concatenate(pieces))  # checked once; every chunk is tested on trust
 
     def _extract_cell(self, reader, refs, hashed_keys, step, names, row0, row1, stats, learned):
         """One cell's row-0 chunks through the three stages. `hashed_keys`: (the new keys,
@@ -368,7 +368,7 @@ class Extractor:
                 kept.append(ref)
                 continue
             gids = reader.split_keys(ref)
-            dup = members(gids, keys[lo:hi])
+            dup = members(gids, keys[lo:hi], checked=True)
             ndup = int(dup.sum())
             if ndup < self.ratio * ref.rows or ndup == 0:  # stage 3: actual duplicate ratio below R
                 stats.skipped_ratio += 1
