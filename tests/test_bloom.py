@@ -63,6 +63,19 @@ def test_split_membership_is_isin(path, monkeypatch):
                 assert got.dtype == bool and np.array_equal(got, np.isin(chunk, keys))
 
 
+def test_a_kernel_built_before_its_fourth_argument_falls_back_to_the_search(monkeypatch):
+    from mpickpt.incrcp import sorted_members
+
+    class Stale:  # the kernel as built before `check_new`
+        def members(self, keys, new_keys, out):
+            raise AssertionError("not called with three arguments")
+
+    monkeypatch.setattr(sorted_members, "KERNEL", Stale())
+    chunk = np.array([1, 4, 5, 9], dtype=np.int64)
+    keys = np.array([4, 9, 11], dtype=np.int64)
+    assert sorted_members.members(chunk, keys, checked=True).tolist() == [False, True, False, True]
+
+
 def test_new_keys_are_made_strictly_ascending_once_for_every_chunk_tested_against_them():
     from mpickpt.incrcp.sorted_members import ascending, members
 

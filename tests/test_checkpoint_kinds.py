@@ -352,6 +352,11 @@ def test_the_bloom_stage_goes_off_where_it_skips_nothing_and_extracts_the_same(t
     always, _ = run(tmp_path / "always", BloomStage.always)
     adaptive, expected = run(tmp_path / "adaptive", lambda: BloomStage(quiet=2, probe_every=3,
                                                                     longest=3))
+    backing_off, _ = run(tmp_path / "backing-off", lambda: BloomStage(quiet=1, probe_every=2,
+                                                                      longest=4))
+    assert backing_off.extracted_rows == always.extracted_rows
+    probes = [i for i, s in enumerate(backing_off.ingestions[::PLAN.world_size]) if s.bloom]
+    assert probes[:4] == [0, 1, 3, 7], probes  # off from step 3: probes 2 then 4 apart
     ran = [s.bloom for s in adaptive.ingestions[::PLAN.world_size]]  # rank 0's ingestions
     assert all(s.bloom for s in always.ingestions)
     # step 2 tests no chunk (its only older column is the baseline's), steps 3 and 4 skip none:

@@ -84,6 +84,16 @@ def test_take_rows_reads_read_only_and_falls_back_on_strided_sources(path):
     np.testing.assert_array_equal(out, strided[index])
 
 
+def test_take_rows_into_memory_it_reads_equals_numpy_and_a_0d_source_is_no_row(path):
+    a = np.arange(10.0)
+    want = a.copy()
+    want[1:5] = a[[0, 0, 1, 2]]
+    take_rows(a, np.array([0, 0, 1, 2]), out=a[1:5])  # rows overwritten before they are read
+    np.testing.assert_array_equal(a, want)
+    with pytest.raises(TypeError):  # a 0-d array has no rows to pick
+        take_rows(np.array(5.0), np.array([0, 0]), out=np.empty(2))
+
+
 def test_put_rows_equals_numpy_and_the_last_of_repeated_rows_wins(path):
     rng = np.random.default_rng(2)
     for name, a in _arrays(rng).items():

@@ -6,12 +6,13 @@ split leaves in row 0) and a test of the new keys in the chunk's key range again
 the same rows are hot in every interval, every old chunk holds more than R of the new keys, the
 stage passes every chunk it tests and its cost buys nothing: a third of the extractor's CPU on
 the Criteo-shaped synthetic stream (`bench/time_lost.py`, issue 23). The stage goes off after
-`quiet` ingestions in a row whose tests skipped nothing, and runs again for one ingestion in
-`probe_every` while off (rebuilding the filters it lacks from the chunks' keys), to notice when
-it would skip again; one skip turns it back on. A probe costs a filter for every row-0 chunk, as
-many as the chain has columns, so each probe that skips nothing doubles the gap to the next, up
-to `longest` ingestions (one probe in 8 was ~9 % of the extractor's CPU on that stream after 60
-ingestions); a skip brings the gap back to `probe_every`.
+`quiet` ingestions in a row whose tests skipped nothing, and while off runs again for one
+ingestion now and then, a probe (rebuilding the filters it lacks from the chunks' keys), to
+notice when it would skip again; one skip turns it back on. The first probe comes
+`probe_every` ingestions after the stage last ran. A probe costs a filter for every row-0 chunk,
+as many as the chain has columns, so each probe that skips nothing doubles the gap to the next,
+up to `longest` ingestions (one probe in 8 was ~9 % of the extractor's CPU on that stream after
+60 ingestions); a skip brings the gap back to `probe_every`.
 
 Which chunks are extracted does not depend on it: a Bloom filter has no false negatives, so a
 chunk that stage 2 skips (hits < R·rows) has fewer than R·rows duplicates and stage 3's exact
@@ -19,7 +20,7 @@ count keeps it too. Local: one per extractor.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -35,7 +36,7 @@ class BloomStage:
     none."""
     since_run: int = 0
     """Ingestions since the stage last ran."""
-    gap: int = 0
+    gap: int = field(default=0, init=False)
     """Ingestions from the last run to the next probe while off (`probe_every` at first)."""
 
     def __post_init__(self):
@@ -45,7 +46,7 @@ class BloomStage:
         if self.longest < self.probe_every:
             raise ValueError(f"BloomStage: longest ({self.longest}) must be at least "
                              f"probe_every ({self.probe_every})")
-        self.gap = self.gap or self.probe_every
+        self.gap = self.probe_every
 
     @property
     def off(self) -> bool:

@@ -321,8 +321,8 @@ class Extractor:
         self.bloom_stage.record(stats.bloom, stats.compared - stats.skipped_range,
                                 stats.skipped_bloom)
         if retained is not None:
-            ascending = sorted(retained)
-            stats.dropped_refs = index.drop(lambda r: keeps(r, ascending))
+            steps = sorted(retained)
+            stats.dropped_refs = index.drop(lambda r: keeps(r, steps))
         if before_commit is not None:
             before_commit()
         index.stats = {"last": stats.as_dict()}

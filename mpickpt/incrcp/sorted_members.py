@@ -8,9 +8,10 @@ once per table where the caller checked them: `ascending`) and finds each key of
 side by galloping through the longer from where the last one was, where numpy's `searchsorted`
 makes a binary search of the new keys per chunk key (1/5 of its time with 400k keys in a chunk
 and 37k new; a small chunk of a table with many new keys costs its own length, not theirs).
-Without the kernel, or for keys that are not strictly ascending (which the kernel refuses rather
-than answer wrongly), the answer comes from `searchsorted`, which needs only the new keys
-ascending. Same answer either way. Local.
+Without the kernel, or for a chunk's keys that are not strictly ascending (which the kernel
+refuses rather than answer wrongly; the new keys too, unless the caller `checked` them), or with
+a kernel built before `checked` existed, the answer comes from `searchsorted`, which needs only
+the new keys ascending. Same answer either way. Local.
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def members(gids: np.ndarray, keys: np.ndarray, checked: bool = False) -> np.nda
             return out
         except ValueError:
             pass  # a chunk's keys out of order: the binary search below does not mind
+        except TypeError:
+            pass  # a kernel built before its fourth argument: rebuild (setup.py build_ext)
     return searched(gids, keys)
 
 

@@ -28,6 +28,8 @@ def take_rows(array: np.ndarray, which: np.ndarray, out: np.ndarray | None = Non
     of `array`'s dtype and one row per pick) when given: `which` is an integer index array
     (indices in [0, len(array)); negative ones are refused) or a boolean mask of len(array).
     Local."""
+    if out is not None and np.may_share_memory(array, out):
+        array = np.array(array)  # rows the gather overwrites are read first, as numpy does
     if out is not None and _plain(array, which, out):
         try:  # the common call (an extractor's chunk): the kernel checks every index
             KERNEL.gather(array, which, out, out.nbytes // len(which))
@@ -53,10 +55,11 @@ def take_rows(array: np.ndarray, which: np.ndarray, out: np.ndarray | None = Non
 
 def _plain(array, which, out) -> bool:
     """Whether `take_rows(array, which, out)` may try the kernel first: a 1-d int64 index
-    array, and arrays of one dtype (not objects) with one row of `out` per index (the kernel
+    array, and ndarrays of one dtype (not objects) with one row of `out` per index (the kernel
     refuses what is not contiguous or writeable, and checks the bounds)."""
     return (KERNEL is not None and type(which) is np.ndarray and which.dtype == INDEX
-            and which.ndim == 1 and len(which) > 0 and out.dtype == array.dtype
+            and which.ndim == 1 and len(which) > 0 and isinstance(array, np.ndarray)
+            and array.ndim >= 1 and out.dtype == array.dtype
             and not array.dtype.hasobject and out.shape == (len(which),) + array.shape[1:])
 
 
