@@ -27,8 +27,6 @@ def members(gids: np.ndarray, keys: np.ndarray, checked: bool = False) -> np.nda
     """A mask of `gids` (a chunk's keys) that are among `keys` (strictly ascending: `checked`
     says the caller made sure of it, see `ascending`, and the kernel then takes it on trust).
     Local."""
-    if not len(keys):
-        return np.zeros(len(gids), dtype=bool)
     if KERNEL is not None and gids.dtype == keys.dtype == np.int64:
         out = np.empty(len(gids), dtype=bool)
         try:

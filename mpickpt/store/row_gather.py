@@ -55,12 +55,12 @@ def take_rows(array: np.ndarray, which: np.ndarray, out: np.ndarray | None = Non
 
 def _plain(array, which, out) -> bool:
     """Whether `take_rows(array, which, out)` may try the kernel first: a 1-d int64 index
-    array, and ndarrays of one dtype (not objects) with one row of `out` per index (the kernel
-    refuses what is not contiguous or writeable, and checks the bounds)."""
-    return (KERNEL is not None and type(which) is np.ndarray and which.dtype == INDEX
-            and which.ndim == 1 and len(which) > 0 and isinstance(array, np.ndarray)
-            and array.ndim >= 1 and out.dtype == array.dtype
-            and not array.dtype.hasobject and out.shape == (len(which),) + array.shape[1:])
+    array of an array the kernel takes (`_kernel_takes`), into an `out` of its dtype with one
+    row per index (the kernel refuses an `out` that is not contiguous or writeable, and checks
+    the bounds)."""
+    return (type(which) is np.ndarray and which.dtype == INDEX and which.ndim == 1
+            and len(which) > 0 and _kernel_takes(array, which) and out.dtype == array.dtype
+            and out.shape == (len(which),) + array.shape[1:])
 
 
 INDEX = np.dtype(np.int64)
