@@ -55,6 +55,8 @@ BAD_INPUTS = [
     (2, ["--data-generation", "criteo-tsv", "--raw-data-file", "x"], r"26 categorical features"),
     (1, ["--ckpt-dir", "{tmp}", "--ckpt-kind", "weekly"], r"--ckpt-kind"),
     (1, ["--ckpt-dir", "{tmp}", "--incrcp-ratio", "1.5"], r"--incrcp-ratio"),
+    (1, ["--ckpt-dir", "{tmp}", "--ckpt-kind", "incrcp", "--incrcp-hold", "lots"],
+     r"--incrcp-hold must be a size in bytes such as 0, 65536, 64K or 1M, got 'lots'$"),
     (1, ["--ckpt-dir", "{tmp}", "--inject-slow-copy", "0.1"], r"--inject-slow-copy slows the "
                                                                 r"copy-on-update copier"),
     (1, ["--ckpt-dir", "{tmp}", "--ckpt-snapshot", "copy-on-update", "--inject-slow-copy", "0"],
@@ -159,7 +161,9 @@ def test_good_flags_build_every_config(tmp_path):
     config = TrainConfig.from_args([
         "--ckpt-dir", str(tmp_path), "--ckpt-kind", "incrcp", "--ckpt-bits", "4", "--parity-k",
         "3", "--inject-failure", "5:1", "--mini-batch-size", "64", "--arch-embedding-size",
-        "50-40", "--arch-sparse-feature-size", "8", "--arch-mlp-bot", "13-8"])
+        "50-40", "--arch-sparse-feature-size", "8", "--arch-mlp-bot", "13-8",
+        "--incrcp-hold", "96M"])
+    assert config.checkpoint.incrcp_hold == 96 << 20
     assert config.check_world(4).world_size == 4
     assert config.checkpoint.kind == "incrcp" and config.checkpoint.quant.bits == "4"
     assert config.parity == ParityConfig(k=3) and config.faults.inject_failure.events[0].ranks == (1,)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from mpickpt.engine.core_split import MODES as CORE_MODES
+from mpickpt.incrcp.held_bundle import HOLD_BYTES
 from mpickpt.kinds.incrcp import RESETS as INCRCP_RESETS
 from mpickpt.kinds.priority import DEFAULT_FRACTION
 from mpickpt.kinds.priority import RULES as PRIORITY_RULES
@@ -30,15 +31,17 @@ _UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g"
           "gib": 1 << 30}
 
 
-def _bytes(text: str) -> int:
-    """'0', '65536', '64K', '1M', '4MiB' -> bytes (binary units)."""
-    raw = str(text).strip().lower()
-    number = raw.rstrip("kmgib")
-    unit = raw[len(number):]
-    if not number.isdigit() or unit not in _UNITS:
-        raise ValueError(f"--ckpt-align must be a size in bytes such as 0, 65536, 64K or 1M, got "
-                         f"{text!r}")
-    return int(number) * _UNITS[unit]
+def _size(flag: str):
+    """A parser of `flag`'s value: '0', '65536', '64K', '1M', '4MiB' -> bytes (binary units)."""
+    def parse(text: str) -> int:
+        raw = str(text).strip().lower()
+        number = raw.rstrip("kmgib")
+        unit = raw[len(number):]
+        if not number.isdigit() or unit not in _UNITS:
+            raise ValueError(f"{flag} must be a size in bytes such as 0, 65536, 64K or 1M, got "
+                             f"{text!r}")
+        return int(number) * _UNITS[unit]
+    return parse
 
 
 def _fraction(text: str) -> float:
@@ -49,7 +52,7 @@ def _fraction(text: str) -> float:
 
 
 KIND_OPTIONS = {"priority": ("save_fraction", "priority_baseline_every"),
-                "incrcp": ("incrcp_ratio", "incrcp_reset", "inject_extract_crash")}
+                "incrcp": ("incrcp_ratio", "incrcp_reset", "incrcp_hold", "inject_extract_crash")}
 """The options only one kind reads (`CheckpointConfig` refuses them with another)."""
 KIND_HOW = {"priority": " (set by --ckpt-priority RULE)"}
 
@@ -75,7 +78,8 @@ class CheckpointConfig:
     """'latest' (newest valid, falling back past corrupted ones), 'none', or a step"""
     writers: int = option(1, flag="--ckpt-writers", parse=int_at_least(1))
     """background writer processes per rank (one part file each)"""
-    align: int = option(1 << 20, flag="--ckpt-align", parse=_bytes, metavar="BYTES")
+    align: int = option(1 << 20, flag="--ckpt-align", parse=_size("--ckpt-align"),
+                        metavar="BYTES")
     """datasets of at least this size start at a multiple of it in the files, so that no two
     share a parallel filesystem stripe: the stripe size (0: packed)"""
     io: str = option("direct", flag="--ckpt-io", choices=IO_MODES)
@@ -119,6 +123,9 @@ class CheckpointConfig:
     incrcp_reset: str = option("cost", choices=INCRCP_RESETS)
     """incrcp baselines: IncrCP's cost model (construction + extrapolated recovery time), or
     never (one chain per run)"""
+    incrcp_hold: int = option(HOLD_BYTES, parse=_size("--incrcp-hold"), metavar="BYTES")
+    """memory the extractor may keep its last row-0 bundle in, for the next ingestion to read
+    instead of the file (0: read every bundle from its file); see mpickpt/incrcp/held_bundle.py"""
     inject_extract_crash: int | None = option(None, parse=int_at_least(1), metavar="N",
                                               group="faults")
     """rank 0's extractor SIGKILLs itself in its N-th ingestion, after writing the bundles and
@@ -160,6 +167,9 @@ class CheckpointConfig:
             raise ValueError(f"--ckpt-kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.incrcp_reset not in INCRCP_RESETS:
             raise ValueError(f"--incrcp-reset must be 'cost' or 'never', got {self.incrcp_reset!r}")
+        if not isinstance(self.incrcp_hold, int) or self.incrcp_hold < 0:
+            raise ValueError(f"--incrcp-hold must be a size in bytes >= 0, got "
+                             f"{self.incrcp_hold!r}")
         if not 0.0 <= self.incrcp_ratio <= 1.0:
             raise ValueError(f"--incrcp-ratio must lie in [0, 1], got {self.incrcp_ratio!r}")
         if self.inject_slow_copy is not None and self.snapshot != "copy-on-update":

@@ -23,7 +23,7 @@ import numpy as np
 
 from mpickpt.incrcp.bloom import BloomFilter, key_hashes
 from mpickpt.incrcp.bloom_stage import BloomStage
-from mpickpt.incrcp.held_bundle import HeldBundle
+from mpickpt.incrcp.held_bundle import HOLD_BYTES, HeldBundle
 from mpickpt.incrcp.sorted_members import ascending, members
 from mpickpt.store.attr_digest import AttrRecord
 from mpickpt.store.block_cache import BlockCache
@@ -31,7 +31,7 @@ from mpickpt.store.chunk_index import ChunkIndex, ChunkRef, commit_index, index_
 from mpickpt.store.row_arrays import EncodedRows, open_rows, write_raw
 from mpickpt.store.direct_io import direct_file
 from mpickpt.store.open_files import VerifiedFiles
-from mpickpt.store.row_arena import RowArena
+from mpickpt.store.row_arena import KEEP_BYTES, RowArena
 from mpickpt.store.durable import fsync_path
 from mpickpt.store.shard_file import (FORMAT_VERSION, alignment, open_hdf5,
                                       read_rows, seal_attributes, write_dataset)
@@ -228,7 +228,8 @@ class Extractor:
     """Runs ingestions for one rank; keeps Bloom filters of row-0 chunks in memory. Local."""
 
     def __init__(self, root: str, ratio: float = 0.02, bits_per_key: int = 10,
-                 bloom_stage: BloomStage | None = None):
+                 bloom_stage: BloomStage | None = None, hold_bytes: int = HOLD_BYTES):
+        """`hold_bytes`: `--incrcp-hold`, see `hold`."""
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"extraction ratio R must lie in [0, 1], got {ratio!r}")
         self.root, self.ratio, self.bits_per_key = root, ratio, bits_per_key
@@ -242,6 +243,18 @@ class Extractor:
         last row-0 bundle, `held`), row 1 in the third."""
         self.held: HeldBundle | None = None
         """The row-0 bundle the last ingestion wrote, read from memory by the next."""
+        self.hold_bytes = 0
+        self.hold(hold_bytes)
+
+    def hold(self, nbytes: int) -> None:
+        """Hold a written row-0 bundle in memory for the next ingestion when its buffers take
+        at most `nbytes` (0: never), and keep each row-0 arena's buffers up to that between
+        ingestions (`held_bundle`). ValueError when `nbytes` is negative. Local."""
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"--incrcp-hold must be a size in bytes >= 0, got {nbytes!r}")
+        self.hold_bytes = nbytes
+        for arena in self.arenas[:2]:
+            arena.keep_bytes = max(nbytes, KEEP_BYTES)
 
     def reader(self) -> ChunkReader:
         """A reader for one ingestion, on the files and blocks this extractor keeps, and on
@@ -329,7 +342,7 @@ class Extractor:
         commit_index(self.root, index)
         live = set(index.refcounts())
         self.opened.keep_only(live)  # closed before they are deleted
-        if row0.relpath in live and row0.arena.nbytes <= row0.arena.keep_bytes:
+        if row0.relpath in live and row0.arena.nbytes <= self.hold_bytes:
             self.held = row0.hold()  # committed: the next ingestion reads it from memory
         else:
             row0.arena.reset()
@@ -369,7 +382,7 @@ class Extractor:
                 continue
             gids = reader.split_keys(ref)
             dup = members(gids, keys[lo:hi], checked=True)
-            ndup = int(dup.sum())
+            ndup = int(np.count_nonzero(dup))
             if ndup < self.ratio * ref.rows or ndup == 0:  # stage 3: actual duplicate ratio below R
                 stats.skipped_ratio += 1
                 kept.append(ref)

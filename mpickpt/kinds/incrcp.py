@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpickpt.incrcp.client import ExtractorClient
+from mpickpt.incrcp.held_bundle import HOLD_BYTES
 from mpickpt.kinds.base import Increment, Kind
 from mpickpt.store.chunk_index import load_index
 from mpickpt.store.file_spec import column_relpath
@@ -89,7 +90,8 @@ class Incrcp(Kind):
 
     def companion(self, root, config, say, background):
         return Ingestion(root, config.incrcp_ratio, config.inject_extract_crash, say, config.align,
-                         background, time_restore=self.reset == "cost", io=config.io)
+                         background, time_restore=self.reset == "cost", io=config.io,
+                         hold=config.incrcp_hold)
 
     def shard_location(self, save, ckpt_id, rank, step, part):
         return column_relpath(save.chain, rank, step, part), "chunk"
@@ -151,13 +153,15 @@ class Ingestion:
     logged and fed back into the cost model. Local."""
 
     def __init__(self, root: str, ratio: float, crash_at: int | None, say, align: int = 0,
-                 background="idle", time_restore: bool = True, io: str = "buffered"):
+                 background="idle", time_restore: bool = True, io: str = "buffered",
+                 hold: int = HOLD_BYTES):
         """`time_restore`: whether the extractor reports R for the cost model (only baselines by
         cost read it; `incrcp.restore_probe` decides when it is timed). `io`: --ckpt-io, how
         the extractor writes its bundles. `background`: the extractor's priority and cores (a
-        `mpickpt.background_priority.Background`, or a mode name)."""
+        `mpickpt.background_priority.Background`, or a mode name). `hold`: --incrcp-hold,
+        the bytes of a row-0 bundle the extractor may keep for the next ingestion."""
         self.root, self.crash_at, self.say, self.align = root, crash_at, say, align
-        self.io = io
+        self.io, self.hold = io, hold
         self.time_restore = time_restore
         self.client = ExtractorClient(root, ratio, say, background)
         self.count = 0
@@ -179,7 +183,7 @@ class Ingestion:
         self.client.submit({"root": self.root, "chain": chain, "rank": rank, "step": step,
                             "parts": parts, "row_names": sorted(row_names),
                             "crash_before_commit": crash, "align": self.align, "io": self.io,
-                            "time_restore": self.time_restore})
+                            "hold": self.hold, "time_restore": self.time_restore})
 
     def poll(self, kind: Kind, rank: int, drain: bool = False) -> None:
         """Take the extractor's answers (all queued ones with `drain`). Local."""
