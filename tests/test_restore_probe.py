@@ -43,15 +43,18 @@ def test_the_extractor_times_a_growing_chain_only_on_growth(tmp_path, monkeypatc
     monkeypatch.setattr(extractor_process, "time_restore",
                         lambda root, index, step, names: timed.append(step) or 0.01 * step)
     state = {"extractor": Extractor(str(tmp_path)), "indexes": {}, "probe": RestoreProbe()}
+    hold = 0 if wanted else 3 << 20  # each job carries --incrcp-hold to the extractor
 
     def ingest(chain, step, name):
         job = {"root": chain.root, "chain": name, "rank": 0, "step": step, "parts": 1,
-               "row_names": ["state/sum", "weight"], "time_restore": wanted}
+               "row_names": ["state/sum", "weight"], "time_restore": wanted, "hold": hold}
         answers.append(extractor_process.run_ingest(job, state))
         rows_of[step] = sum(r.rows for r in load_index(chain.root, name, 0).rectangle(step))
 
     _run_chain(tmp_path, ingest)
     assert all(a["ok"] for a in answers) and len(answers) == 11, answers  # 1: the baseline
+    assert state["extractor"].hold_bytes == hold
+    assert (state["extractor"].held is None) == (hold == 0)
     if not wanted:
         assert timed == [] and all(a["restore_seconds"] is None for a in answers)
         return

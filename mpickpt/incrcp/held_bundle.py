@@ -15,8 +15,9 @@ appended to memory a held bundle's views show. Only a bundle whose arena fits th
 that limit between ingestions, so that the next bundle is gathered into memory faulted in
 already: the memory kept is bounded by twice the limit. The row-0 bundle grows with the tables
 (at the Kaggle tables / 5, ~58 MB per rank and ingestion, which a 64 MB limit could not hold once
-its buffers had doubled past it: every ingestion then read it back from the file, ~28 % of the
-extractor's CPU). Local: nothing here uses MPI.
+its buffers had doubled past it: every ingestion then read it back from the file and faulted
+its buffers in again, a third of the extractor's CPU, `bench/extractor_hold.py`). Local: nothing
+here uses MPI.
 """
 from __future__ import annotations
 
