@@ -24,6 +24,11 @@ BLOOM_CPU = Extension("mpickpt._bloom_cpu", sources=["kernels/bloom_cpu.c"],
 ROWS_CPU = Extension("mpickpt._rows_cpu", sources=["kernels/rows_cpu.c"],
                      extra_compile_args=["-O3", "-std=c11"], optional=True)
 
+# The rows of the tracker's set bits (mpickpt._row_bits_cpu), optional too:
+# mpickpt.track.bit_rows falls back to numpy.
+ROW_BITS_CPU = Extension("mpickpt._row_bits_cpu", sources=["kernels/row_bits_cpu.c"],
+                         extra_compile_args=["-O3", "-std=c11"], optional=True)
+
 setup(
     name="mpickpt",
     version="0.1.0",
@@ -32,7 +37,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["mpickpt", "mpickpt.*"]),
-    ext_modules=[QUANT_CPU, PARITY_CPU, BLOOM_CPU, ROWS_CPU],
+    ext_modules=[QUANT_CPU, PARITY_CPU, BLOOM_CPU, ROWS_CPU, ROW_BITS_CPU],
     package_data={"mpickpt": ["../kernels/*.cu"]},
     # torch is deliberately unpinned here so clusters keep their own CUDA build; on CPU-only machines
     # install with `-c constraints-cpu.txt`, which pins the local CPU build torch==2.13.0.

@@ -49,7 +49,7 @@ class KindPlanner:
         if changed is not None:
             self.state.since_base[changed] = True
             self._marked = True
-            counts = self._sum(np.array([len(changed), int(self.state.since_base.sum())],
+            counts = self._sum(np.array([len(changed), np.count_nonzero(self.state.since_base)],
                                         dtype=np.int64))
         else:  # no row tracking on any rank (the kind is the job's): nothing to sum
             counts = np.zeros(2, dtype=np.int64)

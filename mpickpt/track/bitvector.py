@@ -2,13 +2,15 @@
 
 Rows are marked where the owner receives its indices in the forward all-to-all (every received
 row gets a gradient and an optimizer update in the same step), and read-and-cleared at a snapshot.
-The CPU path is vectorized torch; on CUDA the same words live on the GPU and the CuPy kernels in
-`kernels/row_tracking.cu` mark them with atomicOr on a side stream, so marking overlaps the
-pooled-embedding all-to-all.
+The CPU path marks in vectorized torch and extracts by one walk of the words (`bit_rows`); on CUDA
+the same words live on the GPU and the CuPy kernels in `kernels/row_tracking.cu` mark them with
+atomicOr on a side stream, so marking overlaps the pooled-embedding all-to-all.
 """
 from __future__ import annotations
 
 import torch
+
+from mpickpt.track.bit_rows import set_rows
 
 WORD_BITS = 64
 
@@ -67,7 +69,9 @@ class RowBitVector:
         """Sorted local rows whose bit is set; clears the bits unless `clear` is False. Local."""
         if self._kernels is not None:
             rows = self._kernels.extract(self.words, self.num_rows)
-        else:
+        elif self.device.type == "cpu":
+            rows = torch.from_numpy(set_rows(self.words.numpy()))
+        else:  # another device without the kernels: each non-zero word expanded into 64 lanes
             nz = torch.nonzero(self.words).flatten()
             set_bits = (self.words[nz].unsqueeze(1) & self._bits) != 0
             word_of, bit = torch.nonzero(set_bits, as_tuple=True)
