@@ -6,10 +6,11 @@ One process writes a chain of incremental checkpoints of one rank (`--incrcp-res
 Criteo Kaggle tables / --scale-down, D = 16, the Zipf stream's touched rows, --batches of 512
 per interval) through the production writer, planner and extractor (`tests/local_chain.py`),
 once per hold limit, and reports the extractor's CPU per ingestion (`time.process_time` around
-`Extractor.ingest`, the first --skip ingestions left out), its bundle bytes, and whether the last
-row-0 bundle was held. 0 reads every bundle back from its file; 64M was the limit before
---incrcp-hold (the row-0 arenas kept 64 MB then); the default holds a bundle up to 512 MB. Rounds
-alternate the order of the limits. Writes bench/results/extractor_hold.json.
+`Extractor.ingest`, the first --skip ingestions left out), the bytes of its bundles (rows 0 and
+1) and of its last row-0 bundle alone, and whether that was held. 0 reads every bundle back from
+its file; 64M was the limit before --incrcp-hold (the row-0 arenas kept 64 MB then); the default
+holds a bundle up to 512 MB. Rounds alternate the order of the limits. Writes
+bench/results/extractor_hold.json.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def chain_cpu(args, hold: int, root: str) -> dict:
     stream = SyntheticStream(SyntheticConfig(table_sizes=sizes))
     chain = LocalChain(root, plan, 16, "incrcp", seed=1, incrcp_reset="never", keep=2)
     extractor = chain.extractors[0]
-    extractor.hold(hold)
+    extractor.limit_held(hold)
     ingest, cpu = extractor.ingest, []
 
     def timed(*a, **k):
@@ -59,9 +60,11 @@ def chain_cpu(args, hold: int, root: str) -> dict:
         chain.save(i + 1)
     kept = cpu[args.skip:]
     bundles = [s.bundle_bytes for s in chain.ingestions[args.skip:]]
+    row0 = sorted(Path(root).rglob("bundle-*-row0.h5"))  # the last ingestion's, live
     return {"cpu_ms_median": 1e3 * float(np.median(kept)),
             "cpu_ms_mean": 1e3 * float(np.mean(kept)),
             "bundle_mb_median": float(np.median(bundles)) / 1e6,
+            "last_row0_mb": row0[-1].stat().st_size / 1e6 if row0 else 0.0,
             "held_last": extractor.held is not None}
 
 
@@ -92,13 +95,14 @@ def main(argv=None) -> int:
         summary.append({"hold": label,
                         "cpu_ms_median": float(np.median([x["cpu_ms_median"] for x in mine])),
                         "bundle_mb_median": mine[0]["bundle_mb_median"],
+                        "last_row0_mb": mine[0]["last_row0_mb"],
                         "held_last": all(x["held_last"] for x in mine)})
     base = summary[0]["cpu_ms_median"]
-    print("| --incrcp-hold | extractor CPU per ingestion (ms, median) | vs 0 | row-0 bundle "
-          "(MB) | last bundle held |\n|---|---|---|---|---|")
+    print("| --incrcp-hold | extractor CPU per ingestion (ms, median) | vs 0 | bundles, rows 0 + "
+          "1 (MB, median) | last row-0 bundle (MB) | held |\n|---|---|---|---|---|---|")
     for s in summary:
         print(f"| {s['hold']} | {s['cpu_ms_median']:.1f} | {s['cpu_ms_median'] / base:.2f} | "
-              f"{s['bundle_mb_median']:.1f} | {s['held_last']} |")
+              f"{s['bundle_mb_median']:.1f} | {s['last_row0_mb']:.1f} | {s['held_last']} |")
     Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "args": vars(args),
                                           "runs": runs, "summary": summary}, indent=1))
     print(f"wrote {args.out}")

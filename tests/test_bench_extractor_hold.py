@@ -12,6 +12,7 @@ def test_extractor_hold_bench_holds_only_under_a_nonzero_limit(tmp_path, capsys)
     doc = json.loads(out.read_text())
     held = {s["hold"]: s["held_last"] for s in doc["summary"]}
     assert held == {"0": False, "64M": True, "512M (default)": True}
+    assert all(0 < s["last_row0_mb"] <= s["bundle_mb_median"] * 3 for s in doc["summary"])
     assert len(doc["runs"]) == 3
     for run in doc["runs"]:
         assert run["cpu_ms_median"] > 0 and run["bundle_mb_median"] > 0

@@ -50,3 +50,17 @@ def test_a_bit_vector_extracts_and_clears_the_rows_it_marked():
     assert got.dtype == torch.int64
     np.testing.assert_array_equal(got.numpy(), rows)
     assert bv.count() == 0 and int(bv.words.abs().sum()) == 0
+
+
+def test_words_of_other_layouts_give_the_same_rows_and_other_items_are_refused():
+    words = np.array([5, -(1 << 63), 0, 1 << 40], dtype=np.int64)
+    want = _reference(words)
+    for variant in (words.astype(">i8"), words.view(np.uint64), np.repeat(words, 2)[::2]):
+        np.testing.assert_array_equal(bit_rows.set_rows(variant), want)
+        np.testing.assert_array_equal(bit_rows.unpacked(variant), want)
+    raw = np.frombuffer(b"\0" + words.tobytes(), dtype=np.int64, offset=1)  # unaligned
+    np.testing.assert_array_equal(bit_rows.set_rows(raw), want)
+    with pytest.raises(ValueError, match=r"must be 64-bit integers, got int32"):
+        bit_rows.set_rows(np.array([1, 1], dtype=np.int32))
+    with pytest.raises(ValueError, match=r"must be 64-bit integers, got float64"):
+        bit_rows.unpacked(np.array([1.0]))

@@ -130,7 +130,7 @@ def test_an_extractor_keeps_bounded_empty_buffers_between_ingestions_and_restore
         chain = LocalChain(str(root), plan, dim=8, policy="incrcp", seed=7, bits=4,
                            incrcp_reset="never")
         for e in chain.extractors:  # --incrcp-hold `keep`, and no more kept in any arena
-            e.hold(keep)
+            e.limit_held(keep)
             e.arenas = tuple(RowArena(keep_bytes=keep) for _ in range(3))
         rng, saved, opened_last = np.random.default_rng(7), {}, 0
         for step in range(1, 9):
@@ -168,8 +168,8 @@ def test_an_extractor_keeps_bounded_empty_buffers_between_ingestions_and_restore
 
 
 def test_the_hold_limit_decides_whether_a_bundle_is_held_and_what_row0_arenas_keep(tmp_path):
-    """--incrcp-hold: a written row-0 bundle is held when its buffers fit the limit (by default
-    one of tens of MB is), never with 0; the row-0 arenas keep their buffers up to the limit
+    """--incrcp-hold: a written row-0 bundle is held when its buffers fit the limit (the
+    default's 512 MB, here a few kB), never with 0; the row-0 arenas keep their buffers up to it
     (at least `KEEP_BYTES`), the row-1 arena `KEEP_BYTES`; a negative limit is refused."""
     from mpickpt.incrcp.extraction import Extractor
     from mpickpt.incrcp.held_bundle import HOLD_BYTES
@@ -180,17 +180,17 @@ def test_the_hold_limit_decides_whether_a_bundle_is_held_and_what_row0_arenas_ke
     default = Extractor(str(tmp_path / "d"))
     assert default.hold_bytes == HOLD_BYTES >= 4 * KEEP_BYTES
     assert [a.keep_bytes for a in default.arenas] == [HOLD_BYTES, HOLD_BYTES, KEEP_BYTES]
-    default.hold(0)
+    default.limit_held(0)
     assert [a.keep_bytes for a in default.arenas] == [KEEP_BYTES] * 3
     with pytest.raises(ValueError, match=r"^--incrcp-hold must be a size in bytes >= 0, got -1$"):
-        default.hold(-1)
+        default.limit_held(-1)
 
     plan = ShardPlan.build((3000, 2000), 1)
     held = {}
     for hold in (0, HOLD_BYTES):
         chain = LocalChain(str(tmp_path / str(hold)), plan, dim=8, policy="incrcp", seed=3,
                            incrcp_reset="never")
-        chain.extractors[0].hold(hold)
+        chain.extractors[0].limit_held(hold)
         rng = np.random.default_rng(3)
         for step in range(1, 5):
             chain.touch(0, rng.choice(plan.local_rows(0), 1500), rng)

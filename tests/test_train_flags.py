@@ -57,6 +57,8 @@ BAD_INPUTS = [
     (1, ["--ckpt-dir", "{tmp}", "--incrcp-ratio", "1.5"], r"--incrcp-ratio"),
     (1, ["--ckpt-dir", "{tmp}", "--ckpt-kind", "incrcp", "--incrcp-hold", "lots"],
      r"--incrcp-hold must be a size in bytes such as 0, 65536, 64K or 1M, got 'lots'$"),
+    (2, ["--ckpt-dir", "{tmp}", "--ckpt-kind", "full", "--incrcp-hold", "1M"],
+     r"^--incrcp-hold only applies to --ckpt-kind incrcp; --ckpt-kind full would ignore it$"),
     (1, ["--ckpt-dir", "{tmp}", "--inject-slow-copy", "0.1"], r"--inject-slow-copy slows the "
                                                                 r"copy-on-update copier"),
     (1, ["--ckpt-dir", "{tmp}", "--ckpt-snapshot", "copy-on-update", "--inject-slow-copy", "0"],

@@ -229,7 +229,7 @@ class Extractor:
 
     def __init__(self, root: str, ratio: float = 0.02, bits_per_key: int = 10,
                  bloom_stage: BloomStage | None = None, hold_bytes: int = HOLD_BYTES):
-        """`hold_bytes`: `--incrcp-hold`, see `hold`."""
+        """`hold_bytes`: `--incrcp-hold`, see `limit_held`."""
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"extraction ratio R must lie in [0, 1], got {ratio!r}")
         self.root, self.ratio, self.bits_per_key = root, ratio, bits_per_key
@@ -244,12 +244,13 @@ class Extractor:
         self.held: HeldBundle | None = None
         """The row-0 bundle the last ingestion wrote, read from memory by the next."""
         self.hold_bytes = 0
-        self.hold(hold_bytes)
+        self.limit_held(hold_bytes)
 
-    def hold(self, nbytes: int) -> None:
+    def limit_held(self, nbytes: int) -> None:
         """Hold a written row-0 bundle in memory for the next ingestion when its buffers take
-        at most `nbytes` (0: never), and keep each row-0 arena's buffers up to that between
-        ingestions (`held_bundle`). ValueError when `nbytes` is negative. Local."""
+        at most `nbytes` (0: never), and keep each row-0 arena's buffers up to
+        max(`nbytes`, `KEEP_BYTES`) between ingestions (`held_bundle`). ValueError when `nbytes`
+        is negative. Local."""
         if not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"--incrcp-hold must be a size in bytes >= 0, got {nbytes!r}")
         self.hold_bytes = nbytes

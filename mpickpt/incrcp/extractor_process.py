@@ -50,7 +50,7 @@ def _ingest(job: dict, state: dict) -> dict:
             state["indexes"] = {key: load_index(root, chain, rank)}  # one chain at a time
             remove_orphans(root, state["indexes"][key])
         index = state["indexes"][key]
-        state["extractor"].hold(job.get("hold", HOLD_BYTES))
+        state["extractor"].limit_held(job.get("hold", HOLD_BYTES))
         reader = state["extractor"].reader()  # column files open from column_refs to ingest
         refs = column_refs(root, chain, rank, step, job["parts"], reader.file)
         retained = [m.step for m in list_manifests(root) if m.chain == chain]

@@ -12,12 +12,13 @@ bundle file is never rewritten: a name is one ingestion's, and a failed ingestio
 The extractor builds each row-0 bundle in one of two arenas, the one not held, so rows are never
 appended to memory a held bundle's views show. Only a bundle whose arena fits the hold limit
 (`--incrcp-hold`, `HOLD_BYTES` by default) is held, and each row-0 arena keeps its buffers up to
-that limit between ingestions, so that the next bundle is gathered into memory faulted in
-already: the memory kept is bounded by twice the limit. The row-0 bundle grows with the tables
-(at the Kaggle tables / 5, ~58 MB per rank and ingestion, which a 64 MB limit could not hold once
-its buffers had doubled past it: every ingestion then read it back from the file and faulted
-its buffers in again, a third of the extractor's CPU, `bench/extractor_hold.py`). Local: nothing
-here uses MPI.
+that limit (at least `row_arena.KEEP_BYTES`) between ingestions, so that the next bundle is
+gathered into memory faulted in already: the memory kept between ingestions is at most the limit
+plus max(limit, `KEEP_BYTES`) plus the row-1 arena's `KEEP_BYTES`. The row-0 bundle grows with
+the tables: at the Kaggle tables / 5 the bundles of an ingestion are ~58 MB per rank, and the
+row-0 one outgrew the 64 MB limit there once its buffers had doubled past it. Every ingestion
+then read it back from the file and faulted its buffers in again, a third of the extractor's CPU
+(`bench/extractor_hold.py`). Local: nothing here uses MPI.
 """
 from __future__ import annotations
 

@@ -19,19 +19,33 @@ except ImportError:  # built without a C compiler
 
 
 def set_rows(words: np.ndarray) -> np.ndarray:
-    """Ascending positions of the set bits of `words` (64-bit words, int64 or uint64). Local."""
-    words = np.ascontiguousarray(words).view(np.uint64)
+    """Ascending positions of the set bits of `words` (64-bit words, int64 or uint64; ValueError
+    for other item sizes). Local."""
+    words = _words(words)
     if KERNEL is None:
         return unpacked(words)
     out = np.empty(KERNEL.count(words), dtype=np.int64)
-    KERNEL.rows(words, out)  # ValueError if the words changed since they were counted
+    if KERNEL.rows(words, out) != len(out):  # more bits: the kernel raised already
+        raise ValueError(f"the bit-vector's words changed while their {len(out)} set bits "
+                         f"were read")
     return out
+
+
+def _words(words: np.ndarray) -> np.ndarray:
+    """`words` as aligned, C-contiguous native uint64 (copied only where they are not);
+    ValueError for items that are not 64-bit integers. Local."""
+    words = np.asarray(words)
+    if words.dtype.itemsize != 8 or words.dtype.kind not in "iu":
+        raise ValueError(f"bit-vector words must be 64-bit integers, got {words.dtype}")
+    if not words.dtype.isnative:
+        words = words.astype(words.dtype.newbyteorder("="))
+    return np.require(words, requirements="CA").view(np.uint64)
 
 
 def unpacked(words: np.ndarray) -> np.ndarray:
     """`set_rows` by numpy: the non-zero bytes of the words (in little-endian order, on any host)
     unpacked into bits. Local."""
-    data = np.ascontiguousarray(words.view(np.uint64), dtype="<u8").view(np.uint8)
+    data = np.ascontiguousarray(_words(words), dtype="<u8").view(np.uint8)
     nonzero = np.flatnonzero(data)
     byte, bit = np.nonzero(np.unpackbits(data[nonzero][:, None], axis=1, bitorder="little"))
     return nonzero[byte].astype(np.int64) * 8 + bit

@@ -2,7 +2,7 @@
 
 Rows are marked where the owner receives its indices in the forward all-to-all (every received
 row gets a gradient and an optimizer update in the same step), and read-and-cleared at a snapshot.
-The CPU path marks in vectorized torch and extracts by one walk of the words (`bit_rows`); on CUDA
+The CPU path marks in vectorized torch and extracts with `bit_rows` (a walk of the words); on CUDA
 the same words live on the GPU and the CuPy kernels in `kernels/row_tracking.cu` mark them with
 atomicOr on a side stream, so marking overlaps the pooled-embedding all-to-all.
 """
