@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from mpickpt.engine.core_split import MODES as CORE_MODES
-from mpickpt.incrcp.held_bundle import HOLD_BYTES
+from mpickpt.incrcp.held_bundle import HOLD_BYTES, check_hold
 from mpickpt.kinds.incrcp import RESETS as INCRCP_RESETS
 from mpickpt.kinds.priority import DEFAULT_FRACTION
 from mpickpt.kinds.priority import RULES as PRIORITY_RULES
@@ -167,9 +167,7 @@ class CheckpointConfig:
             raise ValueError(f"--ckpt-kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.incrcp_reset not in INCRCP_RESETS:
             raise ValueError(f"--incrcp-reset must be 'cost' or 'never', got {self.incrcp_reset!r}")
-        if not isinstance(self.incrcp_hold, int) or self.incrcp_hold < 0:
-            raise ValueError(f"--incrcp-hold must be a size in bytes >= 0, got "
-                             f"{self.incrcp_hold!r}")
+        check_hold(self.incrcp_hold)
         if not 0.0 <= self.incrcp_ratio <= 1.0:
             raise ValueError(f"--incrcp-ratio must lie in [0, 1], got {self.incrcp_ratio!r}")
         if self.inject_slow_copy is not None and self.snapshot != "copy-on-update":

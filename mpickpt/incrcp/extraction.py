@@ -23,7 +23,7 @@ import numpy as np
 
 from mpickpt.incrcp.bloom import BloomFilter, key_hashes
 from mpickpt.incrcp.bloom_stage import BloomStage
-from mpickpt.incrcp.held_bundle import HOLD_BYTES, HeldBundle
+from mpickpt.incrcp.held_bundle import HOLD_BYTES, HeldBundle, check_hold
 from mpickpt.incrcp.sorted_members import ascending, members
 from mpickpt.store.attr_digest import AttrRecord
 from mpickpt.store.block_cache import BlockCache
@@ -251,8 +251,7 @@ class Extractor:
         at most `nbytes` (0: never), and keep each row-0 arena's buffers up to
         max(`nbytes`, `KEEP_BYTES`) between ingestions (`held_bundle`). ValueError when `nbytes`
         is negative. Local."""
-        if not isinstance(nbytes, int) or nbytes < 0:
-            raise ValueError(f"--incrcp-hold must be a size in bytes >= 0, got {nbytes!r}")
+        check_hold(nbytes)
         self.hold_bytes = nbytes
         for arena in self.arenas[:2]:
             arena.keep_bytes = max(nbytes, KEEP_BYTES)

@@ -31,6 +31,12 @@ HOLD_BYTES = 512 << 20
 """The default `--incrcp-hold`: a row-0 bundle's buffers up to this size are held."""
 
 
+def check_hold(nbytes) -> None:
+    """ValueError unless `nbytes` is a valid `--incrcp-hold` (an int >= 0). Local."""
+    if not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"--incrcp-hold must be a size in bytes >= 0, got {nbytes!r}")
+
+
 class HeldBundle:
     """A written bundle's rows, read-only, in the arena they were gathered into. Local."""
 
