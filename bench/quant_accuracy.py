@@ -75,7 +75,7 @@ def run_job(args, bits: int, k: int) -> dict:
     """One job with k SIGKILLs and resumes; its final AUC and restores. Local (launches MPI)."""
     with tempfile.TemporaryDirectory(prefix="mpickpt-acc-") as ckpt:
         ck = ("--ckpt-dir", ckpt, "--ckpt-interval", str(args.interval), "--ckpt-bits", str(bits),
-              "--ckpt-quant", args.quant)
+              *(("--ckpt-quant", args.quant) if bits < 16 else ()))  # 32 bits: no quantizer
         resumed = []
         for step in kill_steps(args.steps, args.interval, k):
             proc = launch(args, *ck, "--inject-kill", f"{step}:0")

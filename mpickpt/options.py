@@ -183,6 +183,8 @@ def check_output(flag: str, path: str | None, folder: bool) -> None:
         if not os.path.isdir(target):
             raise OutputError(f"{flag} {path}: {target} exists and is not a directory")
     elif not os.path.isdir(target):
-        raise OutputError(f"{flag} {path}: its directory {target} does not exist")
+        raise OutputError(f"{flag} {path}: its directory {target} "
+                          + ("exists and is not a directory" if os.path.exists(target)
+                             else "does not exist"))
     if not os.access(target, os.W_OK | os.X_OK):
         raise OutputError(f"{flag} {path}: {target} is not writable")

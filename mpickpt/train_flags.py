@@ -257,6 +257,8 @@ class TrainConfig:
         recovery = RecoveryConfig(**values_from(RecoveryConfig, args))
         faults = FaultConfig(**values_from(FaultConfig, args))
         check_combination(recovery, checkpoint, parity, faults)
+        if checkpoint is not None:
+            checkpoint.quant.check_flags(model.optimizer)
         if model.model == "torchrec":
             from mpickpt.model.torchrec_dlrm import check_torchrec_options
             check_torchrec_options(model.optimizer, model.torchrec_sharding, len(sizes), 1)

@@ -139,6 +139,21 @@ BAD_INPUTS = [
                                    r"incrcp; --ckpt-kind consecutive would ignore them$"),
     (2, ["--ckpt-dir", "{tmp}", "--ckpt-bits", "auto", "--node-failure-rate", "nan",
          "--expected-train-hours", "5"], r"--node-failure-rate: expected a finite number >= 0"),
+    # quantization flags where they would be ignored, and state widths the optimizer cannot take
+    (2, ["--ckpt-dir", "{tmp}", "--quant-bins", "10"], r"^--quant-bins only applies to "
+     r"--ckpt-bits 8, 4, 3, 2 or auto \(a quantizer\); --ckpt-bits 32 would ignore it$"),
+    (2, ["--ckpt-dir", "{tmp}", "--ckpt-bits", "16", "--ckpt-quant", "kmeans",
+         "--quant-search", "greedy"], r"^--ckpt-quant, --quant-search only apply to "
+                                      r"--ckpt-bits 8, 4, 3, 2 or auto .*--ckpt-bits 16 would"),
+    (2, ["--ckpt-dir", "{tmp}", "--ckpt-bits", "4", "--ckpt-quant", "kmeans", "--quant-ratio",
+         "0.1"], r"^--quant-ratio only applies to --ckpt-quant adaptive; --ckpt-quant kmeans "
+                 r"would ignore it$"),
+    (2, ["--ckpt-dir", "{tmp}", "--ckpt-bits", "4", "--node-failure-rate", "0.001"],
+     r"^--node-failure-rate only applies to --ckpt-bits auto; --ckpt-bits 4 would ignore it$"),
+    (2, ["--ckpt-dir", "{tmp}", "--ckpt-state-bits", "8"], r"^--ckpt-state-bits 8 quantizes a "
+     r"vector of state per row \(--optimizer momentum\); --optimizer adagrad keeps one value"),
+    (2, ["--ckpt-dir", "{tmp}", "--optimizer", "sgd", "--ckpt-state-bits", "16"],
+     r"^--ckpt-state-bits 16: --optimizer sgd keeps no optimizer state per row"),
     (2, ["--torchrec-sharding", "row_wise"], r"^--torchrec-sharding needs --model torchrec: "
                                              r"--model dlrm would ignore it$"),
     # outputs written at the end, checked before the run
@@ -376,6 +391,9 @@ def test_outputs_are_checked_where_they_will_be_written(tmp_path):
         check_output("--export-dcp", str(tmp_path / "file"), folder=True)
     with pytest.raises(OutputError, match=r"its directory .*missing does not exist$"):
         check_output("--run-report", str(tmp_path / "missing" / "r.json"), folder=False)
+    with pytest.raises(OutputError, match=r"^--run-report .*file/r.json: its directory "
+                                          r".*file exists and is not a directory$"):
+        check_output("--run-report", str(tmp_path / "file" / "r.json"), folder=False)
     with pytest.raises(OutputError, match=r"^--ckpt-dir .*file/ckpt: .*file exists and is not a"):
         CheckpointConfig(directory=str(tmp_path / "file" / "ckpt")).check_directory()
 

@@ -4,12 +4,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mpickpt.options import int_at_least, non_negative_float, option, ratio
+from mpickpt.options import changed_flags, int_at_least, non_negative_float, option, ratio
 from mpickpt.quant.codecs import QUANT_CHOICES
 from mpickpt.quant.search import SEARCHES
 
 BIT_CHOICES = ("32", "16", "8", "4", "3", "2", "auto")
 STATE_BIT_CHOICES = (32, 16, 8)
+LOSSY_OPTIONS = ("quant", "search", "bins", "ratio")
+"""Options of a quantizer: they apply below 16 bits (or with auto)."""
+ADAPTIVE_OPTIONS = ("search", "bins", "ratio")
+"""Options of the adaptive quantizer's range search."""
+AUTO_OPTIONS = ("failure_rate", "hours", "nodes")
+"""Inputs of --ckpt-bits auto."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,8 +54,35 @@ class QuantConfig:
     def __post_init__(self):
         self.policy(1)  # refuse bad widths, codecs, bins or ratios before training starts
 
+    def check_flags(self, optimizer: str) -> None:
+        """Flags this configuration would ignore, or a state width the sparse `optimizer`'s
+        state cannot take: ValueError naming them. The trainer's flags only (a library caller
+        may set every field). Local."""
+        _ignored(self, AUTO_OPTIONS, self.bits == "auto", "--ckpt-bits auto",
+                 f"--ckpt-bits {self.bits}")
+        _ignored(self, LOSSY_OPTIONS, self.bits not in ("32", "16"),
+                 "--ckpt-bits 8, 4, 3, 2 or auto (a quantizer)", f"--ckpt-bits {self.bits}")
+        _ignored(self, ADAPTIVE_OPTIONS, self.quant == "adaptive", "--ckpt-quant adaptive",
+                 f"--ckpt-quant {self.quant}")
+        if self.state_bits is not None and optimizer == "sgd":
+            raise ValueError(f"--ckpt-state-bits {self.state_bits}: --optimizer sgd keeps no "
+                             f"optimizer state per row (adagrad and momentum do)")
+        if self.state_bits == 8 and optimizer != "momentum":
+            raise ValueError(f"--ckpt-state-bits 8 quantizes a vector of state per row "
+                             f"(--optimizer momentum); --optimizer {optimizer} keeps one value "
+                             f"per row, stored as float16 at least (--ckpt-state-bits 16)")
+
     def policy(self, nodes: int):
         """A fresh BitWidthPolicy for a job on `nodes` nodes (unless --nodes says). Local."""
         from mpickpt.quant.bitwidth import BitWidthPolicy
 
         return BitWidthPolicy(self, nodes=self.nodes or nodes)
+
+
+def _ignored(config: QuantConfig, names: tuple, applies: bool, where: str, this: str) -> None:
+    """ValueError naming the flags of `names` the user set where they do not apply. Local."""
+    stray = changed_flags(QuantConfig, config, names)
+    if stray and not applies:
+        one = len(stray) == 1
+        raise ValueError(f"{', '.join(stray)} only {'applies' if one else 'apply'} to {where}; "
+                         f"{this} would ignore {'it' if one else 'them'}")
