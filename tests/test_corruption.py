@@ -295,3 +295,18 @@ def test_a_damaged_baseline_manifest_is_named_by_its_dependents(pristine, tmp_pa
     # every retained checkpoint builds on that baseline: nothing to fall back to
     assert proc.returncode != 0 and f"no usable checkpoint in {work}" in proc.stderr
     assert f"needs step {baseline}, whose manifest cannot be used: {path}" in proc.stderr
+
+
+def test_a_checkpoint_of_other_mlp_widths_is_refused_naming_them(pristine, tmp_path):
+    """Not damage but a model of another shape: each candidate is passed over, naming the
+    parameters that differ, and the job ends with status 2 (no traceback, no relaunch)."""
+    work, steps, flags = working_copy(pristine, "full", tmp_path, "widths")
+    proc = train("--num-batches", str(TOTAL), "--ckpt-dir", work, *flags,
+                 "--arch-mlp-top", "32-1")  # SMALL_MODEL's top MLP: 16-1
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    for step in steps:
+        assert re.search(rf"checkpoint step {step} has a dense part of other shapes than the "
+                         rf"model's .*: top.0.bias saved 16, the model's 32; top.0.weight saved "
+                         rf"16x(\d+), the model's 32x\1", proc.stderr), proc.stderr[-2000:]
+    assert f"no usable checkpoint in {work}" in proc.stderr
+

@@ -68,7 +68,9 @@ def check_compatible(manifest: Manifest, plan, dim: int, row_names) -> None:
     saved = sorted(manifest.stats.get("row_arrays", []))
     if saved and saved != sorted(row_names):
         raise CheckpointError(f"checkpoint step {manifest.step} saved {saved} per row "
-                              f"(optimizer {manifest.optimizer}); the model needs {sorted(row_names)}")
+                              f"(optimizer {manifest.optimizer}); this model keeps "
+                              f"{sorted(row_names)}: a checkpoint of another --model or "
+                              f"--optimizer")
 
 
 def load_dense(root: str, manifest: Manifest, files: OpenShards | None = None

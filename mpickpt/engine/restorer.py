@@ -18,6 +18,7 @@ import torch
 
 from mpickpt.control import MAX
 from mpickpt.checkpoint.load import committed, load_checkpoint, load_row_range
+from mpickpt.model.dense_state import dense_mismatch
 from mpickpt.engine.snapshot import numpy_dtype
 from mpickpt.store import leftovers
 from mpickpt.store.errors import CheckpointError
@@ -218,11 +219,15 @@ class Restorer:
 
     def _try_load(self, manifest: Manifest, by_step: dict, into=None):
         try:
-            return None, load_checkpoint(self.root, manifest, self.model.plan, self.topo.rank,
-                                         self.model.embeddings.dim, self._templates(), by_step,
-                                         into)
+            loaded = load_checkpoint(self.root, manifest, self.model.plan, self.topo.rank,
+                                     self.model.embeddings.dim, self._templates(), by_step, into)
         except LOAD_ERRORS as e:
             return str(e), None
+        differs = dense_mismatch(self.model.dense_state(), loaded.dense)
+        if differs is not None:  # e.g. other MLP widths: refused before anything is loaded
+            return (f"checkpoint step {manifest.step} has a dense part of other shapes than the "
+                    f"model's (other MLP widths?): {differs}"), None
+        return None, loaded
 
     def _in_place(self, rows: dict) -> bool:
         """Whether `rows` are the model's own row memory (`_own_rows`), already in place. Local."""
