@@ -116,9 +116,14 @@ class Trainer:
             self._recover(Loss.of_ranks(lost, self.step, self.model.plan))
 
     def _say_if_nothing_is_due(self) -> None:
-        """Say at the start (rank 0) when the run ends before its next checkpoint is due and
-        --ckpt-final is off: nothing would be saved but a stop signal's. Local."""
+        """Say at the start (rank 0) when the run resumed at or past its last step (nothing to
+        train), or ends before its next checkpoint is due and --ckpt-final is off: nothing would
+        be saved but a stop signal's. Local."""
         cfg = self.config
+        if self.step >= cfg.num_batches and self.step and not self.topo.replacement:
+            self.log.say(f"nothing left to train: resumed at step {self.step}, at or past "
+                         f"--num-batches {cfg.num_batches} (raise it to train on)")
+            return
         if self.ckpt is None or cfg.checkpoint.final or self.topo.replacement or \
                 self.step >= cfg.num_batches:
             return

@@ -278,6 +278,23 @@ def test_a_chosen_step_with_a_damaged_manifest_is_an_error_naming_it(copy, tmp_p
     assert "1 checkpoint(s) checked, 1 with problems" in said and "step 10" not in said
 
 
+def test_a_manifest_of_other_fields_is_named_without_internals_or_warnings(tmp_path, recwarn):
+    from mpickpt.store.manifest import list_manifests, load_manifest
+
+    cases = {10: ("{}", r"no step, kind, ckpt_id, .*, reader_state$"),
+             11: ('{"step": 11, "extra": 1}', r"no kind, .*; unknown fields extra$"),
+             12: ("[1]", r"expected a JSON object, found list$")}
+    for step, (text, said) in cases.items():
+        path = tmp_path / f"manifest-{step:012d}.json"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=rf"^{path}: not a valid mpickpt manifest: {said}"):
+            load_manifest(str(path))
+    damaged = []
+    assert list_manifests(str(tmp_path)) == [] == list_manifests(str(tmp_path), damaged)
+    assert sorted(step for step, _ in damaged) == [10, 11, 12]
+    assert "__init__" not in repr(damaged) and len(recwarn) == 0  # skipped in silence
+
+
 def test_inspect_and_export_say_they_skip_a_damaged_newest_manifest(copy, tmp_path, capsys):
     path = edit_reader_position(copy, 20)
     assert main(["inspect", copy, "--json"]) == 0
@@ -349,3 +366,24 @@ def test_leftovers_of_killed_jobs_are_listed_then_removed_by_the_next_run(copy):
     assert not os.path.exists(os.path.join(copy, "chains", "c0ffee"))
     assert os.path.exists(live)
     assert "leftover:" not in cli("ls", copy).stdout.replace(os.path.basename(live), "")
+
+
+def test_an_increment_whose_parent_another_run_rewrote_is_refused():
+    """Every run starts its chains with a baseline of its own, so a parent of another run (its
+    step rewritten by a later run) would layer the increment's rows on another model."""
+    from types import SimpleNamespace
+
+    from mpickpt.store.errors import CheckpointError
+    from mpickpt.store.manifest import parent_manifests
+
+    def manifest(step, attempt, parents=()):
+        return SimpleNamespace(step=step, kind="consecutive" if parents else "full",
+                               ckpt_id=f"step-{step:012d}-{attempt}", parents=list(parents))
+
+    child = manifest(12, "aaaa", [4, 8])
+    ours = {4: manifest(4, "aaaa"), 8: manifest(8, "aaaa", [4])}
+    assert parent_manifests(child, ours) == [ours[4], ours[8]]
+    with pytest.raises(CheckpointError, match=r"^checkpoint step 12 \(consecutive\) needs step 8 "
+                                              r"of its own run \(aaaa\), but step 8 was rewritten "
+                                              r"by another run \(bbbb\)"):
+        parent_manifests(child, {**ours, 8: manifest(8, "bbbb")})

@@ -1,4 +1,5 @@
 """The trainer as users launch it: real `mpiexec` jobs, checked by their output."""
+import os
 import re
 
 import pytest
@@ -90,3 +91,31 @@ def test_a_run_that_ends_before_its_first_checkpoint_says_so(tmp_path):
     assert said in silent.stdout and not list_manifests(ckpt), silent.stdout
     assert "no checkpoint is due" not in final.stdout, final.stdout
     assert [m.step for m in list_manifests(ckpt + "-final")] == [3], final.stdout
+    done = finish(start_ranks(1, "mpickpt.train", *SMALL, "--num-batches", "2", "--ckpt-dir",
+                              ckpt + "-final"))
+    assert done.returncode == 0 and "nothing left to train: resumed at step 3, at or past " \
+        "--num-batches 2 (raise it to train on)" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_run_that_goes_back_replaces_the_later_checkpoints_of_the_run_before(tmp_path):
+    """--resume STEP (or none) over newer checkpoints starts another timeline: at its first
+    commit the newer checkpoints of the run before go (manifests and directories), so that they
+    neither stay the newest nor have retention delete the new run's own as older; a relaunch
+    then resumes the new timeline, as an uninterrupted run of the same length would end."""
+    ckpt = str(tmp_path / "ckpt")
+    common = (*SMALL, "--ckpt-dir", ckpt, "--ckpt-interval", "4", "--ckpt-kind", "consecutive",
+              "--digest")
+    first = finish(start_ranks(1, "mpickpt.train", *common, "--num-batches", "12"))
+    assert [m.step for m in list_manifests(ckpt)] == [4, 8, 12], first.stdout + first.stderr
+    old = {m.step: m.ckpt_id for m in list_manifests(ckpt)}
+    back = finish(start_ranks(1, "mpickpt.train", *common, "--num-batches", "8", "--resume", "4"))
+    assert back.returncode == 0 and "retired steps [8, 12] of an earlier run, past step 4 where " \
+        "this run started (its timeline is replaced)" in back.stdout, back.stdout + back.stderr
+    now = {m.step: m.ckpt_id for m in list_manifests(ckpt)}
+    assert now[4] == old[4] and now[8] != old[8] and 12 not in now, now
+    dirs = sorted(d for d in os.listdir(ckpt) if d.startswith("step-"))
+    assert dirs == sorted({old[4], now[8]}), dirs  # nothing torn left behind
+    again = finish(start_ranks(1, "mpickpt.train", *common, "--num-batches", "8"))
+    assert "resumed from checkpoint step 8 " in again.stdout and "torn" not in again.stdout
+    straight = finish(start_ranks(1, "mpickpt.train", *SMALL, "--num-batches", "8", "--digest"))
+    assert digest_of(again) == digest_of(back) == digest_of(straight)

@@ -14,8 +14,7 @@ import os
 import re
 import shutil
 import time
-import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 from mpickpt.store.errors import CheckpointError
 from mpickpt.store.sealed_json import DamagedRecord, dumps_sealed, read_sealed
@@ -81,8 +80,21 @@ def parent_manifests(manifest: Manifest, by_step: dict[int, Manifest]) -> list[M
         if step not in by_step:
             raise CheckpointError(f"checkpoint step {manifest.step} ({manifest.kind}) needs step "
                                   f"{step}, {_why_absent(manifest, step)}")
-        out.append(by_step[step])
+        parent = by_step[step]
+        if attempt_of(parent.ckpt_id) != attempt_of(manifest.ckpt_id):  # every run starts a chain
+            raise CheckpointError(f"checkpoint step {manifest.step} ({manifest.kind}) needs step "
+                                  f"{step} of its own run ({attempt_of(manifest.ckpt_id)}), but "
+                                  f"step {step} was rewritten by another run "
+                                  f"({attempt_of(parent.ckpt_id)}): its rows would be layered "
+                                  f"on another model's")
+        out.append(parent)
     return out
+
+
+def attempt_of(ckpt_id: str) -> str:
+    """The run (attempt id) that wrote a checkpoint, from its directory's name
+    (`file_spec.checkpoint_id`). Local."""
+    return ckpt_id.rsplit("-", 1)[-1]
 
 
 def _why_absent(manifest: Manifest, step: int) -> str:
@@ -117,6 +129,7 @@ def write_manifest(root: str, manifest: Manifest) -> str:
 def load_manifest(path: str) -> Manifest:
     """Read one manifest, checking its checksum; ValueError naming the file when it is damaged or
     not a valid manifest. Local."""
+    data = None
     try:
         data = read_sealed(path, "version", FIRST_SEALED_VERSION)
         manifest = Manifest(**data)
@@ -124,14 +137,31 @@ def load_manifest(path: str) -> Manifest:
         return manifest
     except DamagedRecord as e:
         raise ValueError(f"{path}: not a valid mpickpt manifest: {e.reason}") from None
-    except (OSError, ValueError, TypeError) as e:
+    except TypeError:  # Manifest(**data): fields missing or unknown
+        raise ValueError(f"{path}: not a valid mpickpt manifest: {_fields_problem(data)}") \
+            from None
+    except (OSError, ValueError) as e:
         raise ValueError(f"{path}: not a valid mpickpt manifest: {e}") from None
+
+
+def _fields_problem(data) -> str:
+    """What keeps `data` (a JSON value) from being a Manifest's fields. Local."""
+    if not isinstance(data, dict):
+        return f"a JSON {type(data).__name__}, not an object of fields"
+    known = {f.name: f for f in fields(Manifest) if f.init}
+    missing = [n for n, f in known.items() if n not in data and f.default is MISSING
+               and f.default_factory is MISSING]
+    unknown = sorted(str(k) for k in data if k not in known)
+    return "; ".join(([f"no {', '.join(missing)}"] if missing else []) +
+                     ([f"unknown fields {', '.join(unknown)}"] if unknown else [])) or \
+        "fields of the wrong kind"
 
 
 def list_manifests(root: str, damaged: list | None = None) -> list[Manifest]:
     """Committed checkpoints under `root`, oldest first. An unreadable or damaged manifest is
     skipped: appended to `damaged` as (step from its name, message naming the file) when a list is
-    given, else with a warning. Local."""
+    given (callers that report them: the restorer, `verify`), else in silence (retention, the
+    extractor, a commit's message: the restorer names it when a run starts). Local."""
     if not os.path.isdir(root):
         return []
     out = []
@@ -141,9 +171,7 @@ def list_manifests(root: str, damaged: list | None = None) -> list[Manifest]:
             try:
                 out.append(load_manifest(os.path.join(root, name)))
             except ValueError as e:
-                if damaged is None:
-                    warnings.warn(str(e), stacklevel=2)
-                else:
+                if damaged is not None:
                     damaged.append((int(match.group(1)), str(e)))
     return sorted(out, key=lambda m: m.step)
 
@@ -189,6 +217,31 @@ def torn_dirs(root: str, manifests) -> list[str]:
 def _dir_step(name: str) -> int | None:
     match = re.match(r"^step-(\d+)", name)
     return int(match.group(1)) if match else None
+
+
+def retire_timeline(root: str, start: int, attempt: str) -> list[int]:
+    """Before a run's commit: delete what other runs committed past `start`, the step this run
+    started from (its restore, or 0). That is the timeline this run replaces (`--resume STEP` or
+    `none` over newer checkpoints): left in place, its later checkpoints would stay the newest,
+    retention would delete this run's own as older, and its increments could be layered on steps
+    this run rewrites. Manifests go first (unreadable ones past `start` too), newest first, then
+    every checkpoint directory past `start` of another run that no remaining manifest needs.
+    Returns the retired steps. Local (rank 0)."""
+    manifests = list_manifests(root)
+    retired = [m for m in manifests if m.step > start and attempt_of(m.ckpt_id) != attempt]
+    unread = {s for s in manifest_steps(root) - {m.step for m in manifests} if s > start}
+    steps = sorted({m.step for m in retired} | unread, reverse=True)
+    if not steps:
+        return []
+    for step in steps:
+        os.remove(manifest_path(root, step))
+    fsync_path(root)
+    needed = referenced_dirs([m for m in manifests if m not in retired])
+    stale = {d for d in os.listdir(root) if d.startswith("step-") and (_dir_step(d) or 0) > start
+             and attempt_of(d) != attempt}
+    for d in (referenced_dirs(retired) | stale) - needed:
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+    return sorted(steps)
 
 
 def apply_retention(root: str, keep: int) -> list[int]:
