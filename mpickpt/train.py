@@ -121,6 +121,10 @@ def _start(config, error, signals, watch):
     topo = Topology.from_mpi(comm, backend=config.run.backend, spares=config.recovery.spares)
     if not isinstance(topo, Topology):  # a spare: nothing to build until it takes a rank
         return topo
+    if topo.local_rank == 0:  # once per node: a plain mpiexec's killed runs have no agent
+        from mpickpt.launch.mpich_shm import remove_stale_saying
+
+        remove_stale_saying(lambda line: print(f"mpickpt: {line}", flush=True))
     watch.phase("building the model and restoring")
     try:
         return topo, Trainer(topo, config, signals=signals)
@@ -269,20 +273,42 @@ def _serve_as_spare(spare, config, signals) -> int:
 
 def _join_and_build(config, signals, what: str, join, rendezvous):
     """`join()` (a Topology of a later generation), then the Trainer, under the startup
-    deadline; a failure ends the process with EXIT_STARTUP_FAILED (the survivors' formation
-    then fails too, and the job falls back to a relaunch), and so does the job's fallback to a
-    relaunch meanwhile (`rendezvous` says so: a process stuck in a group's rendezvous with a
-    member that died would wait for the store's timeout). SlotTaken passes through.
-    Collective with the generation joined."""
+    deadline; a failure ends the process with EXIT_STARTUP_FAILED after saying at the store that
+    the job falls back to a relaunch (the survivors' formation then fails too, and any other
+    joiner ends), and so does the job's fallback to a relaunch meanwhile (`rendezvous` says so:
+    a process stuck in a group's rendezvous with a member that died would wait for the store's
+    timeout). The watch asks on a store client of its own: the main thread's is held by such a
+    wait. SlotTaken passes through. Collective with the generation joined."""
     from mpickpt.generation import SlotTaken
     from mpickpt.trainer import Trainer
 
+    own: list = []
+
     def abandoned() -> str | None:
-        over = rendezvous.job_over()
+        try:
+            if not own:
+                own.append(_own_client(rendezvous))
+            over = own[0].job_over()
+        except (RuntimeError, OSError):  # the store did not answer: ask again next time
+            own.clear()
+            return None
         return str(over) if over is not None and over.relaunch else None
 
+    def fall_back(why: str) -> None:
+        """Say at the store that the job falls back to a relaunch: the members and joiners
+        still waiting for this generation (their `FormationWatch`, a joiner's startup watch)
+        end at once instead of at their timeouts, also where no survivor is left to say it."""
+        try:
+            _own_client(rendezvous).give_up(f"{what} failed: {why}")
+        except (RuntimeError, OSError):
+            pass  # the store is gone: the job is over anyway
+
+    def before_exit() -> None:
+        fall_back(f"its startup did not finish within {config.recovery.startup_timeout:.0f} s")
+        _run_exit_hooks()
+
     watch = PhaseWatch(f"startup of {what}", config.recovery.startup_timeout,
-                       EXIT_STARTUP_FAILED, before_exit=_run_exit_hooks, abandoned=abandoned)
+                       EXIT_STARTUP_FAILED, before_exit=before_exit, abandoned=abandoned)
     try:
         watch.phase("joining the next generation")
         topo = join()
@@ -301,10 +327,21 @@ def _join_and_build(config, signals, what: str, join, rendezvous):
             traceback.print_exc()
         print(f"mpickpt-train: {what} failed in {watch.current}" + (f" ({e})" if refused else "")
               + f"; exit status {EXIT_STARTUP_FAILED}", file=sys.stderr, flush=True)
+        fall_back(f"{e}" if refused else f"{type(e).__name__} in {watch.current}")
         _run_exit_hooks()
         _exit_now(EXIT_STARTUP_FAILED)
     watch.end()
     return topo, trainer
+
+
+def _own_client(rendezvous):
+    """A `Rendezvous` on a store connection of its own (a TCPStore client serves one thread at a
+    time), or `rendezvous` itself where it has no address (tests). Local."""
+    from mpickpt.generation import Rendezvous, connect_store
+
+    if rendezvous.address is None:
+        return rendezvous
+    return Rendezvous(connect_store(rendezvous.address, 10.0), rendezvous.address)
 
 
 def _tell_agent(address: str | None) -> None:

@@ -313,7 +313,8 @@ def test_the_run_s_end_counts_a_phase_done_that_a_survivor_completed_and_others_
 
 def test_a_replacement_refused_by_its_generation_says_why_in_one_line():
     """The generation's refusal (GenerationError) ends a joining process with status 77 and its
-    message, without a stack trace (any other error keeps its trace)."""
+    message, without a stack trace (any other error keeps its trace), after saying at the store
+    that the job falls back to a relaunch."""
     import subprocess
     import sys
 
@@ -324,10 +325,14 @@ def test_a_replacement_refused_by_its_generation_says_why_in_one_line():
         "def join():\n"
         "    raise GenerationError('the survivors completed different parts of the run')\n"
         "_join_and_build(N(recovery=N(startup_timeout=60)), None, 'the replacement of rank 1',\n"
-        "                join, N(job_over=lambda: None))\n")
+        "                join, N(job_over=lambda: None, address=None,\n"
+        "                        give_up=lambda why: print('fallback:', why, flush=True)))\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 77, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     assert ("the replacement of rank 1 failed in joining the next generation (the survivors "
             "completed different parts of the run); exit status 77") in proc.stderr, proc.stderr
+    # said at the store too: the others waiting for the generation end at once
+    assert proc.stdout == ("fallback: the replacement of rank 1 failed: the survivors completed "
+                           "different parts of the run\n"), proc.stdout

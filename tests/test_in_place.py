@@ -369,6 +369,36 @@ def test_a_death_after_the_generation_formed_before_its_watch_stood_ends_it_at_o
     assert not _IN_PLACE.search(out), out  # generation 1 never settled
 
 
+def test_the_death_of_the_last_survivor_while_the_generation_forms_falls_back_at_once(
+        tmp_path):
+    """2 ranks: rank 1 killed after step 30, then the only survivor, once it registered in
+    generation 1. Nobody is left to start generation 2: rank 1's replacement finds every slot of
+    generation 1 registered and waits in its groups' rendezvous for the dead survivor, and rank
+    0's respawn finds its slot held by it. At --join-timeout the respawn says at the store that
+    the job falls back, so the replacement ends then too (it waited for its 300 s startup
+    deadline) and mpickpt-run relaunches from the checkpoint to the failure-free digest."""
+    flags = FLAGS[:-2]  # no parity on 2 ranks: a rollback in place
+    clean = run_ranks(2, "mpickpt.train", *flags, "--ckpt-dir", str(tmp_path / "clean"))
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    job = Job(mpickpt_run("-n", "2", "--max-restarts", "1", "--", *flags, "--ckpt-dir",
+                          str(tmp_path / "ckpt"), "--inject-kill", "30:1", "--join-timeout",
+                          "10"))
+    try:
+        assert job.wait_for_line(r"wait for the replacement\(s\) \(generation 1\)", 60), \
+            job.output
+        time.sleep(0.3)  # registered in generation 1 by now, waiting for the replacement
+        start = time.monotonic()
+        job.kill_rank(pick=lambda pids: next(p for p in pids if rank_of(p) == 0))
+        code = job.wait(200)
+        took = time.monotonic() - start
+    finally:
+        job.stop()
+    out = job.output
+    assert code == 0 and digest_in(out) == digest_in(clean.stdout), out
+    assert "relaunching (restart 1 of 1)" in out and "in-place recovery:" not in out, out
+    assert took < 90, (took, out)  # the join timeout and a relaunch, not a startup deadline
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(90, 110))
 def test_second_deaths_while_the_generation_forms_randomized(tmp_path, clean_digest, seed):
