@@ -48,3 +48,30 @@ def test_a_dead_standby_is_not_handed_the_rank():
     standby.proc.wait()
     assert standby.due()  # a dead one is replaced at once
     assert standby.take_over("0/2/h:1", "h:2") is None
+
+
+def test_a_replacement_is_born_ignoring_the_stop_signals_until_it_takes_them():
+    """A stop sent to the job while a replacement's interpreter starts must not kill it (its
+    agent would take that for a crash and replace it again): SIGTERM, SIGINT and SIGUSR1 are
+    ignored from exec until `StopSignals` installs its handlers, which then take them."""
+    import signal
+    import subprocess
+
+    from mpickpt.launch.rank_wrapper import _replacement_start
+
+    code = ("import os, signal, sys, time\n"
+            "from mpickpt.stop_signals import StopSignals\n"
+            "print(open('/proc/self/status').read().split('SigIgn:')[1].split()[0], flush=True)\n"
+            "sys.stdin.readline()\n"  # a stop arrives here, before any handler: ignored
+            "s = StopSignals().install()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(0.2)\n"
+            "print(s.received, flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, preexec_fn=_replacement_start)
+    ignored = int(proc.stdout.readline(), 16)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        assert ignored >> (sig - 1) & 1, (sig, hex(ignored))
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate("go\n", timeout=30)
+    assert proc.returncode == 0 and out.strip() == "SIGTERM", (proc.returncode, out)

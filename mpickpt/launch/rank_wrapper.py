@@ -46,6 +46,7 @@ from mpickpt.background import JOB_SIGNALS
 from mpickpt.job_variables import AGENTS_VARIABLE, STORE_VARIABLE
 from mpickpt.launch.run_store import announce, goodbye
 from mpickpt.launch.standby import WARM_VARIABLE, Standby
+from mpickpt.stop_signals import SIGNALS as STOP_SIGNALS
 
 IN_PLACE_VARIABLE = "MPICKPT_IN_PLACE"
 RESTART_VARIABLE = "MPICKPT_RESTART"
@@ -134,7 +135,7 @@ class Agent:
             shutil.rmtree(self.folder, ignore_errors=True)
             from mpickpt.launch.mpich_shm import remove_orphans_saying
 
-            remove_orphans_saying(since, self.say)
+            remove_orphans_saying(since, self.say, areas=True)
 
     def _wait(self, child: subprocess.Popen) -> int:
         """Wait for the trainer's end; meanwhile keep a warm standby once it has started."""
@@ -265,8 +266,15 @@ def _die_with_parent() -> None:
 
 
 def _replacement_start() -> None:
+    """In a replacement (or warm standby) before exec: die with the agent, and be born ignoring
+    the stop signals (an ignored disposition survives exec) until `StopSignals` takes them, a
+    second or two into the interpreter. Hydra's SIGUSR1 death notices of this very failure
+    arrive then; and a stop sent to the job then (SIGTERM, SIGINT) would kill the process before
+    it has a handler, which its agent would take for a crash and replace once more. The
+    survivors got the same stop: they vote it in the first step the replacement joins."""
     _die_with_parent()
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _outlive(signum, frame) -> None:
