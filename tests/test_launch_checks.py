@@ -169,3 +169,33 @@ def test_orphaned_segments_of_this_run_are_removed_and_held_or_older_ones_kept(t
         holder.kill()
         holder.wait()
     assert remove_orphans(since, str(tmp_path)) == ["mpich_shm_beef_0", "mpich_shm_cafe_0"]
+
+
+def test_stale_segments_of_any_run_go_once_unheld_and_older_than_the_grace(tmp_path):
+    """remove_stale: what a run killed as a whole left (no agent of it removed it) goes at the
+    next start when no process holds it and nobody changed it for the grace period; a segment
+    just created (a job starting beside it) and one still mapped stay."""
+    import time
+
+    from mpickpt.launch.mpich_shm import remove_stale
+
+    old = time.time() - 600
+    for name in ("mpich_shm_dead_0", "vader_segment.vm.2.0", "mpich_shm_beef_0", "other.txt"):
+        (tmp_path / name).write_bytes(b"\0" * 4096)
+        os.utime(tmp_path / name, (old, old))
+    (tmp_path / "mpich_shm_cafe_0").write_bytes(b"\0" * 4096)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import mmap, sys, time; g = open(sys.argv[1], 'r+b'); "
+         "m = mmap.mmap(g.fileno(), 4096); g.close(); print('ok', flush=True); time.sleep(60)",
+         str(tmp_path / "mpich_shm_beef_0")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ok"
+        assert remove_stale(str(tmp_path)) == ["mpich_shm_dead_0", "vader_segment.vm.2.0"]
+        assert sorted(os.listdir(tmp_path)) == ["mpich_shm_beef_0", "mpich_shm_cafe_0",
+                                                "other.txt"]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert remove_stale(str(tmp_path)) == ["mpich_shm_beef_0"]
+    assert remove_stale(str(tmp_path), grace_s=0.0) == ["mpich_shm_cafe_0"]
+

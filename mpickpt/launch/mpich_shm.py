@@ -9,7 +9,12 @@ starts) deletes the segments of that job's steps.
 
 Outside Slurm the job id is not known, but a node agent knows when its run started:
 `remove_orphans(since)` deletes the MPI segments of this user that appeared since then and that
-no process of this user maps or holds open any more. Local.
+no process of this user maps or holds open any more. What a run killed as a whole left (its
+launcher SIGKILLed, or a plain `mpiexec` whose hydra ended every rank) no agent of it removes:
+`remove_stale()`, at the start of `mpickpt-run` and of every trainer, deletes this user's MPI
+segments that nobody holds and that are older than `GRACE_S` (a job starting beside it holds its
+own within milliseconds of creating it), and the staging areas of processes that are gone
+(`engine.staging`, GBs per rank at real table sizes). Local.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import argparse
 import os
 import re
 import sys
+import time
 
 SHM_DIR = "/dev/shm"
 STEPS = 256
@@ -60,9 +66,40 @@ def remove_segments(job_ids, shm_dir: str = SHM_DIR, steps: int = STEPS) -> list
     return removed
 
 
+GRACE_S = 60.0
+"""`remove_stale` leaves segments changed more recently: a starting job's, not mapped yet."""
+
+
 def remove_orphans(since: float, shm_dir: str = SHM_DIR) -> list[str]:
     """Delete this user's MPI segments in `shm_dir` created at or after `since` (a time.time())
     that no process of this user maps or holds open; returns the names deleted. Local."""
+    return _remove_unheld(shm_dir, lambda mtime: mtime >= since - 1.0)
+
+
+def remove_stale(shm_dir: str = SHM_DIR, grace_s: float = GRACE_S) -> list[str]:
+    """Delete this user's MPI segments in `shm_dir` that no process of this user maps or holds
+    open and that nobody changed for `grace_s` seconds (whatever run left them); returns the
+    names deleted. Local."""
+    oldest = time.time() - grace_s
+    return _remove_unheld(shm_dir, lambda mtime: mtime < oldest)
+
+
+def remove_stale_saying(say) -> None:
+    """`remove_stale()` and the staging areas of processes that are gone, one line through
+    `say` for what went. Local."""
+    from mpickpt.engine.staging import remove_stale_areas
+
+    segments, areas = remove_stale(), remove_stale_areas()
+    if segments or areas:
+        say("removed what killed runs left in /dev/shm that no process holds any more: "
+            + ", ".join(part for part in (
+                f"{len(segments)} MPI segment(s) ({' '.join(segments)})" if segments else "",
+                f"{len(areas)} staging area(s) ({' '.join(areas)})" if areas else "") if part))
+
+
+def _remove_unheld(shm_dir: str, wanted) -> list[str]:
+    """Delete this user's MPI segments in `shm_dir` whose modification time `wanted(mtime)`
+    accepts and that no process of this user maps or holds open. Local."""
     uid, candidates = os.getuid(), {}
     try:
         names = os.listdir(shm_dir)
@@ -75,7 +112,7 @@ def remove_orphans(since: float, shm_dir: str = SHM_DIR) -> list[str]:
             st = os.stat(os.path.join(shm_dir, name))
         except OSError:
             continue
-        if st.st_uid == uid and st.st_mtime >= since - 1.0:
+        if st.st_uid == uid and wanted(st.st_mtime):
             candidates[os.path.join(shm_dir, name)] = name
     if not candidates:
         return []
@@ -92,12 +129,20 @@ def remove_orphans(since: float, shm_dir: str = SHM_DIR) -> list[str]:
     return sorted(removed)
 
 
-def remove_orphans_saying(since: float, say) -> list[str]:
-    """`remove_orphans(since)` in /dev/shm, and one line through `say` if any went. Local."""
+def remove_orphans_saying(since: float, say, areas: bool = False) -> list[str]:
+    """`remove_orphans(since)` in /dev/shm, and one line through `say` if any went; `areas`:
+    also the staging areas of processes that are gone (killed trainers'). Local."""
     removed = remove_orphans(since)
     if removed:
         say(f"removed {len(removed)} shared-memory segment(s) no process holds any more: "
             f"{' '.join(removed)}")
+    if areas:
+        from mpickpt.engine.staging import remove_stale_areas
+
+        gone = remove_stale_areas()
+        if gone:
+            say(f"removed {len(gone)} staging area(s) of trainers that are gone: "
+                f"{' '.join(gone)}")
     return removed
 
 

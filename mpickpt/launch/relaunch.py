@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from mpickpt.launch.command import (LAUNCHERS, agents_respawn, cleanup_command,
                                      launch_command, sends_death_notices)
-from mpickpt.launch.mpich_shm import remove_orphans_saying
+from mpickpt.launch.mpich_shm import remove_orphans_saying, remove_stale_saying
 from mpickpt.launch.rank_wrapper import IN_PLACE_VARIABLE, RESTART_VARIABLE
 from mpickpt.launch.standby import WARM_VARIABLE
 from mpickpt.stop_signals import NOTICES_VARIABLE
@@ -115,6 +115,7 @@ class Relauncher:
         self.say(f"launching {' '.join(self.command[:6])} ... (up to {self.max_restarts} "
                  f"restarts)")
         previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
+        remove_stale_saying(self.say)  # what runs killed as a whole left on this host
         try:
             while True:
                 status, watch, seconds = self._one_run()
@@ -175,8 +176,9 @@ class Relauncher:
         status = self._proc.wait()
         for t in pumps:
             t.join(10)
-        # the run's segments that ranks killed by their launcher left, their agents with them
-        remove_orphans_saying(since, self.say)
+        # the run's segments that ranks killed by their launcher left, their agents with them,
+        # and the staging areas of trainers killed on this host
+        remove_orphans_saying(since, self.say, areas=True)
         return status, watch, time.monotonic() - start
 
     def _forward(self, signum, frame) -> None:
