@@ -83,6 +83,9 @@ class Trainer:
                                  on_notice=self._on_death_notice)
         self.in_place = InPlace(topo, self.model, self.survival.undo, self.parity,
                                 rec.join_timeout)
+        note = None if topo.replacement else rec.dumps_note(os.environ)
+        if note:
+            self.log.say(note)
         if self.survival.in_place and rec.spares:
             self.signals.notices_only()  # a spare's death reaches the ranks only as SIGUSR1
         self.generations: list[dict] = []

@@ -369,6 +369,11 @@ def test_recovery_defaults_follow_the_launcher():
     assert rec.dumps_mode(agent, has_checkpoints=False) == "off"
     assert rec.dumps_mode({}, has_checkpoints=True) == "off"  # plain mpiexec: nobody relaunches
     assert RecoveryConfig(survivor_dumps="ckpt").dumps_mode({}, True) == "ckpt"
+    assert RecoveryConfig(survivor_dumps="shm").dumps_note({}).startswith(
+        "--survivor-dumps shm without mpickpt-run: the launcher may kill the survivors")
+    assert RecoveryConfig(survivor_dumps="shm").dumps_note(agent) is None
+    assert rec.dumps_note({}) is None
+    assert RecoveryConfig(survivor_dumps="off").dumps_note({}) is None
     assert RecoveryConfig(in_place="auto").in_place_wanted(agent)
     assert rec.in_place_wanted(agent)  # on by default where an agent respawns
     assert not RecoveryConfig(in_place="off").in_place_wanted(agent)

@@ -97,6 +97,18 @@ class RecoveryConfig:
             return self.survivor_dumps
         return "shm" if has_checkpoints and RESTART_VARIABLE in environ else "off"
 
+    def dumps_note(self, environ) -> str | None:
+        """What to say at the start when survivor dumps were asked for outside a relaunch loop
+        (no mpickpt-run): they are written, but a launcher may kill the survivors with the dead
+        rank before they dump (MPICH's hydra SIGKILLs them), and nothing restores them unless
+        the same command is run again on the same nodes. None otherwise. Local."""
+        if self.survivor_dumps in ("auto", "off") or RESTART_VARIABLE in environ:
+            return None
+        return (f"--survivor-dumps {self.survivor_dumps} without mpickpt-run: the launcher may "
+                f"kill the survivors with a dead rank before they dump (MPICH's mpiexec does), "
+                f"and only running the same command again restores the dumps; mpickpt-run "
+                f"keeps the survivors alive and relaunches")
+
     def in_place_wanted(self, environ) -> bool:
         """Whether a death is recovered in place: on or auto, and this rank runs under a node
         agent that respawns (mpickpt-run under hydra sets MPICKPT_IN_PLACE=1 for it). Local."""

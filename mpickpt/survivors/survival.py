@@ -268,7 +268,8 @@ def fallback_message(reason: str, restart: int) -> str | None:
     if restart > 0:
         return (f"relaunch (restart {restart}): no rank found a survivor dump (the relaunch "
                 f"runs on other nodes than the failed run, or the dumps are gone, or the "
-                f"survivors could not write them); falling back to the newest checkpoint")
+                f"survivors could not write them); falling back to the newest checkpoint, "
+                f"if any (else training starts over)")
     return None
 
 
