@@ -211,6 +211,12 @@ def replacement_main(argv=None) -> int:
     from mpickpt.topology import Topology, choose_backend, local_rank_from_env
     from mpickpt.train_flags import TrainConfig
 
+    import signal
+
+    # born ignoring them (`rank_wrapper._replacement_start`): the defaults go back first, or
+    # the handlers' removal at the end would leave them ignored
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signals = StopSignals().install()
     signals.mute_death_notices(60.0)  # hydra's notices of the death this process answers
     slot, size, dead = (os.environ[REPLACES_VARIABLE].split("/") + [""])[:3]
@@ -218,7 +224,8 @@ def replacement_main(argv=None) -> int:
     rank, world = int(slot), int(size) - config.recovery.spares
     address, local_rank = os.environ[STORE_VARIABLE], local_rank_from_env() or 0
     join_s = config.recovery.join_timeout
-    rendezvous = Rendezvous(connect_store(address, join_s), address)  # one client throughout
+    # the main thread's client (the startup watch and a fallback open their own)
+    rendezvous = Rendezvous(connect_store(address, join_s), address)
     if rank < world:
         try:
             topo, trainer = _join_and_build(
@@ -336,12 +343,13 @@ def _join_and_build(config, signals, what: str, join, rendezvous):
 
 def _own_client(rendezvous):
     """A `Rendezvous` on a store connection of its own (a TCPStore client serves one thread at a
-    time), or `rendezvous` itself where it has no address (tests). Local."""
+    time; a 2 s connect, within the startup watch's time for its exit hook), or `rendezvous`
+    itself where it has no address (tests). Local."""
     from mpickpt.generation import Rendezvous, connect_store
 
     if rendezvous.address is None:
         return rendezvous
-    return Rendezvous(connect_store(rendezvous.address, 10.0), rendezvous.address)
+    return Rendezvous(connect_store(rendezvous.address, 2.0), rendezvous.address)
 
 
 def _tell_agent(address: str | None) -> None:

@@ -69,8 +69,11 @@ class Trainer:
         if config.checkpoint is not None:
             self.ckpt = CheckpointManager(topo, config.checkpoint, self.model, self.log.say,
                                           self.split)
+            resume, note = config.checkpoint.resume_in_force(os.environ)
+            if note and not topo.replacement:
+                self.ckpt.say(note)
             self.restorer = Restorer(topo, config.checkpoint.directory, self.model, self.ckpt.say,
-                                     config.checkpoint.resume)
+                                     resume)
         self.parity = ParityGuard(topo, self.model, config.parity, self.log.say,
                                   self._widen, self.shared_rows) \
             if config.parity is not None else None

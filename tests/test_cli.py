@@ -387,3 +387,54 @@ def test_an_increment_whose_parent_another_run_rewrote_is_refused():
                                               r"of its own run \(aaaa\), but step 8 was rewritten "
                                               r"by another run \(bbbb\)"):
         parent_manifests(child, {**ours, 8: manifest(8, "bbbb")})
+
+
+def test_retiring_the_checkpoints_past_a_chosen_start(tmp_path):
+    """retire_after: readable manifests past the start go, newest first, then the directories
+    (and chains) no remaining manifest needs; an unreadable manifest past it stays, reported as
+    before; nothing at or before the start changes."""
+    from mpickpt.store.manifest import Manifest, list_manifests, manifest_path, retire_after
+    from mpickpt.store.manifest import write_manifest
+
+    def commit(step, attempt, chain=""):
+        ckpt_id = f"step-{step:012d}-{attempt}"
+        os.makedirs(tmp_path / ckpt_id)
+        files = {f"{ckpt_id}/dense.h5": {"role": "dense"}}
+        if chain:
+            os.makedirs(tmp_path / "chains" / chain, exist_ok=True)
+        write_manifest(str(tmp_path), Manifest(step=step, kind="full", ckpt_id=ckpt_id,
+                                               world_size=1, dim=4, plan={}, optimizer="sgd",
+                                               files=files, reader_state={}, chain=chain))
+
+    commit(10, "aaaa", "c1")
+    commit(20, "aaaa", "c1")
+    commit(30, "aaaa", "c2")
+    commit(40, "aaaa")
+    with open(manifest_path(str(tmp_path), 50), "w") as f:
+        f.write("{damaged")
+    assert retire_after(str(tmp_path), 20) == ([30, 40], [])
+    assert [m.step for m in list_manifests(str(tmp_path))] == [10, 20]
+    assert sorted(os.listdir(tmp_path)) == ["chains", "manifest-000000000010.json",
+                                            "manifest-000000000020.json",
+                                            "manifest-000000000050.json",
+                                            "step-000000000010-aaaa", "step-000000000020-aaaa"]
+    assert os.listdir(tmp_path / "chains") == ["c1"]  # still needed by steps 10 and 20
+    assert retire_after(str(tmp_path), 20) == ([], [])
+
+
+def test_a_chosen_resume_applies_to_the_first_launch_only():
+    """A relaunch of the same command (mpickpt-run's restarts, a requeued Slurm job) resumes
+    the newest checkpoint: going back to the chosen step again would drop what it trained."""
+    from mpickpt.engine.config import CheckpointConfig
+
+    chosen = CheckpointConfig(directory="/tmp/x", resume="400")
+    assert chosen.resume_in_force({}) == ("400", None)
+    assert chosen.resume_in_force({"MPICKPT_RESTART": "0", "SLURM_RESTART_COUNT": "0"}) == \
+        ("400", None)
+    assert chosen.resume_in_force({"MPICKPT_RESTART": "2"}) == (
+        "latest", "--resume 400 applies to the job's first launch; this is a relaunch "
+                  "(MPICKPT_RESTART=2): resuming from the newest checkpoint")
+    none = CheckpointConfig(directory="/tmp/x", resume="none")
+    assert none.resume_in_force({"SLURM_RESTART_COUNT": "1"})[0] == "latest"
+    assert CheckpointConfig(directory="/tmp/x").resume_in_force({"MPICKPT_RESTART": "3"}) == \
+        ("latest", None)

@@ -309,4 +309,3 @@ def test_a_checkpoint_of_other_mlp_widths_is_refused_naming_them(pristine, tmp_p
                          rf"model's .*: top.0.bias saved 16, the model's 32; top.0.weight saved "
                          rf"16x(\d+), the model's 32x\1", proc.stderr), proc.stderr[-2000:]
     assert f"no usable checkpoint in {work}" in proc.stderr
-

@@ -198,4 +198,3 @@ def test_stale_segments_of_any_run_go_once_unheld_and_older_than_the_grace(tmp_p
         holder.wait()
     assert remove_stale(str(tmp_path)) == ["mpich_shm_beef_0"]
     assert remove_stale(str(tmp_path), grace_s=0.0) == ["mpich_shm_cafe_0"]
-

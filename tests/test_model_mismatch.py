@@ -34,7 +34,8 @@ def test_loading_dense_state_of_other_shapes_names_them_and_changes_nothing():
         load_dense_state_into(layer.named_parameters(), None, arrays)
     assert torch.equal(layer.weight, before)
     with pytest.raises(ValueError, match=r"bias saved nothing, the model's 4"):
-        load_dense_state_into(layer.named_parameters(), None, {"param/weight": arrays["param/bias"]})
+        load_dense_state_into(layer.named_parameters(), None,
+                              {"param/weight": arrays["param/bias"]})
 
 
 def test_row_arrays_of_another_model_or_optimizer_are_named():

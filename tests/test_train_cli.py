@@ -98,10 +98,10 @@ def test_a_run_that_ends_before_its_first_checkpoint_says_so(tmp_path):
 
 
 def test_a_run_that_goes_back_replaces_the_later_checkpoints_of_the_run_before(tmp_path):
-    """--resume STEP (or none) over newer checkpoints starts another timeline: at its first
-    commit the newer checkpoints of the run before go (manifests and directories), so that they
-    neither stay the newest nor have retention delete the new run's own as older; a relaunch
-    then resumes the new timeline, as an uninterrupted run of the same length would end."""
+    """--resume STEP (or none) over newer checkpoints starts another timeline: once the restore
+    is agreed the newer checkpoints go (manifests and directories), so that they neither stay
+    the newest nor have retention delete the new run's own as older; the next launch then
+    resumes the new timeline, as an uninterrupted run of the same length would end."""
     ckpt = str(tmp_path / "ckpt")
     common = (*SMALL, "--ckpt-dir", ckpt, "--ckpt-interval", "4", "--ckpt-kind", "consecutive",
               "--digest")
@@ -109,8 +109,9 @@ def test_a_run_that_goes_back_replaces_the_later_checkpoints_of_the_run_before(t
     assert [m.step for m in list_manifests(ckpt)] == [4, 8, 12], first.stdout + first.stderr
     old = {m.step: m.ckpt_id for m in list_manifests(ckpt)}
     back = finish(start_ranks(1, "mpickpt.train", *common, "--num-batches", "8", "--resume", "4"))
-    assert back.returncode == 0 and "retired steps [8, 12] of an earlier run, past step 4 where " \
-        "this run started (its timeline is replaced)" in back.stdout, back.stdout + back.stderr
+    assert back.returncode == 0 and "--resume 4: retired the checkpoint(s) of step(s) [8, 12], " \
+        "past step 4 where this run starts (the timeline it replaces)" in back.stdout, \
+        back.stdout + back.stderr
     now = {m.step: m.ckpt_id for m in list_manifests(ckpt)}
     assert now[4] == old[4] and now[8] != old[8] and 12 not in now, now
     dirs = sorted(d for d in os.listdir(ckpt) if d.startswith("step-"))

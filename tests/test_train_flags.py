@@ -148,6 +148,9 @@ BAD_INPUTS = [
     (2, ["--ckpt-dir", "{tmp}", "--ckpt-bits", "4", "--ckpt-quant", "kmeans", "--quant-ratio",
          "0.1"], r"^--quant-ratio only applies to --ckpt-quant adaptive; --ckpt-quant kmeans "
                  r"would ignore it$"),
+    (2, ["--ckpt-dir", "{tmp}", "--ckpt-bits", "8", "--quant-bins", "20"],
+     r"^--quant-bins only applies to a range search at 2, 3 or 4 bits \(or auto\); --ckpt-bits "
+     r"8 would ignore it$"),
     (2, ["--ckpt-dir", "{tmp}", "--ckpt-bits", "4", "--node-failure-rate", "0.001"],
      r"^--node-failure-rate only applies to --ckpt-bits auto; --ckpt-bits 4 would ignore it$"),
     (2, ["--ckpt-dir", "{tmp}", "--ckpt-state-bits", "8"], r"^--ckpt-state-bits 8 quantizes a "

@@ -17,8 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from mpickpt.background_priority import Background
-from mpickpt.store.manifest import (Manifest, apply_retention, attempt_of, list_manifests,
-                                    retire_timeline, write_manifest)
+from mpickpt.store.manifest import Manifest, apply_retention, list_manifests, write_manifest
 
 REPORT_TAG = 0x4D43  # "MC"
 
@@ -32,9 +31,6 @@ class PendingCheckpoint:
     reader_state: dict
     fields: dict
     reports: list = field(default_factory=list)
-    start: int = 0
-    """The step the run's timeline started from when it was saved (its restore, survivor
-    dumps or rollback; 0 for a fresh start): what other runs committed past it is replaced."""
 
 
 class CommitCoordinator:
@@ -168,16 +164,13 @@ class CommitCoordinator:
                  "rows_written": sum(r.get("rows", 0) for r in p.reports), **p.fields.pop("stats")}
         manifest = Manifest(step=p.step, ckpt_id=p.ckpt_id, files=files,
                             reader_state=p.reader_state, stats=stats, **p.fields)
-        replaced = retire_timeline(self.root, p.start, attempt_of(p.ckpt_id))
         write_manifest(self.root, manifest)
         self.committed.append(p.step)
         retired = apply_retention(self.root, self.keep)
         self.log(f"checkpoint step {p.step} committed ({manifest.kind}): {total / 1e6:.1f} MB in "
                  f"{seconds:.2f} s ({total / 1e6 / max(seconds, 1e-9):.0f} MB/s per slowest rank, "
                  f"{self.topo.world_size} ranks), max stall {stats['stall_seconds'] * 1e3:.1f} ms"
-                 + (f"; retired steps {retired}" if retired else "")
-                 + (f"; retired steps {replaced} of an earlier run, past step {p.start} where "
-                    f"this run started (its timeline is replaced)" if replaced else ""))
+                 + (f"; retired steps {retired}" if retired else ""))
 
     def _abandon(self, p: PendingCheckpoint, failures: list) -> None:
         shutil.rmtree(os.path.join(self.root, p.ckpt_id), ignore_errors=True)

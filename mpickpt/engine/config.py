@@ -196,6 +196,24 @@ class CheckpointConfig:
         """The interval given as a number, or None (default or planned). Local."""
         return self.interval if isinstance(self.interval, int) else None
 
+    def resume_in_force(self, environ) -> tuple[str, str | None]:
+        """`--resume` as this launch applies it, and what to say about it. A chosen step or
+        `none` is where the job starts: a relaunch of the same command (`mpickpt-run`'s restarts,
+        a requeued Slurm job) continues from the newest checkpoint instead, since going back
+        again would throw away what the failed launch trained. Local."""
+        from mpickpt.launch.rank_wrapper import RESTART_VARIABLE
+
+        if self.resume == "latest":
+            return "latest", None
+        counts = {name: environ.get(name, "").strip() for name in (RESTART_VARIABLE,
+                                                                    "SLURM_RESTART_COUNT")}
+        again = [f"{name}={value}" for name, value in counts.items()
+                 if value.isdigit() and int(value) > 0]
+        if not again:
+            return self.resume, None
+        return "latest", (f"--resume {self.resume} applies to the job's first launch; this is a "
+                          f"relaunch ({', '.join(again)}): resuming from the newest checkpoint")
+
     @property
     def resume_step(self) -> int | None:
         """The chosen step, or None for 'latest'/'none'. Local."""

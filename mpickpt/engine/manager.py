@@ -65,8 +65,6 @@ class CheckpointManager:
                      f"{self.writers.priority_problem}")
         self.commits = CommitCoordinator(topo, self.root, config.keep, self.say, background)
         self.counters = {"saved": 0, "waits": 0, "skips": 0, "wait_seconds": 0.0}
-        self._start = 0
-        """The step this run's timeline started from (`resumed_at`)."""
         self.stalls: list[float] = []
         self._in_flight: dict | None = None
         self.snapshots.prepare()  # allocate and pre-fault staging now, not in the first stall
@@ -203,7 +201,6 @@ class CheckpointManager:
         dumps): the next save is a new baseline and the interval counts from `step`. Local."""
         self.incremental.reset()
         self.schedule.restart(step)
-        self._start = step  # what other runs committed past it is another timeline
         self._vote = None  # its step may come again (a rollback), with other writes in flight
 
     def restored(self, restored) -> None:
@@ -428,7 +425,7 @@ class CheckpointManager:
                             **({"columns": save.columns} if save.columns else {}),
                             **{k: v for source in self.stats_sources
                                for k, v in source().items()}}}
-        return PendingCheckpoint(step, ckpt_id, reader_state, fields, start=self._start)
+        return PendingCheckpoint(step, ckpt_id, reader_state, fields)
 
     def _report(self, results: list[dict]) -> None:
         meta, self._in_flight = self._in_flight, None

@@ -22,7 +22,7 @@ from mpickpt.model.dense_state import dense_mismatch
 from mpickpt.engine.snapshot import numpy_dtype
 from mpickpt.store import leftovers
 from mpickpt.store.errors import CheckpointError
-from mpickpt.store.manifest import Manifest
+from mpickpt.store.manifest import Manifest, retire_after
 
 
 LOAD_ERRORS = (CheckpointError, OSError, KeyError, ValueError, RuntimeError)
@@ -71,6 +71,7 @@ class Restorer:
         Returns None when resuming is off (and not `latest`) or nothing is committed yet. Raises
         CheckpointError when checkpoints exist but none can be used (or the chosen one cannot)."""
         if self.resume == "none" and not latest:
+            self._replace_newer(0)
             return None
         start = time.perf_counter()
         manifests = self._committed()
@@ -84,6 +85,8 @@ class Restorer:
         if found is None:
             return None
         restored = self._apply(found)
+        if not latest and self.resume_step is not None:
+            self._replace_newer(restored.step)
         self._timed(start)
         m, took = restored.manifest, self.seconds[-1]
         self.say(f"resumed from checkpoint step {m.step} ({m.kind}, {m.codec}, written by "
@@ -174,6 +177,19 @@ class Restorer:
             self.say(f"removed {len(found)} leftovers of earlier runs ({freed / 1e6:.1f} MB): "
                      + "; ".join(kinds))
 
+    def _replace_newer(self, start: int) -> None:
+        """The run starts at `start` by choice (`--resume STEP` or `none`): rank 0 retires the
+        committed checkpoints past it, the timeline this run replaces (`retire_after`), and says
+        so. Local (rank 0 acts, after every rank agreed on the restore)."""
+        if not self.topo.is_root:
+            return
+        steps, problems = retire_after(self.root, start)
+        if steps:
+            self.say(f"--resume {self.resume}: retired the checkpoint(s) of step(s) {steps}, past "
+                     f"step {start} where this run starts (the timeline it replaces)")
+        for problem in problems:
+            self.say(f"--resume {self.resume}: could not delete {problem}")
+
     def _drop_torn(self, torn: list[str]) -> None:
         for d in torn:
             self.say(f"ignoring {os.path.join(self.root, d)}: no manifest (torn or abandoned "
@@ -224,7 +240,8 @@ class Restorer:
         except LOAD_ERRORS as e:
             return str(e), None
         differs = dense_mismatch(self.model.dense_state(), loaded.dense)
-        if differs is not None:  # e.g. other MLP widths: refused before anything is loaded
+        if differs is not None:  # e.g. other MLP widths (rows already read into the model
+            # are rewritten by the next candidate, or the job ends: see `_own_rows`)
             return (f"checkpoint step {manifest.step} has a dense part of other shapes than the "
                     f"model's (other MLP widths?): {differs}"), None
         return None, loaded

@@ -113,7 +113,11 @@ def remove_stale_areas() -> list[str]:
     if SHM_DIR is None:
         return []
     removed = []
-    for name in os.listdir(SHM_DIR):
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:  # never a reason to fail a start or an agent's end
+        return []
+    for name in names:
         if not name.startswith(PREFIX):
             continue
         pid = name[len(PREFIX):].split("-", 1)[0]

@@ -205,8 +205,7 @@ class Agent:
         child_env = _without_mpi(env)
         child_env[REPLACES_VARIABLE] = replaces
         child_env[STORE_VARIABLE] = self._store_address()
-        # born ignoring hydra's SIGUSR1 (an ignored disposition survives exec): the death notices
-        # of this very failure arrive while the interpreter starts, before any handler exists
+        # born ignoring the stop signals (`_replacement_start`)
         return subprocess.Popen(self.cmd, env=child_env, preexec_fn=_replacement_start)
 
 
@@ -268,10 +267,11 @@ def _die_with_parent() -> None:
 def _replacement_start() -> None:
     """In a replacement (or warm standby) before exec: die with the agent, and be born ignoring
     the stop signals (an ignored disposition survives exec) until `StopSignals` takes them, a
-    second or two into the interpreter. Hydra's SIGUSR1 death notices of this very failure
-    arrive then; and a stop sent to the job then (SIGTERM, SIGINT) would kill the process before
-    it has a handler, which its agent would take for a crash and replace once more. The
-    survivors got the same stop: they vote it in the first step the replacement joins."""
+    second or two into the interpreter (a standby: once it takes over; its agent ends it).
+    Hydra's SIGUSR1 death notices of this very failure arrive then; and a stop sent to the job
+    then (SIGTERM, SIGINT) would kill the process before it has a handler, which its agent would
+    take for a crash and replace once more. The survivors got the same stop: they vote it in
+    the first step the replacement joins."""
     _die_with_parent()
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)

@@ -64,6 +64,8 @@ class QuantConfig:
                  "--ckpt-bits 8, 4, 3, 2 or auto (a quantizer)", f"--ckpt-bits {self.bits}")
         _ignored(self, ADAPTIVE_OPTIONS, self.quant == "adaptive", "--ckpt-quant adaptive",
                  f"--ckpt-quant {self.quant}")
+        _ignored(self, ADAPTIVE_OPTIONS, self.bits != "8",  # adaptive at 8 bits: plain asym
+                 "a range search at 2, 3 or 4 bits (or auto)", "--ckpt-bits 8")
         if self.state_bits is not None and optimizer == "sgd":
             raise ValueError(f"--ckpt-state-bits {self.state_bits}: --optimizer sgd keeps no "
                              f"optimizer state per row (adagrad and momentum do)")

@@ -144,17 +144,15 @@ def load_manifest(path: str) -> Manifest:
         raise ValueError(f"{path}: not a valid mpickpt manifest: {e}") from None
 
 
-def _fields_problem(data) -> str:
-    """What keeps `data` (a JSON value) from being a Manifest's fields. Local."""
-    if not isinstance(data, dict):
-        return f"a JSON {type(data).__name__}, not an object of fields"
+def _fields_problem(data: dict) -> str:
+    """What keeps `data` (a JSON object: `read_sealed` refuses other values) from being a
+    Manifest's fields. Local."""
     known = {f.name: f for f in fields(Manifest) if f.init}
     missing = [n for n, f in known.items() if n not in data and f.default is MISSING
                and f.default_factory is MISSING]
     unknown = sorted(str(k) for k in data if k not in known)
     return "; ".join(([f"no {', '.join(missing)}"] if missing else []) +
-                     ([f"unknown fields {', '.join(unknown)}"] if unknown else [])) or \
-        "fields of the wrong kind"
+                     ([f"unknown fields {', '.join(unknown)}"] if unknown else []))
 
 
 def list_manifests(root: str, damaged: list | None = None) -> list[Manifest]:
@@ -219,29 +217,31 @@ def _dir_step(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def retire_timeline(root: str, start: int, attempt: str) -> list[int]:
-    """Before a run's commit: delete what other runs committed past `start`, the step this run
-    started from (its restore, or 0). That is the timeline this run replaces (`--resume STEP` or
-    `none` over newer checkpoints): left in place, its later checkpoints would stay the newest,
-    retention would delete this run's own as older, and its increments could be layered on steps
-    this run rewrites. Manifests go first (unreadable ones past `start` too), newest first, then
-    every checkpoint directory past `start` of another run that no remaining manifest needs.
-    Returns the retired steps. Local (rank 0)."""
+def retire_after(root: str, start: int) -> tuple[list[int], list[str]]:
+    """A run chose to start at step `start` (`--resume STEP`, or `none`: 0) under newer committed
+    checkpoints: delete them, the timeline it replaces, before it trains. Left in place they
+    would stay the newest (a relaunch or rollback would resume them, and retention would delete
+    this run's own checkpoints as older), and their increments could be layered on steps this
+    run rewrites. Manifests go first, newest first, then the directories no remaining manifest
+    needs. A manifest that cannot be read is left alone, reported as before. Returns (the
+    retired steps, what could not be deleted). Local (rank 0)."""
     manifests = list_manifests(root)
-    retired = [m for m in manifests if m.step > start and attempt_of(m.ckpt_id) != attempt]
-    unread = {s for s in manifest_steps(root) - {m.step for m in manifests} if s > start}
-    steps = sorted({m.step for m in retired} | unread, reverse=True)
-    if not steps:
-        return []
-    for step in steps:
-        os.remove(manifest_path(root, step))
+    retired = sorted((m for m in manifests if m.step > start), key=lambda m: -m.step)
+    gone, problems = [], []
+    for m in retired:
+        try:
+            os.remove(manifest_path(root, m.step))
+            gone.append(m)
+        except OSError as e:
+            problems.append(f"{manifest_path(root, m.step)}: {e}")
+    if not gone:
+        return [], problems
     fsync_path(root)
-    needed = referenced_dirs([m for m in manifests if m not in retired])
-    stale = {d for d in os.listdir(root) if d.startswith("step-") and (_dir_step(d) or 0) > start
-             and attempt_of(d) != attempt}
-    for d in (referenced_dirs(retired) | stale) - needed:
-        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
-    return sorted(steps)
+    needed = referenced_dirs([m for m in manifests if m not in gone])
+    for d in sorted(referenced_dirs(gone) - needed):
+        shutil.rmtree(os.path.join(root, d), onerror=lambda _f, path, e: problems.append(
+            f"{path}: {e[1]}"))
+    return sorted(m.step for m in gone), problems
 
 
 def apply_retention(root: str, keep: int) -> list[int]:
