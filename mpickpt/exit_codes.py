@@ -17,4 +17,6 @@ EXIT_PEER_LOST = 76
 EXIT_STARTUP_FAILED = 77
 """Startup did not finish: a peer died before the first step (in MPI_Init, while the groups were
 formed, during the restore), or startup ran past `--startup-timeout`. Nothing was trained, so
-the relaunch resumes from the newest checkpoint."""
+the relaunch resumes from the newest checkpoint (a chosen `--resume STEP` or `none` applies to
+the first launch only: one that failed before it retired the newer checkpoints leaves them the
+newest)."""

@@ -70,10 +70,12 @@ class Trainer:
             self.ckpt = CheckpointManager(topo, config.checkpoint, self.model, self.log.say,
                                           self.split)
             resume, note = config.checkpoint.resume_in_force(os.environ)
-            if note and not topo.replacement:
-                self.ckpt.say(note)
+            if not topo.replacement:  # rank 0's reading of the launch, on every rank
+                resume, note = topo.control.bcast((resume, note), root=0)
+                if note:
+                    self.ckpt.say(note)
             self.restorer = Restorer(topo, config.checkpoint.directory, self.model, self.ckpt.say,
-                                     resume)
+                                     resume, train_until=config.num_batches)
         self.parity = ParityGuard(topo, self.model, config.parity, self.log.say,
                                   self._widen, self.shared_rows) \
             if config.parity is not None else None
@@ -145,7 +147,11 @@ class Trainer:
         the beginning. Returns (step, reader position, the PLS stats it carried, ranks lost at
         the relaunch). Collective."""
         newest = self.restorer.newest_step() if self.restorer is not None else None
-        survey, found = self.survival.resume(newest)
+        if self.restorer is not None and self.restorer.resume != "latest":
+            self.survival.drop_dump()  # a chosen start: older jobs' dumps are no relaunch's
+            survey, found = None, None
+        else:
+            survey, found = self.survival.resume(newest)
         if found is not None:
             reader, pls = found
             self.ckpt.resumed_at(survey.step)

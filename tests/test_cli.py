@@ -393,8 +393,8 @@ def test_retiring_the_checkpoints_past_a_chosen_start(tmp_path):
     """retire_after: readable manifests past the start go, newest first, then the directories
     (and chains) no remaining manifest needs; an unreadable manifest past it stays, reported as
     before; nothing at or before the start changes."""
-    from mpickpt.store.manifest import Manifest, list_manifests, manifest_path, retire_after
-    from mpickpt.store.manifest import write_manifest
+    from mpickpt.store.manifest import (Manifest, list_manifests, manifest_path, remove_folders,
+                                        retire_after, write_manifest)
 
     def commit(step, attempt, chain=""):
         ckpt_id = f"step-{step:012d}-{attempt}"
@@ -412,14 +412,21 @@ def test_retiring_the_checkpoints_past_a_chosen_start(tmp_path):
     commit(40, "aaaa")
     with open(manifest_path(str(tmp_path), 50), "w") as f:
         f.write("{damaged")
-    assert retire_after(str(tmp_path), 20) == ([30, 40], [])
+    assert retire_after(str(tmp_path), 20) == ([30, 40], [], [
+        "step-000000000030-aaaa", "step-000000000040-aaaa"])  # chains kept: 50 is unreadable
     assert [m.step for m in list_manifests(str(tmp_path))] == [10, 20]
+    remove_folders(str(tmp_path), ["step-000000000030-aaaa", "step-000000000040-aaaa",
+                                   "chains/c2", "step-000000000099-gone"])
     assert sorted(os.listdir(tmp_path)) == ["chains", "manifest-000000000010.json",
                                             "manifest-000000000020.json",
                                             "manifest-000000000050.json",
                                             "step-000000000010-aaaa", "step-000000000020-aaaa"]
     assert os.listdir(tmp_path / "chains") == ["c1"]  # still needed by steps 10 and 20
-    assert retire_after(str(tmp_path), 20) == ([], [])
+    assert retire_after(str(tmp_path), 20) == ([], [], [])
+    os.remove(manifest_path(str(tmp_path), 50))
+    # chains/c1 still needed by step 10
+    assert retire_after(str(tmp_path), 10) == ([20], [], ["step-000000000020-aaaa"])
+    assert retire_after(str(tmp_path), 0) == ([10], [], ["chains/c1", "step-000000000010-aaaa"])
 
 
 def test_a_chosen_resume_applies_to_the_first_launch_only():
@@ -433,7 +440,7 @@ def test_a_chosen_resume_applies_to_the_first_launch_only():
         ("400", None)
     assert chosen.resume_in_force({"MPICKPT_RESTART": "2"}) == (
         "latest", "--resume 400 applies to the job's first launch; this is a relaunch "
-                  "(MPICKPT_RESTART=2): resuming from the newest checkpoint")
+                  "(MPICKPT_RESTART=2): it resumes as relaunches do")
     none = CheckpointConfig(directory="/tmp/x", resume="none")
     assert none.resume_in_force({"SLURM_RESTART_COUNT": "1"})[0] == "latest"
     assert CheckpointConfig(directory="/tmp/x").resume_in_force({"MPICKPT_RESTART": "3"}) == \

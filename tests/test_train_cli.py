@@ -108,6 +108,9 @@ def test_a_run_that_goes_back_replaces_the_later_checkpoints_of_the_run_before(t
     first = finish(start_ranks(1, "mpickpt.train", *common, "--num-batches", "12"))
     assert [m.step for m in list_manifests(ckpt)] == [4, 8, 12], first.stdout + first.stderr
     old = {m.step: m.ckpt_id for m in list_manifests(ckpt)}
+    look = finish(start_ranks(1, "mpickpt.train", *common, "--num-batches", "4", "--resume", "4"))
+    assert "nothing left to train" in look.stdout and "retired" not in look.stdout, look.stdout
+    assert {m.step: m.ckpt_id for m in list_manifests(ckpt)} == old  # it trained nothing
     back = finish(start_ranks(1, "mpickpt.train", *common, "--num-batches", "8", "--resume", "4"))
     assert back.returncode == 0 and "--resume 4: retired the checkpoint(s) of step(s) [8, 12], " \
         "past step 4 where this run starts (the timeline it replaces)" in back.stdout, \

@@ -212,7 +212,7 @@ class CheckpointConfig:
         if not again:
             return self.resume, None
         return "latest", (f"--resume {self.resume} applies to the job's first launch; this is a "
-                          f"relaunch ({', '.join(again)}): resuming from the newest checkpoint")
+                          f"relaunch ({', '.join(again)}): it resumes as relaunches do")
 
     @property
     def resume_step(self) -> int | None:

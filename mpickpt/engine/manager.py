@@ -3,7 +3,8 @@
 Usage (every call is collective unless it says local)::
 
     ckpt = CheckpointManager(topo, CheckpointConfig(directory=..., interval=100), model, log=print)
-    restored = Restorer(topo, config.directory, model, ckpt.say, config.resume).restore()
+    resume = config.resume_in_force(os.environ)[0]  # a chosen step: the first launch's
+    restored = Restorer(topo, config.directory, model, ckpt.say, resume, total).restore()
     if restored is not None:
         ckpt.restored(restored)                    # the next save is a new baseline
     reader = PrefetchReader(..., state=..., allowance=ckpt.allowance(step, total))

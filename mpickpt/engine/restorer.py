@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ from mpickpt.model.dense_state import dense_mismatch
 from mpickpt.engine.snapshot import numpy_dtype
 from mpickpt.store import leftovers
 from mpickpt.store.errors import CheckpointError
-from mpickpt.store.manifest import Manifest, retire_after
+from mpickpt.store.manifest import Manifest, remove_folders, retire_after
 
 
 LOAD_ERRORS = (CheckpointError, OSError, KeyError, ValueError, RuntimeError)
@@ -48,9 +49,15 @@ class Restored:
 class Restorer:
     """Restore for one rank of a job writing checkpoints under `root`. `restore` is collective."""
 
-    def __init__(self, topo, root: str, model, say, resume: str = "latest"):
+    def __init__(self, topo, root: str, model, say, resume: str = "latest",
+                 train_until: int | None = None):
+        """`resume`: 'latest', 'none' or a step (`CheckpointConfig.resume_in_force`: a chosen
+        one applies to a job's first launch); a chosen start under newer committed checkpoints
+        retires them (`_replace_newer`) when the run will train past it, i.e. before
+        `train_until` (None: always)."""
         self.topo, self.root, self.model, self.say = topo, os.path.abspath(root), model, say
         self.resume = str(resume)
+        self.train_until = train_until
         self.seconds: list[float] = []
         """Wall time of every restore, the slowest rank's (O_load)."""
         self.partial_seconds: list[float] = []
@@ -66,10 +73,12 @@ class Restorer:
 
     def restore(self, latest: bool = False) -> Restored | None:
         """Load the newest valid checkpoint (or the chosen step, unless `latest`) into the model.
-        Collective.
+        A chosen step, or 'none', retires the committed checkpoints past it when the run will
+        train (`_replace_newer`). Collective.
 
         Returns None when resuming is off (and not `latest`) or nothing is committed yet. Raises
-        CheckpointError when checkpoints exist but none can be used (or the chosen one cannot)."""
+        CheckpointError when checkpoints exist but none can be used (or the chosen one cannot),
+        or when newer ones could not be retired."""
         if self.resume == "none" and not latest:
             self._replace_newer(0)
             return None
@@ -178,17 +187,29 @@ class Restorer:
                      + "; ".join(kinds))
 
     def _replace_newer(self, start: int) -> None:
-        """The run starts at `start` by choice (`--resume STEP` or `none`): rank 0 retires the
-        committed checkpoints past it, the timeline this run replaces (`retire_after`), and says
-        so. Local (rank 0 acts, after every rank agreed on the restore)."""
-        if not self.topo.is_root:
-            return
-        steps, problems = retire_after(self.root, start)
-        if steps:
-            self.say(f"--resume {self.resume}: retired the checkpoint(s) of step(s) {steps}, past "
-                     f"step {start} where this run starts (the timeline it replaces)")
-        for problem in problems:
-            self.say(f"--resume {self.resume}: could not delete {problem}")
+        """The run starts at `start` by choice (`--resume STEP` or `none`) and will train past
+        it: rank 0 retires the committed checkpoints past it, the timeline this run replaces
+        (`retire_after`: the manifests now, their directories on a thread of their own), and
+        says so. A manifest it could not delete would make a later restore resume the replaced
+        timeline: CheckpointError on every rank then. Collective (rank 0 acts, every rank
+        learns the outcome)."""
+        if self.train_until is not None and start >= self.train_until:
+            return  # nothing will be trained: nothing is replaced (e.g. digesting a checkpoint)
+        outcome = None
+        if self.topo.is_root:
+            steps, kept, folders = retire_after(self.root, start)
+            if steps:
+                self.say(f"--resume {self.resume}: retired the checkpoint(s) of step(s) {steps}, "
+                         f"past step {start} where this run starts (the timeline it replaces)")
+            if folders:
+                threading.Thread(target=remove_folders, args=(self.root, folders, self.say),
+                                 name="mpickpt-retire", daemon=True).start()
+            outcome = kept
+        kept = self.topo.control.bcast(outcome, root=0)
+        if kept:
+            raise CheckpointError(f"--resume {self.resume}: could not retire the newer "
+                                  f"checkpoint(s) of {self.root} ({'; '.join(kept)}): a later "
+                                  f"restore would resume the timeline this run replaces")
 
     def _drop_torn(self, torn: list[str]) -> None:
         for d in torn:

@@ -11,8 +11,8 @@ Outside Slurm the job id is not known, but a node agent knows when its run start
 `remove_orphans(since)` deletes the MPI segments of this user that appeared since then and that
 no process of this user maps or holds open any more. What a run killed as a whole left (its
 launcher SIGKILLed, or a plain `mpiexec` whose hydra ended every rank) no agent of it removes:
-`remove_stale()`, at the start of `mpickpt-run` and of each node's first trainer at a job's
-start (local rank 0 of a launch, not a replacement), deletes this user's MPI
+`remove_stale()`, at the start of `mpickpt-run` and of every launch's trainers of local rank 0
+(not replacements), deletes this user's MPI
 segments that nobody holds and that are older than `GRACE_S` (a job starting beside it holds its
 own within milliseconds of creating it), and the staging areas of processes that are gone
 (`engine.staging`, GBs per rank at real table sizes). Local.

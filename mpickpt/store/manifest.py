@@ -217,31 +217,53 @@ def _dir_step(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def retire_after(root: str, start: int) -> tuple[list[int], list[str]]:
+def retire_after(root: str, start: int) -> tuple[list[int], list[str], list[str]]:
     """A run chose to start at step `start` (`--resume STEP`, or `none`: 0) under newer committed
-    checkpoints: delete them, the timeline it replaces, before it trains. Left in place they
-    would stay the newest (a relaunch or rollback would resume them, and retention would delete
-    this run's own checkpoints as older), and their increments could be layered on steps this
-    run rewrites. Manifests go first, newest first, then the directories no remaining manifest
-    needs. A manifest that cannot be read is left alone, reported as before. Returns (the
-    retired steps, what could not be deleted). Local (rank 0)."""
-    manifests = list_manifests(root)
-    retired = sorted((m for m in manifests if m.step > start), key=lambda m: -m.step)
-    gone, problems = [], []
-    for m in retired:
+    checkpoints: delete their manifests, the timeline it replaces, newest first. Left in place
+    they would stay the newest (a relaunch or rollback would resume them, and retention would
+    delete this run's own checkpoints as older), and their increments could be layered on steps
+    this run rewrites. A manifest that cannot be read is left alone (reported as before), and
+    so are the chains while one is (as `leftovers` does). Returns (the retired steps, the
+    manifests that could not be deleted, with why, the folders under `root` no remaining
+    manifest needs: `remove_folders`'s). Local (rank 0)."""
+    try:
+        manifests = list_manifests(root)
+        unread = manifest_steps(root) - {m.step for m in manifests}
+    except OSError as e:
+        return [], [f"{root}: {e}"], []
+    gone, kept = [], []
+    for m in sorted((m for m in manifests if m.step > start), key=lambda m: -m.step):
         try:
             os.remove(manifest_path(root, m.step))
-            gone.append(m)
+        except FileNotFoundError:
+            pass
         except OSError as e:
-            problems.append(f"{manifest_path(root, m.step)}: {e}")
+            kept.append(f"{manifest_path(root, m.step)}: {e}")
+            continue
+        gone.append(m)
     if not gone:
-        return [], problems
-    fsync_path(root)
-    needed = referenced_dirs([m for m in manifests if m not in gone])
-    for d in sorted(referenced_dirs(gone) - needed):
-        shutil.rmtree(os.path.join(root, d), onerror=lambda _f, path, e: problems.append(
-            f"{path}: {e[1]}"))
-    return sorted(m.step for m in gone), problems
+        return [], kept, []
+    try:
+        fsync_path(root)
+    except OSError:
+        pass  # a crash before the folder is synced may bring a removed manifest back
+    folders = referenced_dirs(gone) - referenced_dirs([m for m in manifests if m not in gone])
+    if unread:
+        folders = {d for d in folders if not d.startswith("chains/")}
+    return sorted(m.step for m in gone), kept, sorted(folders)
+
+
+def remove_folders(root: str, folders: list[str], say=None) -> None:
+    """Delete checkpoint folders under `root` (already gone ones are fine); one line through
+    `say` per folder that could not be deleted. Local."""
+    for d in folders:
+        try:
+            shutil.rmtree(os.path.join(root, d))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            if say is not None:
+                say(f"could not delete {os.path.join(root, d)}: {e}")
 
 
 def apply_retention(root: str, keep: int) -> list[int]:
