@@ -313,7 +313,7 @@ def test_a_death_notice_kills_a_rank_named_for_the_step_it_broke(monkeypatch, st
     from types import SimpleNamespace
 
     from mpickpt.faults import injection
-    from mpickpt.launch.rank_wrapper import RESTART_VARIABLE
+    from mpickpt.job_variables import RESTART_VARIABLE
     from mpickpt.trainer import Trainer
 
     trainer = Trainer.__new__(Trainer)

@@ -201,7 +201,7 @@ class CheckpointConfig:
         `none` is where the job starts: a relaunch of the same command (`mpickpt-run`'s restarts,
         a requeued Slurm job) continues from the newest checkpoint instead, since going back
         again would throw away what the failed launch trained. Local."""
-        from mpickpt.launch.rank_wrapper import RESTART_VARIABLE
+        from mpickpt.job_variables import RESTART_VARIABLE
 
         if self.resume == "latest":
             return "latest", None

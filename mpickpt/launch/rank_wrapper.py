@@ -49,9 +49,6 @@ from mpickpt.launch.standby import WARM_VARIABLE, Standby
 from mpickpt.stop_signals import SIGNALS as STOP_SIGNALS
 
 IN_PLACE_VARIABLE = "MPICKPT_IN_PLACE"
-RESTART_VARIABLE = "MPICKPT_RESTART"
-"""Set by `mpickpt-run` for every run it starts (and so seen by the agents and trainers): how
-many relaunches came before."""
 AGENT_VARIABLE = "MPICKPT_AGENT_DIR"
 """Set by the agent for its trainer: a folder of the agent's where the trainer says it started."""
 STARTED_FILE = "started"

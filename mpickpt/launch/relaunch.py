@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from mpickpt.launch.command import (LAUNCHERS, agents_respawn, cleanup_command,
                                      launch_command, sends_death_notices)
 from mpickpt.launch.mpich_shm import remove_orphans_saying, remove_stale_saying
-from mpickpt.launch.rank_wrapper import IN_PLACE_VARIABLE, RESTART_VARIABLE
+from mpickpt.launch.rank_wrapper import IN_PLACE_VARIABLE
 from mpickpt.launch.standby import WARM_VARIABLE
 from mpickpt.stop_signals import NOTICES_VARIABLE
-from mpickpt.job_variables import AGENTS_VARIABLE, STORE_VARIABLE
+from mpickpt.job_variables import AGENTS_VARIABLE, RESTART_VARIABLE, STORE_VARIABLE
 from mpickpt.exit_codes import (EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_SAVE_FAILED, EXIT_SAVED,
                                 EXIT_STARTUP_FAILED)
 

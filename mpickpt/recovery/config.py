@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from mpickpt.durations import Duration
-from mpickpt.launch.rank_wrapper import AGENT_VARIABLE, IN_PLACE_VARIABLE, RESTART_VARIABLE
+from mpickpt.job_variables import RESTART_VARIABLE
+from mpickpt.launch.rank_wrapper import AGENT_VARIABLE, IN_PLACE_VARIABLE
 from mpickpt.options import int_at_least, option, positive_float
 
 MODES = ("full", "partial", "parity", "auto")

@@ -22,7 +22,7 @@ import time
 
 from mpickpt.control import MAX
 from mpickpt.exit_codes import EXIT_PEER_LOST
-from mpickpt.launch.rank_wrapper import RESTART_VARIABLE
+from mpickpt.job_variables import RESTART_VARIABLE
 from mpickpt.liveness import PeerWatch
 from mpickpt.survivors.state import SurvivorDumps
 from mpickpt.survivors.undo import StepUndo
