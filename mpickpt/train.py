@@ -280,9 +280,10 @@ def _serve_as_spare(spare, config, signals) -> int:
 
 def _join_and_build(config, signals, what: str, join, rendezvous):
     """`join()` (a Topology of a later generation), then the Trainer, under the startup
-    deadline; a failure ends the process with EXIT_STARTUP_FAILED after saying at the store that
-    the job falls back to a relaunch (the survivors' formation then fails too, and any other
-    joiner ends), and so does the job's fallback to a relaunch meanwhile (`rendezvous` says so:
+    deadline; a failure ends the process with EXIT_STARTUP_FAILED (the survivors' formation then
+    fails too), after saying at the store that the job falls back to a relaunch where the
+    generation refused it while it joined or the deadline passed (any other joiner ends then
+    too), and so does the job's fallback to a relaunch meanwhile (`rendezvous` says so:
     a process stuck in a group's rendezvous with a member that died would wait for the store's
     timeout). The watch asks on a store client of its own: the main thread's is held by such a
     wait. SlotTaken passes through. Collective with the generation joined."""
@@ -316,9 +317,11 @@ def _join_and_build(config, signals, what: str, join, rendezvous):
 
     watch = PhaseWatch(f"startup of {what}", config.recovery.startup_timeout,
                        EXIT_STARTUP_FAILED, before_exit=before_exit, abandoned=abandoned)
+    joining = True
     try:
         watch.phase("joining the next generation")
         topo = join()
+        joining = False
         watch.phase("recovering the lost shard")
         trainer = Trainer(topo, config, signals=signals)
     except SlotTaken:
@@ -334,7 +337,9 @@ def _join_and_build(config, signals, what: str, join, rendezvous):
             traceback.print_exc()
         print(f"mpickpt-train: {what} failed in {watch.current}" + (f" ({e})" if refused else "")
               + f"; exit status {EXIT_STARTUP_FAILED}", file=sys.stderr, flush=True)
-        fall_back(f"{e}" if refused else f"{type(e).__name__} in {watch.current}")
+        if refused and joining:  # no generation to join: nobody else may say so (a failure
+            # later, e.g. at the run's end where survivors end it alone, is theirs to settle)
+            fall_back(str(e))
         _run_exit_hooks()
         _exit_now(EXIT_STARTUP_FAILED)
     watch.end()
