@@ -103,6 +103,14 @@ def changed_flags(cls, values, names=None) -> list[str]:
             and get(f.name) != f.default]
 
 
+def only_applies(stray: list[str], where: str, this: str) -> str:
+    """The refusal of flags `stray` given where they do not apply: 'F only applies to WHERE;
+    THIS would ignore it' (plural for several). Local."""
+    one = len(stray) == 1
+    return (f"{', '.join(stray)} only {'applies' if one else 'apply'} to {where}; {this} would "
+            f"ignore {'it' if one else 'them'}")
+
+
 def _dest(cls, f: dataclasses.Field) -> str:
     return f"{cls.__name__}__{f.name}"
 

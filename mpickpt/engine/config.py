@@ -11,8 +11,8 @@ from mpickpt.kinds.incrcp import RESETS as INCRCP_RESETS
 from mpickpt.kinds.priority import DEFAULT_FRACTION
 from mpickpt.kinds.priority import RULES as PRIORITY_RULES
 from mpickpt.kinds.registry import KINDS
-from mpickpt.options import (OutputError, changed_flags, check_output, int_at_least, option,
-                             positive_float, ratio)
+from mpickpt.options import (OutputError, changed_flags, check_output, int_at_least, only_applies,
+                             option, positive_float, ratio)
 from mpickpt.quant.config import QuantConfig
 
 OVERLAP_POLICIES = ("wait", "skip")
@@ -182,10 +182,8 @@ class CheckpointConfig:
         for kind, names in KIND_OPTIONS.items():
             stray = changed_flags(CheckpointConfig, self, names)
             if stray and self.kind != kind:
-                one = len(stray) == 1
-                raise ValueError(f"{', '.join(stray)} only {'applies' if one else 'apply'} to "
-                                 f"--ckpt-kind {kind}{KIND_HOW.get(kind, '')}; --ckpt-kind "
-                                 f"{self.kind} would ignore {'it' if one else 'them'}")
+                raise ValueError(only_applies(stray, f"--ckpt-kind {kind}{KIND_HOW.get(kind, '')}",
+                                              f"--ckpt-kind {self.kind}"))
 
     @property
     def auto_interval(self) -> bool:

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from mpickpt.options import changed_flags, int_at_least, non_negative_float, option, ratio
+from mpickpt.options import (changed_flags, int_at_least, non_negative_float, only_applies,
+                             option, ratio)
 from mpickpt.quant.codecs import QUANT_CHOICES
 from mpickpt.quant.search import SEARCHES
 
@@ -85,6 +86,4 @@ def _ignored(config: QuantConfig, names: tuple, applies: bool, where: str, this:
     """ValueError naming the flags of `names` the user set where they do not apply. Local."""
     stray = changed_flags(QuantConfig, config, names)
     if stray and not applies:
-        one = len(stray) == 1
-        raise ValueError(f"{', '.join(stray)} only {'applies' if one else 'apply'} to {where}; "
-                         f"{this} would ignore {'it' if one else 'them'}")
+        raise ValueError(only_applies(stray, where, this))
