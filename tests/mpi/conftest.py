@@ -1,9 +1,26 @@
 """Fixtures for multi-rank tests (run with `mpiexec -n N python -m mpi4py -m pytest --with-mpi`)."""
 import shutil
+import sys
 import tempfile
 
 import pytest
 
+
+
+def pytest_runtest_logreport(report):
+    """A test that fails on one rank of a multi-rank job prints its failure and aborts the job:
+    the other ranks would otherwise wait for it at their next collective until their timeouts,
+    and the job would end in a wall of timeout stacks that hide the one failure. Local."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if not report.failed or mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return
+    world = mpi.COMM_WORLD
+    if world.Get_size() < 2:
+        return
+    sys.stderr.write(f"\n[rank {world.Get_rank()} of {world.Get_size()}] {report.nodeid} failed "
+                     f"({report.when}), aborting the job:\n{report.longreprtext}\n")
+    sys.stderr.flush()
+    world.Abort(1)
 
 @pytest.fixture
 def comm():
