@@ -345,6 +345,7 @@ def test_cli_imports_neither_mpi4py_nor_torch(ckpt):
 def test_leftovers_of_killed_jobs_are_listed_then_removed_by_the_next_run(copy):
     dead = 4_000_000  # above the default pid_max: no process of that id exists
     junk = {os.path.join(copy, f".manifest-000000000030.json.tmp-{dead}"): b"{",
+            os.path.join(copy, f".mpickpt-replacing.tmp-{dead}"): b"{",
             os.path.join(step_dir(copy, 20), "rank-00001-part-0.h5.tmp"): b"x" * 1000,
             os.path.join(step_dir(copy, 20), "rank-00001-part-0.h5.reserve"): b"",
             os.path.join(copy, "chains", "c0ffee", "rank-00000", "col-30-part-0.h5"): b"y" * 500}
@@ -355,13 +356,14 @@ def test_leftovers_of_killed_jobs_are_listed_then_removed_by_the_next_run(copy):
     live = os.path.join(copy, f".manifest-000000000040.json.tmp-{os.getpid()}")  # still writing
     open(live, "w").close()
     listed = cli("ls", copy).stdout
-    assert listed.count("leftover:") == 4, listed
+    assert listed.count("leftover:") == 5, listed
+    assert "a record of a chosen start interrupted" in listed
     assert "manifest write interrupted" in listed and "chain no committed checkpoint uses" in listed
     assert os.path.basename(live) not in listed
     proc = run_ranks(2, "mpickpt.train", *TRAIN_FLAGS[:-6], "--num-batches", "21",
                      "--ckpt-interval", "10", "--ckpt-dir", copy)
     assert proc.returncode == 0, proc.stderr
-    assert "removed 4 leftovers of earlier runs (0.0 MB)" in proc.stdout, proc.stdout
+    assert "removed 5 leftovers of earlier runs (0.0 MB)" in proc.stdout, proc.stdout
     assert not any(os.path.exists(p) for p in junk)
     assert not os.path.exists(os.path.join(copy, "chains", "c0ffee"))
     assert os.path.exists(live)
@@ -445,3 +447,32 @@ def test_a_chosen_resume_applies_to_the_first_launch_only():
     assert none.resume_in_force({"SLURM_RESTART_COUNT": "1"})[0] == "latest"
     assert CheckpointConfig(directory="/tmp/x").resume_in_force({"MPICKPT_RESTART": "3"}) == \
         ("latest", None)
+
+
+def test_a_relaunch_reads_whether_its_first_launch_carried_its_chosen_start_out(tmp_path):
+    """`store.replacing`: a record of the same --resume makes the relaunch start there again;
+    another value, or none, resumes as relaunches do; a damaged record says so and resumes as
+    relaunches do; `end` removes it, and twice is fine."""
+    from mpickpt.engine.config import CheckpointConfig
+    from mpickpt.store import replacing
+    from mpickpt.store.sealed_json import DamagedRecord
+
+    root, again = str(tmp_path), {"MPICKPT_RESTART": "1"}
+    chosen = CheckpointConfig(directory=root, resume="400")
+    assert replacing.pending(root) is None and chosen.resume_in_force(again)[0] == "latest"
+    replacing.begin(root, "400", 400)
+    assert replacing.pending(root) == "400" and os.listdir(root) == [replacing.NAME]
+    resume, note = chosen.resume_in_force(again)
+    assert resume == "400" and note.startswith("--resume 400: this is a relaunch "
+                                               "(MPICKPT_RESTART=1) of a launch that ended "), note
+    assert chosen.resume_in_force({}) == ("400", None)  # a first launch: its own flag
+    assert CheckpointConfig(directory=root, resume="7").resume_in_force(again)[0] == "latest"
+    replacing.end(root)
+    replacing.end(root)
+    assert os.listdir(root) == []
+    with open(replacing.path_of(root), "w") as f:
+        f.write('{"resume": "400"}')
+    with pytest.raises(DamagedRecord, match=r"\.mpickpt-replacing: no checksum"):
+        replacing.pending(root)
+    resume, note = chosen.resume_in_force(again)
+    assert resume == "latest" and "is unreadable" in note and replacing.NAME in note, note

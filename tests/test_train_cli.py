@@ -123,3 +123,48 @@ def test_a_run_that_goes_back_replaces_the_later_checkpoints_of_the_run_before(t
     assert "resumed from checkpoint step 8 " in again.stdout and "torn" not in again.stdout
     straight = finish(start_ranks(1, "mpickpt.train", *SMALL, "--num-batches", "8", "--digest"))
     assert digest_of(again) == digest_of(back) == digest_of(straight)
+
+
+def test_a_relaunch_carries_out_a_chosen_start_its_first_launch_did_not(tmp_path, monkeypatch):
+    """A first launch with --resume STEP records that it replaces the newer checkpoints before
+    its restore (`store.replacing`) and retires them only after it: one that ends in between
+    (here its restore fails on a damaged file) leaves them and the record. The relaunch of the
+    same command then starts at the chosen step again, not at the newest checkpoint of the
+    timeline the user left, and the record goes with the retirement; a later relaunch resumes
+    the new timeline."""
+    import shutil
+
+    from mpickpt.store import replacing
+
+    ckpt = str(tmp_path / "ckpt")
+    common = (*SMALL, "--ckpt-dir", ckpt, "--ckpt-interval", "4", "--ckpt-kind", "consecutive")
+    first = finish(start_ranks(1, "mpickpt.train", *common, "--num-batches", "12"))
+    old = {m.step: m.ckpt_id for m in list_manifests(ckpt)}
+    assert sorted(old) == [4, 8, 12], first.stdout + first.stderr
+    shard = next(os.path.join(ckpt, old[4], n) for n in sorted(os.listdir(os.path.join(
+        ckpt, old[4]))) if n.endswith(".h5") and "dense" not in n)
+    shutil.copy(shard, tmp_path / "kept.h5")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    failed = finish(start_ranks(1, "mpickpt.train", *common, "--num-batches", "8",
+                                "--resume", "4"))
+    assert failed.returncode != 0 and "checkpoint step 4" in failed.stdout + failed.stderr
+    assert replacing.pending(ckpt) == "4" and sorted(m.step for m in list_manifests(ckpt)) == \
+        [4, 8, 12]
+    shutil.copy(tmp_path / "kept.h5", shard)
+    monkeypatch.setenv("MPICKPT_RESTART", "1")
+    back = finish(start_ranks(1, "mpickpt.train", *common, "--num-batches", "8",
+                              "--resume", "4"))
+    said = back.stdout + back.stderr
+    assert back.returncode == 0 and "--resume 4: this is a relaunch (MPICKPT_RESTART=1) of a " \
+        "launch that ended before it had retired the newer checkpoints it replaces" in said, said
+    assert "retired the checkpoint(s) of step(s) [8, 12]" in said, said
+    assert replacing.pending(ckpt) is None
+    now = {m.step: m.ckpt_id for m in list_manifests(ckpt)}
+    assert sorted(now) == [4, 8] and now[8] != old[8], now
+    monkeypatch.setenv("MPICKPT_RESTART", "2")
+    again = finish(start_ranks(1, "mpickpt.train", *common, "--num-batches", "8",
+                               "--resume", "4"))
+    said = again.stdout + again.stderr
+    assert "it resumes as relaunches do" in said and "resumed from checkpoint step 8 " in said \
+        and "retired" not in said, said

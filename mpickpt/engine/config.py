@@ -14,6 +14,8 @@ from mpickpt.kinds.registry import KINDS
 from mpickpt.options import (OutputError, changed_flags, check_output, int_at_least, only_applies,
                              option, positive_float, ratio)
 from mpickpt.quant.config import QuantConfig
+from mpickpt.store import replacing
+from mpickpt.store.sealed_json import DamagedRecord
 
 OVERLAP_POLICIES = ("wait", "skip")
 IO_MODES = ("direct", "buffered")
@@ -198,7 +200,9 @@ class CheckpointConfig:
         """`--resume` as this launch applies it, and what to say about it. A chosen step or
         `none` is where the job starts: a relaunch of the same command (`mpickpt-run`'s restarts,
         a requeued Slurm job) continues from the newest checkpoint instead, since going back
-        again would throw away what the failed launch trained. Local."""
+        again would throw away what the failed launch trained; unless the failed launch ended
+        before it had retired the newer checkpoints it replaces (`store.replacing`): the
+        relaunch carries the chosen start out then. Local (reads the directory's record)."""
         from mpickpt.job_variables import RESTART_VARIABLE
 
         if self.resume == "latest":
@@ -209,8 +213,19 @@ class CheckpointConfig:
                  if value.isdigit() and int(value) > 0]
         if not again:
             return self.resume, None
-        return "latest", (f"--resume {self.resume} applies to the job's first launch; this is a "
-                          f"relaunch ({', '.join(again)}): it resumes as relaunches do")
+        relaunch = f"this is a relaunch ({', '.join(again)})"
+        try:
+            under_way = replacing.pending(self.directory)
+        except (OSError, DamagedRecord) as e:
+            return "latest", (f"--resume {self.resume} applies to the job's first launch; "
+                              f"{relaunch}, and the record of whether the first launch carried "
+                              f"it out is unreadable ({e}): it resumes as relaunches do")
+        if under_way == self.resume:
+            return self.resume, (f"--resume {self.resume}: {relaunch} of a launch that ended "
+                                 f"before it had retired the newer checkpoints it replaces "
+                                 f"({replacing.path_of(self.directory)}): it starts there again")
+        return "latest", (f"--resume {self.resume} applies to the job's first launch; "
+                          f"{relaunch}: it resumes as relaunches do")
 
     @property
     def resume_step(self) -> int | None:

@@ -21,7 +21,7 @@ from mpickpt.control import MAX
 from mpickpt.checkpoint.load import committed, load_checkpoint, load_row_range
 from mpickpt.model.dense_state import dense_mismatch
 from mpickpt.engine.snapshot import numpy_dtype
-from mpickpt.store import leftovers
+from mpickpt.store import leftovers, replacing
 from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import Manifest, remove_folders, retire_after
 
@@ -85,6 +85,8 @@ class Restorer:
         start = time.perf_counter()
         manifests = self._committed()
         self._remove_leftovers(manifests)
+        if not latest and self.resume_step is not None:
+            self._record_replacing(self.resume_step, manifests)
         candidates = list(reversed(manifests)) if latest else self._candidates(manifests)
         into = None if latest else self._own_rows()
 
@@ -193,10 +195,12 @@ class Restorer:
         says so. A manifest it could not delete would make a later restore resume the replaced
         timeline: CheckpointError on every rank then. Collective (rank 0 acts, every rank
         learns the outcome)."""
-        if self.train_until is not None and start >= self.train_until:
+        if not self._trains_past(start):
             return  # nothing will be trained: nothing is replaced (e.g. digesting a checkpoint)
         outcome = None
         if self.topo.is_root:
+            if self.resume == "none":
+                self._record_replacing(0, None)
             steps, kept, folders = retire_after(self.root, start)
             if steps:
                 self.say(f"--resume {self.resume}: retired the checkpoint(s) of step(s) {steps}, "
@@ -204,12 +208,40 @@ class Restorer:
             if folders:
                 threading.Thread(target=remove_folders, args=(self.root, folders, self.say),
                                  name="mpickpt-retire", daemon=True).start()
+            if not kept:
+                try:
+                    replacing.end(self.root)
+                except OSError as e:  # a relaunch would go back to `start` and retire this run
+                    kept = [f"{replacing.path_of(self.root)}: {e.strerror or e}"]
             outcome = kept
         kept = self.topo.control.bcast(outcome, root=0)
         if kept:
             raise CheckpointError(f"--resume {self.resume}: could not retire the newer "
                                   f"checkpoint(s) of {self.root} ({'; '.join(kept)}): a later "
                                   f"restore would resume the timeline this run replaces")
+
+    def _trains_past(self, start: int) -> bool:
+        return self.train_until is None or start < self.train_until
+
+    def _record_replacing(self, start: int, manifests) -> None:
+        """Rank 0, before a chosen start's restore: record durably that the run replaces the
+        newer checkpoints (`store.replacing`), so that a relaunch after a death before
+        `_replace_newer` starts there again instead of resuming them; a stale record goes where
+        nothing is replaced. `manifests` None: assume newer ones. A record that cannot be
+        written is reported, not fatal. Local."""
+        if not self.topo.is_root:
+            return
+        replaces = self._trains_past(start) and (
+            manifests is None or any(m.step > start for m in manifests))
+        try:
+            if replaces:
+                replacing.begin(self.root, self.resume, start)
+            else:
+                replacing.end(self.root)
+        except OSError as e:
+            self.say(f"warning: could not update {replacing.path_of(self.root)} ({e}): a "
+                     f"relaunch after a failure before the newer checkpoints are retired would "
+                     f"resume them")
 
     def _drop_torn(self, torn: list[str]) -> None:
         for d in torn:

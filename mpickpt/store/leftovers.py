@@ -26,6 +26,7 @@ import shutil
 from dataclasses import dataclass
 
 _MANIFEST_TMP = re.compile(r"^\.manifest-\d{12}\.json\.tmp-(\d+)$")
+_REPLACING_TMP = re.compile(r"^\.mpickpt-replacing\.tmp-(\d+)$")  # `store.replacing`'s
 _PID_TMP = re.compile(r"\.tmp-(\d+)$")
 TEMP_SUFFIXES = (".tmp", ".reserve")
 NEXT_RUN = "the next run removes it"
@@ -60,6 +61,10 @@ def find(root: str, manifests, chains: bool = True) -> list[Leftover]:
         match = _MANIFEST_TMP.match(name)
         if match and not _alive(match.group(1)):
             out.append(_file(root, name, f"a manifest write interrupted (process "
+                                         f"{match.group(1)} is gone)"))
+        match = _REPLACING_TMP.match(name)
+        if match and not _alive(match.group(1)):
+            out.append(_file(root, name, f"a record of a chosen start interrupted (process "
                                          f"{match.group(1)} is gone)"))
     committed = {m.ckpt_id for m in manifests}
     for d in sorted(committed):

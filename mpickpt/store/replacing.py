@@ -1,0 +1,58 @@
+"""The record of a chosen start under way: a run that starts at `--resume STEP` (or `none`) under
+newer committed checkpoints replaces them, but only retires them once its restore has succeeded
+(`manifest.retire_after`). A launch that dies in between (during the restore of a large state,
+say) would leave them the newest, and its relaunch, which resumes the newest checkpoint, would
+then continue the timeline the user chose to leave.
+
+Rank 0 writes ``<root>/.mpickpt-replacing`` (a sealed JSON record: the `--resume` value and the
+step) durably before the restore, and removes it once the newer checkpoints are retired. A
+relaunch of the same command that finds it carries the chosen start out instead of resuming the
+newest checkpoint (`CheckpointConfig.resume_in_force`). Local: nothing here uses MPI.
+"""
+from __future__ import annotations
+
+import os
+
+from mpickpt.store.durable import fsync_path
+from mpickpt.store.sealed_json import DamagedRecord, dumps_sealed, read_sealed
+
+NAME = ".mpickpt-replacing"
+
+
+def path_of(root: str) -> str:
+    return os.path.join(root, NAME)
+
+
+def begin(root: str, resume: str, start: int) -> None:
+    """Record durably that a run starting at `start` (`--resume resume`) is replacing the newer
+    checkpoints of `root`. OSError when it cannot. Local (rank 0)."""
+    path = path_of(root)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(dumps_sealed({"resume": str(resume), "start": int(start)}))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(root)
+
+
+def pending(root: str) -> str | None:
+    """The `--resume` value of a replacement under way in `root`, or None. DamagedRecord naming
+    the file when it cannot be read. Local."""
+    path = path_of(root)
+    if not os.path.exists(path):
+        return None
+    record = read_sealed(path, "version", 1)
+    if not isinstance(record.get("resume"), str):
+        raise DamagedRecord(path, "no --resume value in it")
+    return record["resume"]
+
+
+def end(root: str) -> None:
+    """The replacement is carried out (or no longer wanted): remove the record durably. Local
+    (rank 0); OSError when it cannot."""
+    try:
+        os.remove(path_of(root))
+    except FileNotFoundError:
+        return
+    fsync_path(root)
