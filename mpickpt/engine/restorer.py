@@ -23,7 +23,8 @@ from mpickpt.model.dense_state import dense_mismatch
 from mpickpt.engine.snapshot import numpy_dtype
 from mpickpt.store import leftovers, replacing
 from mpickpt.store.errors import CheckpointError
-from mpickpt.store.manifest import Manifest, remove_folders, retire_after
+from mpickpt.store.manifest import (Manifest, manifest_steps, remove_folders,
+                                    retire_after)
 
 
 LOAD_ERRORS = (CheckpointError, OSError, KeyError, ValueError, RuntimeError)
@@ -86,7 +87,7 @@ class Restorer:
         manifests = self._committed()
         self._remove_leftovers(manifests)
         if not latest and self.resume_step is not None:
-            self._record_replacing(self.resume_step, manifests)
+            self._record_replacing(self.resume_step, {m.step for m in manifests})
         candidates = list(reversed(manifests)) if latest else self._candidates(manifests)
         into = None if latest else self._own_rows()
 
@@ -200,7 +201,10 @@ class Restorer:
         outcome = None
         if self.topo.is_root:
             if self.resume == "none":
-                self._record_replacing(0, None)
+                try:
+                    self._record_replacing(0, manifest_steps(self.root))
+                except OSError:
+                    pass  # retire_after reports an unreadable folder
             steps, kept, folders = retire_after(self.root, start)
             if steps:
                 self.say(f"--resume {self.resume}: retired the checkpoint(s) of step(s) {steps}, "
@@ -223,16 +227,16 @@ class Restorer:
     def _trains_past(self, start: int) -> bool:
         return self.train_until is None or start < self.train_until
 
-    def _record_replacing(self, start: int, manifests) -> None:
+    def _record_replacing(self, start: int, steps: set[int]) -> None:
         """Rank 0, before a chosen start's restore: record durably that the run replaces the
         newer checkpoints (`store.replacing`), so that a relaunch after a death before
         `_replace_newer` starts there again instead of resuming them; a stale record goes where
-        nothing is replaced. `manifests` None: assume newer ones. A record that cannot be
-        written is reported, not fatal. Local."""
+        nothing is replaced (or the chosen step is not among the committed `steps`). A record
+        that cannot be written is reported, not fatal. Local."""
         if not self.topo.is_root:
             return
-        replaces = self._trains_past(start) and (
-            manifests is None or any(m.step > start for m in manifests))
+        chosen = self.resume == "none" or start in steps
+        replaces = self._trains_past(start) and chosen and max(steps, default=-1) > start
         try:
             if replaces:
                 replacing.begin(self.root, self.resume, start)
