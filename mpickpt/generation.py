@@ -47,7 +47,10 @@ the job falls back to a relaunch."""
 
 
 TRAINING_FINISHED = "the training finished"
-"""`Rendezvous.job_over`'s reason when a member is done with the store."""
+"""`Rendezvous.job_over`'s reason when a member is done with the store after the training
+completed (`complete`)."""
+JOB_ENDED = "the job ended before its training did (a stop signal or an error)"
+"""`Rendezvous.job_over`'s reason when a member is done with the store and nobody completed."""
 
 
 @dataclass(frozen=True)
@@ -201,7 +204,8 @@ class Rendezvous:
         if why is not None:
             return JobOver("the job falls back to a relaunch: " + why, relaunch=True)
         if int(self.store.add("finished", 0)) > 0:
-            return JobOver(TRAINING_FINISHED)
+            completed = self.store.check(["member_completed"])
+            return JobOver(TRAINING_FINISHED if completed else JOB_ENDED)
         return None
 
     def fallback(self) -> str | None:
@@ -234,10 +238,13 @@ class Rendezvous:
         except (RuntimeError, OSError):
             pass
 
-    def done(self) -> None:
+    def done(self, completed: bool = False) -> None:
         """Say this process is done with the store (its host waits for everyone; a waiting
-        spare reads it as the training's end). Local; a store already gone is no error."""
+        spare reads it as the job's end), `completed`: after training to the end (else a stop
+        or an error ended it). Local; a store already gone is no error."""
         try:
+            if completed:  # before "finished": whoever reads that knows how the job ended
+                self.store.set("member_completed", "1")
             self.store.add("finished", 1)
         except (RuntimeError, OSError):
             pass
@@ -298,8 +305,9 @@ class Rendezvous:
                                    dead: str | None = None) -> int:
         """The generation a process started to replace `rank` joins: the current one if its slot
         is free, else (the dead process `dead`, "host:pid", still holds it: the survivors have
-        not moved on yet) the next one, once it starts. Raises SlotTaken when another process (a spare)
-        already holds the slot, GenerationError when the job ended meanwhile. Local."""
+        not moved on yet) the next one, once it starts. Raises SlotTaken when another process
+        (a spare) already holds the slot, GenerationError when the job ended meanwhile.
+        Local."""
         deadline = time.monotonic() + timeout_s
         told: set[int] = set()
         while True:

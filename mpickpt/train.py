@@ -386,7 +386,7 @@ def _leave(topo, status: int, finalize: bool = True) -> int:
     _ignore_death_notices()
     generation = topo.generation
     if topo.rendezvous is not None:
-        topo.rendezvous.done()
+        topo.rendezvous.done(completed=status == 0)
     # The process group is released here: a gloo group left to the interpreter's teardown can
     # abort the process ("terminate called without an active exception", exit status 6).
     topo.close()

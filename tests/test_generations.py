@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from mpickpt.control import StoreControl
-from mpickpt.generation import (TRAINING_FINISHED, GenerationError, JobOver, Rendezvous,
+from mpickpt.generation import (JOB_ENDED, TRAINING_FINISHED, GenerationError, JobOver, Rendezvous,
                                 SlotTaken, connect_store, host_store, process_identity)
 from mpickpt.interruptible import SLICE_S, GenerationAborted, Interruptible
 from mpickpt.stop_signals import StopSignals
@@ -179,7 +179,9 @@ def test_a_dead_ranks_slot_goes_to_exactly_one_claimer_and_the_others_serve_as_s
     with pytest.raises(SlotTaken, match="taken by node"):  # the respawn of rank 1 lost
         rv.generation_for_replacement(1, 5, dead=dead)
     assert rv.job_over() is None
-    store.add("finished", 1)
+    rv.done()  # a member stopped (a stop signal, an error): no training finished
+    assert rv.job_over() == JobOver(JOB_ENDED, relaunch=False)
+    rv.done(completed=True)
     assert rv.job_over() == JobOver(TRAINING_FINISHED, relaunch=False)
     with pytest.raises(SlotTaken, match="not needed any more"):
         rv.generation_for_replacement(0, 5, dead=dead)

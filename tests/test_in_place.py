@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from mpickpt.exit_codes import EXIT_SAVED
 from mpickpt.store.manifest import list_manifests
 from tests.fault_jobs import (OPEN_MPI_ARGS, Job, alive, digest_in, mpickpt_run, open_mpi_skip,
                               rank_of)
@@ -195,6 +196,33 @@ def test_an_idle_spare_leaves_when_the_training_finishes(tmp_path):
     assert code == 0 and "spare: leaving: the training finished" in job.output, job.output
     assert time.monotonic() - started < 45, job.output
 
+
+
+def test_an_idle_spare_told_the_job_ended_by_a_stop_does_not_say_the_training_finished(tmp_path):
+    """A stop sent to the trainers only (a scheduler's signal to the job's steps, a user's kill
+    of the trainers): they save, commit and leave; the spare (the last launcher rank) leaves
+    then too, saying the job ended before its training did."""
+    import signal
+
+    job = Job(mpickpt_run("-n", "2", "--", "--num-batches", "100000", "--mini-batch-size", "64",
+                          "--print-freq", "1", "--test-num-batches", "0", "--spares", "1",
+                          "--ckpt-dir", str(tmp_path / "ckpt")))
+    try:
+        assert job.wait_for_line("spare: waiting", 60) and job.wait_for_step(3, 60), job.output
+        trainers = [p for p, cmd in descendants(job.proc.pid)
+                    if "-m mpickpt.train" in cmd and "rank_wrapper" not in cmd]
+        assert sorted(map(rank_of, trainers)) == [0, 1, 2], (trainers, job.output)
+        for pid in trainers:
+            if rank_of(pid) < 2:
+                os.kill(pid, signal.SIGTERM)
+        code = job.wait(60)
+    finally:
+        job.stop()
+    out = job.output
+    assert re.search(r"stopping on SIGTERM after step \d+: checkpoint step \d+ committed", out), out
+    assert "spare: leaving: the job ended before its training did (a stop signal or an error)" \
+        in out and "the training finished" not in out, out
+    assert code == EXIT_SAVED, out  # requeue me
 
 def test_spares_with_in_place_off_are_refused_before_training(tmp_path):
     job = Job(mpickpt_run("-n", "2", "--", "--num-batches", "5", "--spares", "1",
