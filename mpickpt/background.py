@@ -59,18 +59,23 @@ class WorkerStartError(RuntimeError):
     """A background process died, or hung, before it could serve: the message says why."""
 
 
+GONE = (EOFError, BrokenPipeError, ConnectionResetError)
+"""What the pipe raises once the rank at its other end is gone (killed)."""
+
+
 def serve(conn, handle) -> None:
     """Say READY, then answer each job received on `conn` with `handle(job)` until None or a
-    closed pipe. Local."""
-    conn.send(READY)
-    while True:
-        try:
+    closed pipe. A rank gone meanwhile (killed: its pipe is closed or reset) ends the loop
+    quietly, with no traceback. Local."""
+    try:
+        conn.send(READY)
+        while True:
             job = conn.recv()
-        except EOFError:
-            return
-        if job is None:
-            return
-        conn.send(handle(job))
+            if job is None:
+                return
+            conn.send(handle(job))
+    except GONE:
+        return
 
 
 HDF5_IO_DETAIL = re.compile(r"\(([^()]*?)(?:: time = [^()]*?)?error message = '([^']*)'[^()]*\)",

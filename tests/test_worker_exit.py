@@ -31,3 +31,31 @@ def test_exit_hooks_kill_a_running_worker_instead_of_waiting_for_it(tmp_path):
     pid, done = out.stdout.split()[0], out.stdout.splitlines()[-1]
     assert done == "hooks done" and time.monotonic() - start < 30, out.stdout
     assert subprocess.run(["kill", "-0", pid], capture_output=True).returncode != 0
+
+
+def test_a_worker_whose_rank_is_gone_ends_its_loop_quietly():
+    """`serve` with the rank's end of the pipe closed while a job ran (the rank was killed):
+    the answer finds no reader, and the loop ends without raising (multiprocessing would print
+    the worker's name and a traceback as the job ends: the stray line seen after a SIGKILL)."""
+    from multiprocessing import Pipe
+
+    from mpickpt.background import READY, serve
+
+    rank, worker = Pipe()
+    rank.send({"job": 1})
+    handled = []
+
+    def handle(job):
+        handled.append(job)
+        rank.close()  # the rank dies while its worker writes
+        return {"ok": True}
+
+    serve(worker, handle)  # returns: no BrokenPipeError
+    assert handled == [{"job": 1}]
+    rank, worker = Pipe()
+    rank.close()
+    serve(worker, handle)  # gone before READY: returns too
+    rank, worker = Pipe()
+    rank.send(None)
+    serve(worker, handle)  # the rank's None: the normal end
+    assert rank.recv() == READY and handled == [{"job": 1}]
