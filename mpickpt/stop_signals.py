@@ -19,6 +19,8 @@ import time
 from mpickpt.exit_codes import EXIT_SAVE_FAILED, EXIT_SAVED  # noqa: F401 (its outcomes)
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+_DEFAULTS = {signal.SIGINT: signal.default_int_handler}
+"""Python's own dispositions at start where they are not SIG_DFL (Ctrl-C: KeyboardInterrupt)."""
 NOTICES_VARIABLE = "MPICKPT_SIGUSR1_NOTICES"
 """Set by `mpickpt-run` to "0" where the launcher sends no SIGUSR1 death notices (srun, Open
 MPI): every SIGUSR1 is then a stop (Slurm's `--signal=USR1@T` before the time limit), never
@@ -48,10 +50,15 @@ class StopSignals:
         self.muted: list[float] = []
         """Arrival times (perf_counter) of the SIGUSR1s taken for a launcher's death notice."""
 
-    def install(self) -> "StopSignals":
-        """Take over the stop signals (main thread only). Local."""
+    def install(self, restore_defaults: bool = False) -> "StopSignals":
+        """Take over the stop signals (main thread only). `restore_defaults`: `uninstall`
+        gives back the default dispositions instead of the ones found (a replacement is born
+        ignoring them; the handlers replace SIG_IGN directly, with no moment at the defaults
+        when a stop would kill it). Local."""
         for sig in SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
+            found = signal.signal(sig, self._handle)
+            self._previous[sig] = _DEFAULTS.get(sig, signal.SIG_DFL) if restore_defaults \
+                else found
         return self
 
     def mute_death_notices(self, seconds: float, looking_back: float = 2.0) -> None:

@@ -211,13 +211,9 @@ def replacement_main(argv=None) -> int:
     from mpickpt.topology import Topology, choose_backend, local_rank_from_env
     from mpickpt.train_flags import TrainConfig
 
-    import signal
-
-    # born ignoring them (`rank_wrapper._replacement_start`): the defaults go back first, or
-    # the handlers' removal at the end would leave them ignored
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signals = StopSignals().install()
+    # born ignoring them (`rank_wrapper._replacement_start`): the handlers replace SIG_IGN
+    # at once, and their removal at the end gives back the defaults, not SIG_IGN
+    signals = StopSignals().install(restore_defaults=True)
     signals.mute_death_notices(60.0)  # hydra's notices of the death this process answers
     slot, size, dead = (os.environ[REPLACES_VARIABLE].split("/") + [""])[:3]
     config = TrainConfig.from_args(argv)  # the flags the job started with: already checked

@@ -53,7 +53,8 @@ def test_a_dead_standby_is_not_handed_the_rank():
 def test_a_replacement_is_born_ignoring_the_stop_signals_until_it_takes_them():
     """A stop sent to the job while a replacement's interpreter starts must not kill it (its
     agent would take that for a crash and replace it again): SIGTERM, SIGINT and SIGUSR1 are
-    ignored from exec until `StopSignals` installs its handlers, which then take them."""
+    ignored from exec until `StopSignals` installs its handlers, which then take them, and
+    give back the defaults when removed (SIGUSR1 stays ignored, hydra's notices)."""
     import signal
     import subprocess
 
@@ -63,10 +64,14 @@ def test_a_replacement_is_born_ignoring_the_stop_signals_until_it_takes_them():
             "from mpickpt.stop_signals import StopSignals\n"
             "print(open('/proc/self/status').read().split('SigIgn:')[1].split()[0], flush=True)\n"
             "sys.stdin.readline()\n"  # a stop arrives here, before any handler: ignored
-            "s = StopSignals().install()\n"
+            "s = StopSignals().install(restore_defaults=True)\n"
             "os.kill(os.getpid(), signal.SIGTERM)\n"
             "time.sleep(0.2)\n"
-            "print(s.received, flush=True)\n")
+            "print(s.received, flush=True)\n"
+            "s.uninstall()\n"  # the defaults come back, not the SIG_IGN it was born with
+            "print(signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,\n"
+            "      signal.getsignal(signal.SIGINT) is signal.default_int_handler,\n"
+            "      signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN, flush=True)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, preexec_fn=_replacement_start)
     ignored = int(proc.stdout.readline(), 16)
@@ -74,4 +79,5 @@ def test_a_replacement_is_born_ignoring_the_stop_signals_until_it_takes_them():
         assert ignored >> (sig - 1) & 1, (sig, hex(ignored))
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate("go\n", timeout=30)
-    assert proc.returncode == 0 and out.strip() == "SIGTERM", (proc.returncode, out)
+    assert proc.returncode == 0 and out.split("\n")[:2] == ["SIGTERM", "True True True"], \
+        (proc.returncode, out)
