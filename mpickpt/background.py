@@ -67,15 +67,24 @@ def serve(conn, handle) -> None:
     """Say READY, then answer each job received on `conn` with `handle(job)` until None or a
     closed pipe. A rank gone meanwhile (killed: its pipe is closed or reset) ends the loop
     quietly, with no traceback. Local."""
-    try:
-        conn.send(READY)
-        while True:
-            job = conn.recv()
-            if job is None:
-                return
-            conn.send(handle(job))
-    except GONE:
+    if not _send(conn, READY):
         return
+    while True:
+        try:
+            job = conn.recv()
+        except GONE:
+            return
+        if job is None or not _send(conn, handle(job)):
+            return
+
+
+def _send(conn, message) -> bool:
+    """Whether `message` went; False when the rank is gone. Local."""
+    try:
+        conn.send(message)
+        return True
+    except GONE:
+        return False
 
 
 HDF5_IO_DETAIL = re.compile(r"\(([^()]*?)(?:: time = [^()]*?)?error message = '([^']*)'[^()]*\)",

@@ -117,6 +117,8 @@ def _start(config, error, signals, watch):
     error = _agree_on_error(comm, error)
     if error:
         return _fail(comm, error)
+    if comm.Get_rank() == 0:
+        _record_chosen_start(config)
     watch.phase("forming the process groups")
     topo = Topology.from_mpi(comm, backend=config.run.backend, spares=config.recovery.spares)
     if not isinstance(topo, Topology):  # a spare: nothing to build until it takes a rank
@@ -130,6 +132,22 @@ def _start(config, error, signals, watch):
         return topo, Trainer(topo, config, signals=signals)
     except CheckpointError as e:  # every rank agreed on it inside restore()
         return _fail(comm, str(e))
+
+
+def _record_chosen_start(config) -> None:
+    """Rank 0, flags agreed: a first launch's chosen start over newer checkpoints is recorded
+    now (`store.replacing.provisional`), so that a relaunch after a failure anywhere in the
+    start-up (groups, model, writers, restore) starts there again. Local."""
+    import os
+
+    from mpickpt.store import replacing
+
+    ckpt = config.checkpoint
+    if ckpt is None or ckpt.resume_in_force(os.environ)[1] is not None:
+        return  # no checkpoints, or a relaunch: its restore decides
+    warning = replacing.provisional(ckpt.directory, str(ckpt.resume), config.num_batches)
+    if warning:
+        print(f"mpickpt-train: warning: {warning}", file=sys.stderr, flush=True)
 
 
 def _train(topo, trainer) -> int:

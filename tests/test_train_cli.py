@@ -126,32 +126,30 @@ def test_a_run_that_goes_back_replaces_the_later_checkpoints_of_the_run_before(t
 
 
 def test_a_relaunch_carries_out_a_chosen_start_its_first_launch_did_not(tmp_path, monkeypatch):
-    """A first launch with --resume STEP records that it replaces the newer checkpoints before
-    its restore (`store.replacing`) and retires them only after it: one that ends in between
-    (here its restore fails on a damaged file) leaves them and the record. The relaunch of the
+    """A first launch with --resume STEP records that it replaces the newer checkpoints as soon
+    as its flags are agreed (`store.replacing`) and retires them only after its restore: one
+    that ends in between (here its model cannot be built: 90G rows) leaves them and the record,
+    and so does a run that trains nothing past the step (a look at it). The relaunch of the
     same command then starts at the chosen step again, not at the newest checkpoint of the
     timeline the user left, and the record goes with the retirement; a later relaunch resumes
     the new timeline."""
-    import shutil
-
+    from mpickpt.exit_codes import EXIT_STARTUP_FAILED
     from mpickpt.store import replacing
 
     ckpt = str(tmp_path / "ckpt")
     common = (*SMALL, "--ckpt-dir", ckpt, "--ckpt-interval", "4", "--ckpt-kind", "consecutive")
     first = finish(start_ranks(1, "mpickpt.train", *common, "--num-batches", "12"))
     old = {m.step: m.ckpt_id for m in list_manifests(ckpt)}
-    assert sorted(old) == [4, 8, 12], first.stdout + first.stderr
-    shard = next(os.path.join(ckpt, old[4], n) for n in sorted(os.listdir(os.path.join(
-        ckpt, old[4]))) if n.endswith(".h5") and "dense" not in n)
-    shutil.copy(shard, tmp_path / "kept.h5")
-    with open(shard, "r+b") as f:
-        f.truncate(os.path.getsize(shard) // 2)
+    assert sorted(old) == [4, 8, 12] and replacing.pending(ckpt) is None, first.stdout
     failed = finish(start_ranks(1, "mpickpt.train", *common, "--num-batches", "8",
-                                "--resume", "4"))
-    assert failed.returncode != 0 and "checkpoint step 4" in failed.stdout + failed.stderr
+                                "--resume", "4", "--arch-embedding-size", "90000000000-50"))
+    assert failed.returncode == EXIT_STARTUP_FAILED, failed.stderr
+    assert "startup failed in building the model" in failed.stderr
     assert replacing.pending(ckpt) == "4" and sorted(m.step for m in list_manifests(ckpt)) == \
         [4, 8, 12]
-    shutil.copy(tmp_path / "kept.h5", shard)
+    look = finish(start_ranks(1, "mpickpt.train", *common, "--num-batches", "4", "--resume", "4"))
+    assert "nothing left to train" in look.stdout and replacing.pending(ckpt) == "4", \
+        look.stdout  # a run that trains nothing replaces nothing and leaves the record alone
     monkeypatch.setenv("MPICKPT_RESTART", "1")
     back = finish(start_ranks(1, "mpickpt.train", *common, "--num-batches", "8",
                               "--resume", "4"))

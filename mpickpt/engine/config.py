@@ -220,7 +220,7 @@ class CheckpointConfig:
             return "latest", (f"--resume {self.resume} applies to the job's first launch; "
                               f"{relaunch}, and the record of whether the first launch carried "
                               f"it out is unreadable ({e}): it resumes as relaunches do")
-        if under_way == self.resume:
+        if under_way == str(self.resume):
             return self.resume, (f"--resume {self.resume}: {relaunch} of a launch that ended "
                                  f"before it had retired the newer checkpoints it replaces "
                                  f"({replacing.path_of(self.directory)}): it starts there again")

@@ -229,16 +229,18 @@ class Restorer:
 
     def _record_replacing(self, start: int, steps: set[int]) -> None:
         """Rank 0, before a chosen start's restore: record durably that the run replaces the
-        newer checkpoints (`store.replacing`), so that a relaunch after a death before
-        `_replace_newer` starts there again instead of resuming them; a stale record goes where
-        nothing is replaced (or the chosen step is not among the committed `steps`). A record
-        that cannot be written is reported, not fatal. Local."""
-        if not self.topo.is_root:
+        newer checkpoints (`store.replacing`; the trainer wrote a provisional record already,
+        before its slow start-up), so that a relaunch after a death before `_replace_newer`
+        starts there again instead of resuming them; a stale record goes where nothing newer
+        is committed or the chosen step is absent (a damaged chosen manifest keeps it). A run
+        that trains nothing leaves the record as it is. One that cannot be written is
+        reported, not fatal. Local."""
+        if not self.topo.is_root or not self._trains_past(start):
             return
-        chosen = self.resume == "none" or start in steps
-        replaces = self._trains_past(start) and chosen and max(steps, default=-1) > start
+        chosen = self.resume == "none" or start in steps or start in self.damaged
+        newer = max(steps | set(self.damaged), default=-1) > start
         try:
-            if replaces:
+            if chosen and newer:
                 replacing.begin(self.root, self.resume, start)
             else:
                 replacing.end(self.root)

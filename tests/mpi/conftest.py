@@ -6,21 +6,28 @@ import tempfile
 import pytest
 
 
-
 def pytest_runtest_logreport(report):
     """A test that fails on one rank of a multi-rank job prints its failure and aborts the job:
     the other ranks would otherwise wait for it at their next collective until their timeouts,
     and the job would end in a wall of timeout stacks that hide the one failure. Local."""
+    if report.failed:
+        _abort_the_job(f"{report.nodeid} failed ({report.when})", report.longreprtext)
+
+
+def _abort_the_job(what: str, detail: str) -> None:
+    """Print `what` and `detail`, then MPI_Abort, where MPI runs on more than one rank (the
+    serial run, which collects these tests too, is left alone). Local."""
     mpi = sys.modules.get("mpi4py.MPI")
-    if not report.failed or mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
         return
     world = mpi.COMM_WORLD
     if world.Get_size() < 2:
         return
-    sys.stderr.write(f"\n[rank {world.Get_rank()} of {world.Get_size()}] {report.nodeid} failed "
-                     f"({report.when}), aborting the job:\n{report.longreprtext}\n")
+    sys.stderr.write(f"\n[rank {world.Get_rank()} of {world.Get_size()}] {what}, aborting the "
+                     f"job:\n{detail}\n")
     sys.stderr.flush()
     world.Abort(1)
+
 
 @pytest.fixture
 def comm():
