@@ -67,7 +67,26 @@ def cmd_ls(args) -> int:
         ranks = "-" if r["world_size"] is None else r["world_size"]
         print(f"{step:>12}  {r['kind'] or '-':<6} {ranks:>5} {r['files']:>5} "
               f"{r['bytes'] / 1e6:>9.2f}  {r['status']}")
+    under_way = replacing_note(args.dir)
+    if under_way:
+        print(f"note: {under_way}")
     return 0
+
+
+def replacing_note(root: str) -> str | None:
+    """What `ls` says of a chosen start under way (`store.replacing`), or None. Local."""
+    from mpickpt.store import replacing
+    from mpickpt.store.sealed_json import DamagedRecord
+
+    try:
+        resume = replacing.pending(root)
+    except (OSError, DamagedRecord) as e:
+        return f"{replacing.path_of(root)}: unreadable ({e}); a relaunch resumes the newest"
+    if resume is None:
+        return None
+    return (f"a launch with --resume {resume} ended before it had retired the checkpoints "
+            f"past its start ({replacing.path_of(root)}): a relaunch of the same command "
+            f"starts there again and retires them")
 
 
 def cmd_inspect(args) -> int:

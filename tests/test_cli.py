@@ -476,6 +476,14 @@ def test_a_relaunch_reads_whether_its_first_launch_carried_its_chosen_start_out(
         replacing.pending(root)
     resume, note = chosen.resume_in_force(again)
     assert resume == "latest" and "is unreadable" in note and replacing.NAME in note, note
+    listed = cli("ls", root).stdout
+    assert listed.splitlines()[-1].startswith(f"note: {replacing.path_of(root)}: unreadable ("), \
+        listed
+    replacing.begin(root, "400", 400)
+    assert cli("ls", root).stdout.splitlines()[-1] == (
+        f"note: a launch with --resume 400 ended before it had retired the checkpoints past its "
+        f"start ({replacing.path_of(root)}): a relaunch of the same command starts there again "
+        f"and retires them")
 
 
 def test_a_first_launch_records_its_chosen_start_before_its_slow_start_up(tmp_path):
