@@ -136,7 +136,7 @@ def _start(config, error, signals, watch):
 
 def _record_chosen_start(config) -> None:
     """Rank 0, flags agreed: a first launch's chosen start over newer checkpoints is recorded
-    now (`store.replacing.provisional`), so that a relaunch after a failure anywhere in the
+    now (`store.replacing.settle`), so that a relaunch after a failure anywhere in the
     start-up (groups, model, writers, restore) starts there again. Local."""
     import os
 
@@ -145,7 +145,7 @@ def _record_chosen_start(config) -> None:
     ckpt = config.checkpoint
     if ckpt is None or ckpt.resume_in_force(os.environ)[1] is not None:
         return  # no checkpoints, or a relaunch: its restore decides
-    warning = replacing.provisional(ckpt.directory, str(ckpt.resume), config.num_batches)
+    warning = replacing.settle(ckpt.directory, str(ckpt.resume), config.num_batches)
     if warning:
         print(f"mpickpt-train: warning: {warning}", file=sys.stderr, flush=True)
 

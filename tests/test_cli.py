@@ -487,7 +487,7 @@ def test_a_relaunch_reads_whether_its_first_launch_carried_its_chosen_start_out(
 
 
 def test_a_first_launch_records_its_chosen_start_before_its_slow_start_up(tmp_path):
-    """`replacing.provisional` (rank 0, flags agreed): recorded where the chosen step is
+    """`replacing.settle` (rank 0, flags agreed): recorded where the chosen step is
     committed (its manifest named, readable or not) under newer ones and the run trains past
     it; 'none' under any; not for 'latest', a missing step, nothing newer, or a run that
     trains nothing."""
@@ -499,12 +499,12 @@ def test_a_first_launch_records_its_chosen_start_before_its_slow_start_up(tmp_pa
         with open(manifest_path(root, step), "w") as f:
             f.write("{damaged")  # only the names count here
     for resume, until in (("latest", 100), ("5", 100), ("8", 100), ("4", 4)):
-        assert replacing.provisional(root, resume, until) is None
+        assert replacing.settle(root, resume, until) is None
         assert replacing.pending(root) is None, (resume, until)
-    assert replacing.provisional(root, "4", 5) is None and replacing.pending(root) == "4"
+    assert replacing.settle(root, "4", 5) is None and replacing.pending(root) == "4"
     replacing.end(root)
-    assert replacing.provisional(root, "none", 1) is None and replacing.pending(root) == "none"
+    assert replacing.settle(root, "none", 1) is None and replacing.pending(root) == "none"
     replacing.end(root)
     os.mkdir(replacing.path_of(root))  # the record cannot replace a folder: a warning, no error
-    assert replacing.provisional(root, "none", 9).startswith(
+    assert replacing.settle(root, "none", 9).startswith(
         f"could not write {replacing.path_of(root)} (")

@@ -23,8 +23,7 @@ from mpickpt.model.dense_state import dense_mismatch
 from mpickpt.engine.snapshot import numpy_dtype
 from mpickpt.store import leftovers, replacing
 from mpickpt.store.errors import CheckpointError
-from mpickpt.store.manifest import (Manifest, manifest_steps, remove_folders,
-                                    retire_after)
+from mpickpt.store.manifest import Manifest, remove_folders, retire_after
 
 
 LOAD_ERRORS = (CheckpointError, OSError, KeyError, ValueError, RuntimeError)
@@ -87,7 +86,7 @@ class Restorer:
         manifests = self._committed()
         self._remove_leftovers(manifests)
         if not latest and self.resume_step is not None:
-            self._record_replacing(self.resume_step, {m.step for m in manifests})
+            self._record_replacing()
         candidates = list(reversed(manifests)) if latest else self._candidates(manifests)
         into = None if latest else self._own_rows()
 
@@ -196,15 +195,12 @@ class Restorer:
         says so. A manifest it could not delete would make a later restore resume the replaced
         timeline: CheckpointError on every rank then. Collective (rank 0 acts, every rank
         learns the outcome)."""
-        if not self._trains_past(start):
+        if self.train_until is not None and start >= self.train_until:
             return  # nothing will be trained: nothing is replaced (e.g. digesting a checkpoint)
         outcome = None
         if self.topo.is_root:
             if self.resume == "none":
-                try:
-                    self._record_replacing(0, manifest_steps(self.root))
-                except OSError:
-                    pass  # retire_after reports an unreadable folder
+                self._record_replacing()
             steps, kept, folders = retire_after(self.root, start)
             if steps:
                 self.say(f"--resume {self.resume}: retired the checkpoint(s) of step(s) {steps}, "
@@ -224,30 +220,17 @@ class Restorer:
                                   f"checkpoint(s) of {self.root} ({'; '.join(kept)}): a later "
                                   f"restore would resume the timeline this run replaces")
 
-    def _trains_past(self, start: int) -> bool:
-        return self.train_until is None or start < self.train_until
-
-    def _record_replacing(self, start: int, steps: set[int]) -> None:
-        """Rank 0, before a chosen start's restore: record durably that the run replaces the
-        newer checkpoints (`store.replacing`; the trainer wrote a provisional record already,
-        before its slow start-up), so that a relaunch after a death before `_replace_newer`
-        starts there again instead of resuming them; a stale record goes where nothing newer
-        is committed or the chosen step is absent (a damaged chosen manifest keeps it). A run
-        that trains nothing leaves the record as it is. One that cannot be written is
-        reported, not fatal. Local."""
-        if not self.topo.is_root or not self._trains_past(start):
+    def _record_replacing(self) -> None:
+        """Rank 0, before a chosen start's restore: settle the record that the run replaces the
+        newer checkpoints (`store.replacing.settle`; the trainer wrote it already, before its
+        slow start-up), so that a relaunch after a death before `_replace_newer` starts there
+        again instead of resuming them. A record that cannot be written is reported, not
+        fatal. Local."""
+        if not self.topo.is_root:
             return
-        chosen = self.resume == "none" or start in steps or start in self.damaged
-        newer = max(steps | set(self.damaged), default=-1) > start
-        try:
-            if chosen and newer:
-                replacing.begin(self.root, self.resume, start)
-            else:
-                replacing.end(self.root)
-        except OSError as e:
-            self.say(f"warning: could not update {replacing.path_of(self.root)} ({e}): a "
-                     f"relaunch after a failure before the newer checkpoints are retired would "
-                     f"resume them")
+        warning = replacing.settle(self.root, self.resume, self.train_until)
+        if warning:
+            self.say(f"warning: {warning}")
 
     def _drop_torn(self, torn: list[str]) -> None:
         for d in torn:

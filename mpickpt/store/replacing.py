@@ -5,11 +5,11 @@ say) would leave them the newest, and its relaunch, which resumes the newest che
 then continue the timeline the user chose to leave.
 
 Rank 0 writes ``<root>/.mpickpt-replacing`` (a sealed JSON record: the `--resume` value and the
-step) durably as soon as the launch's flags are agreed (`provisional`: before the groups, the
-model and the writers, whose start can fail too), checks it again at the restore, and removes it
-once the newer checkpoints are retired. A
-relaunch of the same command that finds it carries the chosen start out instead of resuming the
-newest checkpoint (`CheckpointConfig.resume_in_force`). Local: nothing here uses MPI.
+step) durably as soon as the launch's flags are agreed (`settle`: before the groups, the model
+and the writers, whose start can fail too), settles it again at the restore, and removes it once
+the newer checkpoints are retired. A relaunch of the same command that finds it carries the
+chosen start out instead of resuming the newest checkpoint (`CheckpointConfig.resume_in_force`).
+Local: nothing here uses MPI.
 """
 from __future__ import annotations
 
@@ -60,21 +60,26 @@ def end(root: str) -> None:
     fsync_path(root)
 
 
-def provisional(root: str, resume: str, train_until: int) -> str | None:
-    """Rank 0 of a job's first launch, as soon as its flags are agreed: `begin` where
-    `--resume resume` (a step or 'none') would replace newer checkpoints (named by their
-    manifest files, readable or not) of a run that trains to `train_until`; the restore checks
-    it again. Returns a warning when the record cannot be written, else None. Local."""
+def settle(root: str, resume: str, train_until: int | None) -> str | None:
+    """Rank 0, before a chosen start's restore (at the launch's start, and again at the
+    restore): `begin` where `--resume resume` (a step or 'none') replaces newer checkpoints of
+    `root` (named by their manifest files, readable or not; the chosen step's must be there)
+    in a run that trains to `train_until` (None: past any step), else `end` a stale record; a
+    run that trains nothing past its start leaves the record as it is. Returns a warning when
+    the record cannot be written, else None. Local."""
     from mpickpt.store.manifest import manifest_steps
 
     if resume == "latest":
         return None
     start = 0 if resume == "none" else int(resume)
+    if train_until is not None and start >= train_until:
+        return None
     try:
         steps = manifest_steps(root)
-        if start < train_until and max(steps, default=-1) > start \
-                and (resume == "none" or start in steps):
+        if (resume == "none" or start in steps) and max(steps, default=-1) > start:
             begin(root, resume, start)
+        else:
+            end(root)
     except OSError as e:
         return (f"could not write {path_of(root)} ({e}): a relaunch after a failure before "
                 f"the newer checkpoints are retired would resume them")
