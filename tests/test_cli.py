@@ -490,7 +490,8 @@ def test_a_first_launch_records_its_chosen_start_before_its_slow_start_up(tmp_pa
     """`replacing.settle` (rank 0, flags agreed): recorded where the chosen step is
     committed (its manifest named, readable or not) under newer ones and the run trains past
     it; 'none' under any; not for 'latest', a missing step, nothing newer, or a run that
-    trains nothing."""
+    trains nothing (which leaves a record as it is, where a launch that replaces nothing
+    removes a stale one)."""
     from mpickpt.store import replacing
     from mpickpt.store.manifest import manifest_path
 
@@ -502,7 +503,8 @@ def test_a_first_launch_records_its_chosen_start_before_its_slow_start_up(tmp_pa
         assert replacing.settle(root, resume, until) is None
         assert replacing.pending(root) is None, (resume, until)
     assert replacing.settle(root, "4", 5) is None and replacing.pending(root) == "4"
-    replacing.end(root)
+    assert replacing.settle(root, "4", 4) is None and replacing.pending(root) == "4"  # left
+    assert replacing.settle(root, "5", 100) is None and replacing.pending(root) is None  # stale
     assert replacing.settle(root, "none", 1) is None and replacing.pending(root) == "none"
     replacing.end(root)
     os.mkdir(replacing.path_of(root))  # the record cannot replace a folder: a warning, no error

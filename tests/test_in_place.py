@@ -197,7 +197,6 @@ def test_an_idle_spare_leaves_when_the_training_finishes(tmp_path):
     assert time.monotonic() - started < 45, job.output
 
 
-
 def test_an_idle_spare_told_the_job_ended_by_a_stop_does_not_say_the_training_finished(tmp_path):
     """A stop sent to the trainers only (a scheduler's signal to the job's steps, a user's kill
     of the trainers): they save, commit and leave; the spare (the last launcher rank) leaves
@@ -209,8 +208,7 @@ def test_an_idle_spare_told_the_job_ended_by_a_stop_does_not_say_the_training_fi
                           "--ckpt-dir", str(tmp_path / "ckpt")))
     try:
         assert job.wait_for_line("spare: waiting", 60) and job.wait_for_step(3, 60), job.output
-        trainers = [p for p, cmd in descendants(job.proc.pid)
-                    if "-m mpickpt.train" in cmd and "rank_wrapper" not in cmd]
+        trainers = job.ranks()
         assert sorted(map(rank_of, trainers)) == [0, 1, 2], (trainers, job.output)
         for pid in trainers:
             if rank_of(pid) < 2:
@@ -223,6 +221,7 @@ def test_an_idle_spare_told_the_job_ended_by_a_stop_does_not_say_the_training_fi
     assert "spare: leaving: the job ended before its training did (a stop signal or an error)" \
         in out and "the training finished" not in out, out
     assert code == EXIT_SAVED, out  # requeue me
+
 
 def test_spares_with_in_place_off_are_refused_before_training(tmp_path):
     job = Job(mpickpt_run("-n", "2", "--", "--num-batches", "5", "--spares", "1",
