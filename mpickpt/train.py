@@ -143,7 +143,7 @@ def _record_chosen_start(config) -> None:
     from mpickpt.store import replacing
 
     ckpt = config.checkpoint
-    if ckpt is None or ckpt.resume_in_force(os.environ)[1] is not None:
+    if ckpt is None or ckpt.resume_in_force(os.environ, config.num_batches)[1] is not None:
         return  # no checkpoints, or a relaunch: its restore decides
     warning = replacing.settle(ckpt.directory, str(ckpt.resume), config.num_batches)
     if warning:

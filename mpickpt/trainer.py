@@ -69,7 +69,7 @@ class Trainer:
         if config.checkpoint is not None:
             self.ckpt = CheckpointManager(topo, config.checkpoint, self.model, self.log.say,
                                           self.split)
-            resume, note = config.checkpoint.resume_in_force(os.environ)
+            resume, note = config.checkpoint.resume_in_force(os.environ, config.num_batches)
             if not topo.replacement:  # rank 0's reading of the launch, on every rank
                 resume, note = topo.control.bcast((resume, note), root=0)
                 if note:

@@ -447,6 +447,12 @@ def test_a_chosen_resume_applies_to_the_first_launch_only():
     assert none.resume_in_force({"SLURM_RESTART_COUNT": "1"})[0] == "latest"
     assert CheckpointConfig(directory="/tmp/x").resume_in_force({"MPICKPT_RESTART": "3"}) == \
         ("latest", None)
+    # a run that trains nothing past its chosen step (a digest of it) replaces nothing
+    assert chosen.resume_in_force({"MPICKPT_RESTART": "1"}, train_until=400) == (
+        "400", "--resume 400: this is a relaunch (MPICKPT_RESTART=1) of a run that trains "
+               "nothing past step 400 (its last step is 400): it starts there again")
+    assert chosen.resume_in_force({"MPICKPT_RESTART": "1"}, train_until=401)[0] == "latest"
+    assert none.resume_in_force({"MPICKPT_RESTART": "1"}, train_until=0)[0] == "latest"
 
 
 def test_a_relaunch_reads_whether_its_first_launch_carried_its_chosen_start_out(tmp_path):

@@ -166,3 +166,8 @@ def test_a_relaunch_carries_out_a_chosen_start_its_first_launch_did_not(tmp_path
     said = again.stdout + again.stderr
     assert "it resumes as relaunches do" in said and "resumed from checkpoint step 8 " in said \
         and "retired" not in said, said
+    monkeypatch.setenv("MPICKPT_RESTART", "3")  # a relaunched look at step 4 looks at step 4
+    look = finish(start_ranks(1, "mpickpt.train", *common, "--num-batches", "4", "--resume", "4"))
+    said = look.stdout + look.stderr
+    assert "trains nothing past step 4" in said and "resumed from checkpoint step 4 " in said, \
+        said

@@ -196,13 +196,16 @@ class CheckpointConfig:
         """The interval given as a number, or None (default or planned). Local."""
         return self.interval if isinstance(self.interval, int) else None
 
-    def resume_in_force(self, environ) -> tuple[str, str | None]:
+    def resume_in_force(self, environ, train_until: int | None = None
+                        ) -> tuple[str, str | None]:
         """`--resume` as this launch applies it, and what to say about it. A chosen step or
         `none` is where the job starts: a relaunch of the same command (`mpickpt-run`'s restarts,
         a requeued Slurm job) continues from the newest checkpoint instead, since going back
         again would throw away what the failed launch trained; unless the failed launch ended
-        before it had retired the newer checkpoints it replaces (`store.replacing`): the
-        relaunch carries the chosen start out then. Local (reads the directory's record)."""
+        before it had retired the newer checkpoints it replaces (`store.replacing`), or the run
+        trains nothing past its chosen step (`train_until`, the run's last step: a digest or an
+        evaluation of that step): the relaunch starts there again then. Local (reads the
+        directory's record)."""
         from mpickpt.job_variables import RESTART_VARIABLE
 
         if self.resume == "latest":
@@ -214,6 +217,11 @@ class CheckpointConfig:
         if not again:
             return self.resume, None
         relaunch = f"this is a relaunch ({', '.join(again)})"
+        step = self.resume_step
+        if step is not None and train_until is not None and step >= train_until:
+            return self.resume, (f"--resume {self.resume}: {relaunch} of a run that trains "
+                                 f"nothing past step {step} (its last step is {train_until}): "
+                                 f"it starts there again")
         try:
             under_way = replacing.pending(self.directory)
         except (OSError, DamagedRecord) as e:
