@@ -198,3 +198,44 @@ def test_stale_segments_of_any_run_go_once_unheld_and_older_than_the_grace(tmp_p
         holder.wait()
     assert remove_stale(str(tmp_path)) == ["mpich_shm_beef_0"]
     assert remove_stale(str(tmp_path), grace_s=0.0) == ["mpich_shm_cafe_0"]
+
+
+def test_stale_staging_areas_are_those_of_gone_processes_of_this_pid_namespace_only():
+    """A PID names a process only inside its PID namespace, and containers that share /dev/shm
+    have their own: a staging area's name carries its creator's namespace, and the clean-up
+    removes this user's areas of gone processes of this namespace (and of names from before
+    the namespace was in them), never a live one's, another namespace's or another user's."""
+    from mpickpt.engine import staging
+
+    if staging.SHM_DIR is None:
+        pytest.skip("no /dev/shm")
+    area = staging.StagingArea({"x": ((4,), "<f4")})
+    ns = staging.pid_namespace()
+    try:
+        name = os.path.basename(area.path)
+        assert ns.isdigit() and name.startswith(f"{staging.PREFIX}{os.getpid()}-{ns}-"), name
+        gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        names = {"dead": f"{staging.PREFIX}{gone}-{ns}-0123abcd",
+                 "legacy": f"{staging.PREFIX}{gone}-0123abcd",
+                 "foreign": f"{staging.PREFIX}{gone}-{int(ns) + 1}-0123abcd",
+                 "live": f"{staging.PREFIX}{os.getpid()}-{ns}-0123abcd"}
+        mine = lambda n: os.getuid()  # noqa: E731
+        judged = {k: staging.stale_area(n, mine, ns) for k, n in names.items()}
+        assert judged == {"dead": True, "legacy": True, "foreign": False, "live": False}
+        assert not staging.stale_area(names["dead"], lambda n: os.getuid() + 1, ns)
+        assert not staging.stale_area(names["dead"], lambda n: None, ns)
+        paths = [os.path.join(staging.SHM_DIR, n) for n in names.values()]
+        for p in paths:
+            open(p, "wb").close()
+        try:
+            removed = staging.remove_stale_areas()
+            assert {names["dead"], names["legacy"]} <= set(removed)  # and any real leftover
+            assert [os.path.exists(p) for p in paths] == [False, False, True, True]
+            assert os.path.exists(area.path)
+        finally:
+            for p in paths:
+                if os.path.exists(p):
+                    os.unlink(p)
+    finally:
+        area.close()
