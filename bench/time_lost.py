@@ -24,6 +24,12 @@ the extractor spent on their jobs (`write_cpu_seconds`, `companion_cpu_seconds`)
 bytes, and then over every byte the background wrote: the writers' and the IncrCP extractor's
 bundles (`companion_bytes`), which rewrite the rows of the older chunks it splits.
 
+*Loaded floor* (where no core is free): the same floor's work on the same bytes measured
+beside training, by an idle-priority process repeating it through a run without checkpoints
+(`--loaded-floor-rounds` per kind): the writers share the cores, their caches and the memory
+bandwidth with training, which the floor of an idle machine does not. The jobs' CPU per GB is
+judged against both. Both floors include creating and deleting their file.
+
 *Paired* (the second estimate of the time lost, immune to the drift between runs that sets the
 spread of the first): from the steps' end times in each run's report, for every checkpoint at
 step c (from the second interval on) the wall time of the half interval after it (its save call,
@@ -221,20 +227,33 @@ def verdict(low: float, high: float, bound: float) -> str:
 def floor_cpu_per_gb(nbytes: int, directory: str, repeats: int = 7) -> float:
     """CPU seconds per GB of the physical floor of writing `nbytes`: a memcpy of them, a CRC32
     over them and a write + fsync of them to a file in `directory`; the best of `repeats`. Local."""
-    nbytes = max(int(nbytes), 1 << 20)
-    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
+    src, dst = floor_buffers(nbytes)
     best = float("inf")
     for _ in range(repeats):
-        with tempfile.NamedTemporaryFile(dir=directory) as f:
-            cpu = time.process_time()
-            np.copyto(dst, src)
-            crc32(dst)
-            f.write(memoryview(dst))
-            f.flush()
-            os.fsync(f.fileno())
-            best = min(best, time.process_time() - cpu)
-    return best / (nbytes / 1e9)
+        cpu = time.process_time()
+        floor_work(src, dst, directory)
+        best = min(best, time.process_time() - cpu)
+    return best / (dst.nbytes / 1e9)
+
+
+def floor_buffers(nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The floor's source and destination buffers of `nbytes` (at least 1 MiB), their pages
+    faulted in. Local."""
+    src = np.random.default_rng(0).integers(0, 255, max(int(nbytes), 1 << 20), dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    return src, dst
+
+
+def floor_work(src: np.ndarray, dst: np.ndarray, directory: str) -> None:
+    """The floor's work on one checkpoint's bytes: a memcpy, a CRC32 and a write + fsync to a
+    new file in `directory`, deleted after. Local."""
+    with tempfile.NamedTemporaryFile(dir=directory, prefix="floor-") as f:
+        np.copyto(dst, src)
+        crc32(dst)
+        f.write(memoryview(dst))
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def background_cpu(row: dict) -> float:
@@ -280,6 +299,79 @@ def hog(kind: str, directory: str) -> None:
                 _write_synced(DirectFile(path), dst)
     finally:
         os.unlink(path)
+
+
+def floor_hog(directory: str, nbytes: int) -> None:
+    """The loaded floor's background process: the floor's work (`floor_work`) on `nbytes`,
+    over and over at the idle priority as the writers run, until SIGTERM. Once set up it prints
+    its CPU seconds so far; at its end, the bytes of its completed passes and its CPU seconds
+    at the end of the last one. Local."""
+    import signal
+
+    from mpickpt import background_priority
+
+    background_priority.apply(os.getpid(), "idle")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    src, dst = floor_buffers(nbytes)
+    done, cpu = 0, time.process_time()
+    print(cpu, flush=True)
+    try:
+        while True:
+            floor_work(src, dst, directory)
+            done, cpu = done + dst.nbytes, time.process_time()
+    finally:
+        print(done, cpu, flush=True)
+
+
+def loaded_floor(ranks: int, nbytes: float, args, workdir: Path) -> dict:
+    """The floor measured beside training: a run without checkpoints at `ranks` while
+    `floor_hog` does the floor's work on `nbytes` at a time; its CPU seconds per GB there (the
+    cores, their caches and the memory bandwidth shared with training as the writers share
+    them). RuntimeError where the hog did not complete a pass. Local (launches mpiexec)."""
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--hog", "floor",
+                             str(workdir), str(int(nbytes))], stdout=subprocess.PIPE, text=True)
+    try:
+        set_up = float(proc.stdout.readline() or "nan")
+        loop = run(ranks, args, workdir, "floor-beside", ())["loop_seconds"]
+    finally:
+        proc.terminate()
+        tail = proc.stdout.read().split()
+        proc.wait()
+        proc.stdout.close()
+    done, cpu = (float(tail[0]), float(tail[1])) if len(tail) == 2 else (0.0, float("nan"))
+    if not done > 0:
+        raise RuntimeError(f"the loaded floor's hog completed no pass (exit code "
+                           f"{proc.returncode}, printed {tail})")
+    return {"ranks": ranks, "bytes": nbytes, "loop_s": loop, "hog_bytes": done,
+            "hog_cpu_s": cpu - set_up, "cpu_s_per_gb": (cpu - set_up) / (done / 1e9)}
+
+
+def loaded_floors(rows: list[dict], args) -> list[dict]:
+    """`loaded_floor` per kind and round, at each --ranks value that leaves no core free, on
+    that kind's median checkpoint size there. Local (launches mpiexec)."""
+    out = []
+    for ranks in sorted({r["ranks"] for r in rows if not free_core(r["ranks"])}):
+        for kind in sorted({r["kind"] for r in rows if r["ranks"] == ranks}):
+            sizes = [r["bytes_per_ckpt"] for r in rows if (r["ranks"], r["kind"]) == (
+                ranks, kind) and r["bytes_per_ckpt"] == r["bytes_per_ckpt"]]
+            size = statistics.median(sizes) if sizes else 1 << 26
+            for rnd in range(args.loaded_floor_rounds):
+                with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+                    out.append({"kind": kind, "round": rnd,
+                                **loaded_floor(ranks, size, args, Path(tmp))})
+                f = out[-1]
+                print(f"ranks {ranks} {kind}: the floor beside training {f['cpu_s_per_gb']:.3f}"
+                      f" CPU s/GB ({f['hog_bytes'] / 1e9:.2f} GB in {f['bytes'] / 1e6:.1f} MB "
+                      f"passes)", flush=True)
+    return out
+
+
+def loaded_floor_of(loaded: list[dict]) -> dict[tuple[int, str], float]:
+    """(ranks, kind) -> the median over rounds of the loaded floor's CPU s/GB. Local."""
+    by: dict[tuple[int, str], list[float]] = {}
+    for f in loaded:
+        by.setdefault((f["ranks"], f["kind"]), []).append(f["cpu_s_per_gb"])
+    return {k: statistics.median(v) for k, v in by.items()}
 
 
 def _write_synced(sink, data: np.ndarray) -> None:
@@ -363,15 +455,17 @@ def interference_share(probes: list[dict]) -> dict[int, dict[str, float]]:
 
 
 def summarize(rows: list[dict], floors: dict[str, float],
-              interference: dict | None = None) -> list[dict]:
+              interference: dict | None = None, loaded: dict | None = None) -> list[dict]:
     """Per (ranks, kind, background, snapshot, io, core split): medians and spread over rounds,
     and the targets: against the stall where the ranks (of one thread each) leave a core free on
     this machine, against the floor of the kind's bytes where they do not. `interference`:
     ranks -> hog kind -> the machine's training time lost per CPU second of that work on the
     free core (`interference_share`), for the second, physical bound: the copier's CPU weighed
     by the copy's share, the writers' and the extractor's by the write's. Rows of results older
-    than a field count as its old default. Local."""
-    interference = interference or {}
+    than a field count as its old default. `loaded`: (ranks, kind) -> the floor measured beside
+    training (`loaded_floor_of`), against which the jobs' CPU per GB of all bytes is judged a
+    second time where no core is free. Local."""
+    interference, loaded = interference or {}, loaded or {}
     keys = sorted({case_of(r) for r in rows})
     out = []
     for ranks, kind, background, snapshot, io, split in keys:
@@ -414,8 +508,19 @@ def summarize(rows: list[dict], floors: dict[str, float],
                     "jobs_met": None if free else jobs_gb <= 1.5 * floor,
                     "jobs_cpu_s_per_gb_all": jobs_all, "jobs_all_over_floor": jobs_all / floor,
                     "jobs_all_met": None if free or jobs_all != jobs_all
-                    else jobs_all <= 1.5 * floor})
+                    else jobs_all <= 1.5 * floor,
+                    **_against_loaded(loaded.get((ranks, kind)), jobs_gb, jobs_all)})
     return out
+
+
+def _against_loaded(floor: float | None, jobs_gb: float, jobs_all: float) -> dict:
+    """The jobs' CPU per GB (over the writers' bytes, over all bytes) against the floor measured
+    beside training; nothing where it was not measured. Local."""
+    if floor is None:
+        return {}
+    return {"loaded_floor_cpu_s_per_gb": floor, "jobs_over_loaded": jobs_gb / floor,
+            "jobs_all_over_loaded": jobs_all / floor,
+            "jobs_all_met_loaded": None if jobs_all != jobs_all else jobs_all <= 1.5 * floor}
 
 
 FIELD_DEFAULTS = {"io": "buffered", "core_split": "shared"}
@@ -476,12 +581,30 @@ def print_table(summary: list[dict]) -> None:
               f"{s['paired_n']} | {s['within']:.0%} | {s['bound_ms']:.1f} | "
               f"{s['paired_verdict']} | {s.get('machine_floor_ms', float('nan')):.1f} | "
               f"{s.get('machine_verdict', '-')} |")
+    _print_loaded(summary)
     print(f"met ({cores_available()} cores): with a core free, lost against the stall bound; with "
           "none, the CPU per GB against 1.5 × the floor (the background's CPU with its start-up, "
           "then the jobs' alone, over the writers' bytes and then over all the background "
           "wrote: the writers' and the IncrCP extractor's bundles); machine floor: 2·stall + "
           "the probe's copy share × the copier's CPU + its write share × the writers' and the "
           "extractor's")
+
+
+def _print_loaded(summary: list[dict]) -> None:
+    """The cases with no core free against the floor measured beside training. Local."""
+    mine = [s for s in summary if "loaded_floor_cpu_s_per_gb" in s]
+    if not mine:
+        return
+    print("\n| ranks | kind | background | snapshot | io | cores | floor s/GB, idle machine | "
+          "floor s/GB, beside training | jobs' CPU s/GB | ratio | jobs' CPU s/GB of all bytes "
+          "| ratio | met (≤ 1.5×) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for s in mine:
+        print(f"| {s['ranks']} | {s['kind']} | {s['background']} | {s['snapshot']} | {s['io']} | "
+              f"{s['core_split']} | {s['floor_cpu_s_per_gb']:.2f} | "
+              f"{s['loaded_floor_cpu_s_per_gb']:.2f} | {s['jobs_cpu_s_per_gb']:.2f} | "
+              f"{s['jobs_over_loaded']:.1f}× | {s['jobs_cpu_s_per_gb_all']:.2f} | "
+              f"{s['jobs_all_over_loaded']:.1f}× | {_yes(s['jobs_all_met_loaded'])} |")
 
 
 def _yes(met) -> str:
@@ -494,7 +617,11 @@ def plot(summary: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ranks = sorted({s["ranks"] for s in summary})
-    fig, axes = plt.subplots(1, len(ranks), figsize=(8 * len(ranks), 4.2), squeeze=False)
+    loaded = [s for s in summary if "loaded_floor_cpu_s_per_gb" in s]
+    fig, axes = plt.subplots(1, len(ranks) + bool(loaded), figsize=(
+        8 * (len(ranks) + bool(loaded)), 4.2), squeeze=False)
+    if loaded:
+        _plot_loaded(axes[0][-1], loaded)
     for ax, n in zip(axes[0], ranks):
         mine = [s for s in summary if s["ranks"] == n]
         names = [f"{s['kind']}\n{s['background']}\n{SNAPSHOTS[s['snapshot']]}\n{s['io']}\n"
@@ -520,6 +647,21 @@ def plot(summary: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _plot_loaded(ax, loaded: list[dict]) -> None:
+    """The jobs' CPU per GB of all bytes where no core is free, against 1.5 × each floor (log
+    scale). Local."""
+    names = [f"{s['kind']}\n{s['ranks']} ranks\n{SNAPSHOTS[s['snapshot']]}" for s in loaded]
+    ax.bar(names, [s["jobs_cpu_s_per_gb_all"] for s in loaded], label="jobs' CPU s/GB, all bytes")
+    ax.plot(names, [1.5 * s["floor_cpu_s_per_gb"] for s in loaded], "k_", markersize=20,
+            label="1.5 × floor, idle machine")
+    ax.plot(names, [1.5 * s["loaded_floor_cpu_s_per_gb"] for s in loaded], "_",
+            color="tab:green", markersize=20, label="1.5 × floor beside training")
+    ax.set_yscale("log")
+    ax.set_ylabel("CPU s per GB")
+    ax.set_title("no core free: background CPU per GB")
+    ax.legend(fontsize=8)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -539,8 +681,17 @@ def main() -> None:
     p.add_argument("--interference-rounds", type=int, default=2,
                    help="rounds of the interference probe (runs without checkpoints alone and "
                         "beside a memory-bound idle process) where the ranks leave a core free")
+    p.add_argument("--loaded-floor-rounds", type=int, default=1,
+                   help="runs without checkpoints beside the floor's work, per kind, where the "
+                        "ranks leave no core free (the floor measured beside training)")
     p.add_argument("--dir", default=tempfile.gettempdir())
     p.add_argument("--out", default=str(HERE / "results" / "time_lost.json"))
+    if sys.argv[1:2] == ["--replot"]:  # the table and plot of a results file, again
+        doc = json.loads(Path(sys.argv[2]).read_text())
+        print_table(doc["summary"])
+        return plot(doc["summary"], Path(sys.argv[2]).with_suffix(".png"))
+    if sys.argv[1:3] == ["--hog", "floor"]:
+        return floor_hog(sys.argv[3], int(sys.argv[4]))
     if sys.argv[1:2] == ["--hog"]:
         return hog(sys.argv[2], sys.argv[3])
     args = p.parse_args()
@@ -549,13 +700,15 @@ def main() -> None:
             p.error(f"--kinds: {kind!r} is not one of {', '.join(KINDS)}")
     rows = measure(args)
     probes = probe(args)
+    loaded = loaded_floors(rows, args)
     floors = floors_of(rows, args.dir)
-    summary = summarize(rows, floors, interference_share(probes))
+    summary = summarize(rows, floors, interference_share(probes), loaded_floor_of(loaded))
     print_table(summary)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": " ".join(sys.argv), "args": vars(args), "runs": rows,
                                "floors_cpu_s_per_gb": floors, "interference": probes,
+                               "loaded_floors": loaded,
                                "summary": summary}, indent=1))
     plot(summary, out.with_suffix(".png"))
     print(f"\nwrote {out} and {out.with_suffix('.png')}")

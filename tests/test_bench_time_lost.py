@@ -139,3 +139,34 @@ def test_the_probe_runs_each_hog_beside_one_run_and_counts_its_cpu(bench, monkey
         assert 0.05 < p[f"{kind}_cpu_s"] <= loops[f"probe-{kind}"] * 1.2
         assert p[f"share_{kind}"] == pytest.approx(added / p[f"{kind}_cpu_s"])
     assert not list(tmp_path.glob("hog-*"))  # their files went with them
+
+
+def test_the_loaded_floor_is_the_floor_s_work_measured_beside_a_run(bench, monkeypatch, tmp_path):
+    """The loaded floor's hog (a real idle-priority process) does the floor's work (a copy, a
+    CRC and a write + fsync of one checkpoint's bytes to a new file) only while the run without
+    checkpoints goes on, counts the CPU of its completed passes from its set-up on, and leaves
+    no file; the summary judges the jobs' CPU per GB against it too, where no core is free."""
+    def fake_run(ranks, args, workdir, name, extra):  # the training runs take minutes
+        seen.append((name, ranks))
+        time.sleep(0.6)
+        return {"loop_seconds": 0.6}
+    seen = []
+    monkeypatch.setattr(bench, "run", fake_run)
+    f = bench.loaded_floor(2, 4 << 20, None, tmp_path)
+    assert seen == [("floor-beside", 2)]
+    assert f["hog_bytes"] >= 4 << 20 and f["hog_bytes"] % (4 << 20) == 0, f
+    assert 0 < f["hog_cpu_s"] <= 0.6 * 1.5
+    assert f["cpu_s_per_gb"] == pytest.approx(f["hog_cpu_s"] / (f["hog_bytes"] / 1e9))
+    assert not list(tmp_path.iterdir())  # its files went with it
+    monkeypatch.setattr(bench, "free_core", lambda ranks: ranks == 1)
+    rows = [_row(0.014, [], ranks=2, kind="incrcp", jobs_cpu_per_gb=3.0,
+                 jobs_cpu_per_gb_all=1.2), _row(0.014, [], ranks=1, kind="incrcp")]
+    loaded = bench.loaded_floor_of([{"ranks": 2, "kind": "incrcp", "cpu_s_per_gb": v}
+                                    for v in (0.9, 1.0, 2.0)])
+    assert loaded == {(2, "incrcp"): 1.0}
+    one, two = sorted(bench.summarize(rows, {"incrcp": 0.5}, None, loaded),
+                      key=lambda s: s["ranks"])
+    assert "loaded_floor_cpu_s_per_gb" not in one
+    assert two["jobs_over_floor"] == pytest.approx(6.0) and two["jobs_met"] is False
+    assert two["jobs_over_loaded"] == pytest.approx(3.0)
+    assert two["jobs_all_over_loaded"] == pytest.approx(1.2) and two["jobs_all_met_loaded"]
