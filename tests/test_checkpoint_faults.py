@@ -86,6 +86,57 @@ def test_torn_checkpoint_without_manifest_is_ignored(tmp_path, reference):
     assert digest_of(resumed) == digest
 
 
+def dense_of(ckpt, step):
+    [d] = [p for p in ckpt.iterdir() if p.name.startswith(f"step-{step:012d}-")]
+    return d / "dense.h5"
+
+
+@pytest.mark.parametrize("swap", [shard_of, dense_of], ids=["shard", "dense"])
+def test_a_file_of_another_checkpoint_is_refused_though_sound_and_of_the_same_size(
+        tmp_path, reference, swap):
+    """Step 10's file copied over step 20's passes its block checksums, its attribute digest
+    and the manifest's size check; its step attribute still names step 10: the restore falls
+    back to step 10, saying why, and an export of step 20 refuses it."""
+    src, digest = reference
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(src, ckpt)
+    theirs, ours = swap(ckpt, 10), swap(ckpt, 20)
+    assert theirs.stat().st_size == ours.stat().st_size
+    shutil.copyfile(theirs, ours)
+    export = subprocess.run([sys.executable, "-m", "mpickpt.cli", "export", str(ckpt), "--step",
+                             "20", "-o", str(tmp_path / "out.h5")], capture_output=True,
+                            text=True)
+    said = f"{ours}: attribute step=10, the manifest of step 20 says 20"
+    assert export.returncode != 0 and said in export.stderr, export.stderr
+    assert not (tmp_path / "out.h5").exists()
+    resumed = train(2, ckpt, 20)
+    assert f"checkpoint step 20 unusable: {said}" in resumed.stdout, resumed.stdout
+    assert resumed_step(resumed.stdout) == 10
+    assert digest_of(resumed) == digest
+
+
+def test_a_directory_whose_every_manifest_is_unreadable_is_no_fresh_start(tmp_path, reference):
+    """Training from scratch there would commit over the damaged manifests' names and then
+    delete their data as torn: the run stops with status 2, naming them, and leaves every
+    file as it was."""
+    src, _ = reference
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(src, ckpt)
+    for step in (10, 20):
+        path = ckpt / f"manifest-{step:012d}.json"
+        data = bytearray(path.read_bytes())
+        data[100] ^= 1
+        path.write_bytes(bytes(data))
+    before = sorted((str(p.relative_to(ckpt)), p.stat().st_mtime_ns) for p in ckpt.rglob("*"))
+    proc = train(2, ckpt, 30)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"no usable checkpoint in {ckpt}: every manifest there is unreadable (step 10: " \
+        in proc.stderr and "--resume none" in proc.stderr, proc.stderr
+    assert "step 10/30" not in proc.stdout
+    assert sorted((str(p.relative_to(ckpt)), p.stat().st_mtime_ns)
+                  for p in ckpt.rglob("*")) == before
+
+
 def test_full_disk_abandons_checkpoint_and_training_goes_on(small_tmpfs):
     """One checkpoint of the default model (1.1 MB) fits the 1.7 MB tmpfs; the next cannot while
     the first is kept (retention deletes only after a newer commit)."""

@@ -497,7 +497,7 @@ def test_a_first_launch_records_its_chosen_start_before_its_slow_start_up(tmp_pa
     committed (its manifest named, readable or not) under newer ones and the run trains past
     it; 'none' under any; not for 'latest', a missing step, nothing newer, or a run that
     trains nothing (which leaves a record as it is, where a launch that replaces nothing
-    removes a stale one)."""
+    removes a stale one); a launch resuming the newest removes any record, damaged or not."""
     from mpickpt.store import replacing
     from mpickpt.store.manifest import manifest_path
 
@@ -512,7 +512,25 @@ def test_a_first_launch_records_its_chosen_start_before_its_slow_start_up(tmp_pa
     assert replacing.settle(root, "4", 4) is None and replacing.pending(root) == "4"  # left
     assert replacing.settle(root, "5", 100) is None and replacing.pending(root) is None  # stale
     assert replacing.settle(root, "none", 1) is None and replacing.pending(root) == "none"
-    replacing.end(root)
+    assert replacing.settle(root, "latest", 100) is None and replacing.pending(root) is None
+    with open(replacing.path_of(root), "w") as f:
+        f.write("garbage")  # a damaged record: a job resuming the newest removes it too
+    assert replacing.settle(root, "latest", 100) is None
+    assert not os.path.exists(replacing.path_of(root))
     os.mkdir(replacing.path_of(root))  # the record cannot replace a folder: a warning, no error
+    assert replacing.settle(root, "latest", 9).startswith(
+        f"could not remove {replacing.path_of(root)} (")
     assert replacing.settle(root, "none", 9).startswith(
         f"could not write {replacing.path_of(root)} (")
+
+
+def test_only_directories_named_as_checkpoints_are_taken_for_torn_ones(tmp_path):
+    """A checkpoint's directory is `step-<12 digits>-<8 hex digits>` (`file_spec.checkpoint_id`);
+    a user's folder that merely starts with "step-" is never removed as torn."""
+    from mpickpt.store.manifest import torn_dirs
+
+    for name in ("step-000000000030-deadbeef", "step-000000000007-zzz", "step-7-deadbeef",
+                 "step-000000000040-DEADBEEF", "step-000000000050-deadbeef.old"):
+        os.mkdir(tmp_path / name)
+    (tmp_path / "step-000000000060-cafef00d").write_text("a file, not a folder")
+    assert torn_dirs(str(tmp_path), []) == ["step-000000000030-deadbeef"]

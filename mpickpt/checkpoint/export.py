@@ -20,6 +20,7 @@ import os
 import h5py
 import numpy as np
 
+from mpickpt.checkpoint.identity import IdentityCheck
 from mpickpt.checkpoint.load import check_files
 from mpickpt.checkpoint.verify import id_ranges
 from mpickpt.kinds.registry import checkpoint_segments, format_of
@@ -48,6 +49,7 @@ def export_checkpoint(root: str, manifest: Manifest, out: str, with_optimizer: b
     by_step[manifest.step] = manifest
     for m in [*parent_manifests(manifest, by_step), manifest]:
         check_files(root, m)
+    IdentityCheck(root, manifest, by_step).check_all()  # no file of another checkpoint
     if not format_of(manifest).layered:
         index, errors = shard_index(root, manifest)
         if errors:

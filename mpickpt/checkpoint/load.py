@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mpickpt.checkpoint.identity import IdentityCheck
 from mpickpt.kinds.registry import checkpoint_segments, format_of
 from mpickpt.store.dense_file import dense_arrays
 from mpickpt.store.errors import CheckpointError
@@ -111,7 +112,9 @@ def load_checkpoint(root: str, manifest: Manifest, plan, rank: int, dim: int,
     by_step = by_step or {}
     segments = checkpoint_segments(root, manifest, by_step)
     check_read_files(root, manifest, by_step, segments, plan, rank)
-    with OpenShards() as files:  # a rank's own shard holds its rows and its RNG states
+    # a rank's own shard holds its rows and its RNG states; every listed file it opens must be
+    # the one its manifest wrote (not another checkpoint's of the same size)
+    with OpenShards(IdentityCheck(root, manifest, by_step)) as files:
         rows = load_rows(root, segments, plan, rank, templates, manifest.step,
                          opener=files.open, into=into)
         return LoadedState(manifest.step, rows, load_dense(root, manifest, files),
@@ -133,8 +136,9 @@ def load_row_range(root: str, manifest: Manifest, plan, rank: int, dim: int, tem
     check_compatible(manifest, plan, dim, templates)
     segments = checkpoint_segments(root, manifest, by_step)
     check_read_files(root, manifest, by_step, segments, plan, rank, rows)
-    arrays, written = load_rows(root, segments, plan, rank, templates, manifest.step, rows=rows,
-                                with_steps=True)
+    with OpenShards(IdentityCheck(root, manifest, by_step)) as files:
+        arrays, written = load_rows(root, segments, plan, rank, templates, manifest.step,
+                                    rows=rows, with_steps=True, opener=files.open)
     if format_of(manifest).exact:
         written = np.full(len(written), manifest.step, dtype=np.int64)
     return arrays, written

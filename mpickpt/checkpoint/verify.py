@@ -18,6 +18,7 @@ import os
 import numpy as np
 
 from mpickpt.kinds.registry import checkpoint_segments, format_of
+from mpickpt.checkpoint.identity import identity_problems
 from mpickpt.checkpoint.verify_session import VerifySession
 from mpickpt.store.catalog import file_problem_messages, file_problems
 from mpickpt.store.errors import CheckpointError
@@ -81,7 +82,7 @@ def shard_structure(root: str, rel: str, manifest: Manifest, index: dict[int, li
     path = os.path.join(root, rel)
     try:
         f = session.open(path)
-        out = file_attr_problems(path, dict(f.attrs), manifest.files[rel], manifest)
+        out = identity_problems(path, dict(f.attrs).get, manifest.files[rel], manifest)
         pieces = table_pieces(f)
         for group in dict.fromkeys(p.group.name for p in pieces):  # a packed file's one group
             out += group_problems(path, f[group], manifest)
@@ -93,14 +94,6 @@ def shard_structure(root: str, rel: str, manifest: Manifest, index: dict[int, li
         return out
     except READ_ERRORS as e:
         return [error_text(path, e)]
-
-
-def file_attr_problems(path: str, attrs: dict, meta: dict, manifest: Manifest) -> list[str]:
-    """The file's step, rank, part and world size agree with the manifest. Local."""
-    want = {"step": manifest.step, "world_size": manifest.world_size,
-            "rank": meta.get("rank"), "part": meta.get("part")}
-    return [f"{path}: attribute {key}={attrs.get(key)!r}, the manifest says {value!r}"
-            for key, value in want.items() if value is not None and attrs.get(key) != value]
 
 
 def piece_problems(path: str, piece: TablePiece, manifest: Manifest) -> list[str]:

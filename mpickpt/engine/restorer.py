@@ -156,6 +156,8 @@ class Restorer:
     def _first_usable(self, candidates, manifests, load):
         """The first candidate every rank could load (`load(manifest, by_step)` -> (error,
         result)), falling back past damaged ones with a message. Collective."""
+        if not candidates and self.damaged:
+            raise CheckpointError(self._all_unreadable())
         by_step = {m.step: m for m in manifests}
         problems = []
         for manifest in candidates:
@@ -170,6 +172,14 @@ class Restorer:
         if problems:
             raise CheckpointError(f"no usable checkpoint in {self.root}: " + "; ".join(problems))
         return None
+
+    def _all_unreadable(self) -> str:
+        """Why a directory whose every manifest is unreadable is not a fresh start: training
+        from scratch would commit over their names and then delete their data as torn. Local."""
+        steps = ", ".join(f"step {s}: {why}" for s, why in sorted(self.damaged.items()))
+        return (f"no usable checkpoint in {self.root}: every manifest there is unreadable "
+                f"({steps}); repair or move them away, or start over with --resume none, which "
+                f"replaces the checkpoints of the same steps")
 
     def _timed(self, start: float) -> None:
         self.seconds.append(self.topo.control.allreduce(time.perf_counter() - start,

@@ -208,8 +208,13 @@ def torn_dirs(root: str, manifests) -> list[str]:
     needed = referenced_dirs(manifests)
     unread = manifest_steps(root) - {m.step for m in manifests}
     return sorted(d for d in os.listdir(root)
-                  if d.startswith("step-") and d not in needed and _dir_step(d) not in unread
+                  if STEP_DIR.match(d) and d not in needed and _dir_step(d) not in unread
                   and os.path.isdir(os.path.join(root, d)))
+
+
+STEP_DIR = re.compile(r"^step-\d{12}-[0-9a-f]{8}$")
+"""The name of a checkpoint's directory (`file_spec.checkpoint_id`: its step and its job's
+attempt id); nothing else under a checkpoint directory is ever taken for a torn one."""
 
 
 def _dir_step(name: str) -> int | None:

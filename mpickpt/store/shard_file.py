@@ -264,14 +264,24 @@ def open_shard(path: str, check_attrs: bool = True) -> h5py.File:
 class OpenShards:
     """Shard files opened with `open_shard` (attributes checked) once each for one reader that
     visits a file more than once (a restore reads rows, then RNG states from the same shard);
-    closed at exit. `open(path)` is an opener for `segments.SegmentReader`. Local."""
+    closed at exit. `open(path)` is an opener for `segments.SegmentReader`. `check(path, f)`,
+    when given, vets each file as it is opened (raising CheckpointError), e.g. its identity
+    (`checkpoint.identity.IdentityCheck`). Local."""
 
-    def __init__(self):
+    def __init__(self, check=None):
         self.files: dict[str, h5py.File] = {}
+        self.check = check
 
     def open(self, path: str) -> h5py.File:
         if path not in self.files:
-            self.files[path] = open_shard(path)
+            f = open_shard(path)
+            try:
+                if self.check is not None:
+                    self.check(path, f)
+            except BaseException:
+                f.close()
+                raise
+            self.files[path] = f
         return self.files[path]
 
     def __enter__(self):
