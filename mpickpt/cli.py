@@ -21,6 +21,7 @@ import time
 
 from mpickpt.checkpoint.describe import describe, format_text
 from mpickpt.checkpoint.export import export_checkpoint
+from mpickpt.checkpoint.load import usable_problems
 from mpickpt.checkpoint.verify import verify_checkpoint
 from mpickpt.checkpoint.verify_session import VerifySession
 from mpickpt.store.catalog import NoSuchCheckpoint, listing, scan, select
@@ -89,9 +90,16 @@ def replacing_note(root: str) -> str | None:
             f"starts there again and retires them")
 
 
+def choose(cat, step: int | None):
+    """`select` for inspect and export: by default the newest checkpoint that can be read, its
+    layers included (`usable_problems`). Local."""
+    by_step = {m.step: m for m in cat.manifests}
+    return select(cat, step, lambda root, m: usable_problems(root, m, by_step))
+
+
 def cmd_inspect(args) -> int:
     cat = scan(args.dir)
-    manifest, note = select(cat, args.step)
+    manifest, note = choose(cat, args.step)
     if note:
         print(f"{PROG}: note: {note}", file=sys.stderr)
     info = describe(args.dir, manifest)
@@ -99,7 +107,7 @@ def cmd_inspect(args) -> int:
         print(json.dumps(info, indent=1, sort_keys=True))
     else:
         print("\n".join(format_text(info)))
-    return 0
+    return 1 if info["errors"] else 0
 
 
 def cmd_verify(args) -> int:
@@ -151,7 +159,7 @@ def cmd_export(args) -> int:
         raise NoSuchCheckpoint(f"{out}: cannot write the export there "
                                f"({'is a directory' if os.path.isdir(out) else 'no such directory'})")
     cat = scan(args.dir)
-    manifest, note = select(cat, args.step)
+    manifest, note = choose(cat, args.step)
     if note:
         print(f"{PROG}: note: {note}", file=sys.stderr)
     result = export_checkpoint(args.dir, manifest, out, with_optimizer=args.with_optimizer,

@@ -502,3 +502,31 @@ def test_prioritized_checkpoints_restore_each_row_as_last_written(tmp_path, rule
         stale += sum(int((g["weight"] != n["weight"]).any(axis=1).sum()) for g, n in zip(got, now))
     kinds = {m.kind for m in list_manifests(str(tmp_path))}
     assert kinds == {"full", "priority"} and stale > 0  # partial saves left changed rows behind
+
+
+def test_inspect_and_export_pass_over_an_incrcp_step_whose_chain_file_is_gone(tmp_path, capsys):
+    """A chain file no manifest lists (here the newest step's column) is part of whether its
+    checkpoint can be read: `inspect` and `export` take the newest one that can, saying why
+    they passed the newer one over, and `inspect --step` of the damaged one shows the error
+    and exits 1."""
+    from mpickpt.cli import main
+
+    chain = LocalChain(str(tmp_path), PLAN, dim=3, policy="incrcp", seed=11, incrcp_reset="never")
+    _stream(chain, np.random.default_rng(11), 6, 10, 40)
+    manifests = list_manifests(str(tmp_path))
+    assert [m.step for m in manifests][-2:] == [5, 6]
+    index = load_index(str(tmp_path), manifests[-1].chain, 0)
+    gone = sorted({r.file for r in index.rectangle(6)} - {r.file for r in index.rectangle(5)})[0]
+    os.remove(tmp_path / gone)
+    why = f"{tmp_path / gone}: file of checkpoint step 6 is missing"
+    assert main(["inspect", str(tmp_path)]) == 0
+    got = capsys.readouterr()
+    assert "\nstep         5\n" in got.out, got.out
+    assert got.err.strip() == f"mpickpt: note: newest checkpoint step 6 is damaged ({why}); " \
+        f"using step 5", got.err
+    assert main(["inspect", str(tmp_path), "--step", "6"]) == 1
+    shown = capsys.readouterr().out
+    assert "status       damaged (" in shown and "\nerror: " in shown and gone in shown, shown
+    out = tmp_path / "model.h5"
+    assert main(["export", str(tmp_path), "-o", str(out)]) == 0
+    assert capsys.readouterr().out.startswith("exported step 5") and out.exists()

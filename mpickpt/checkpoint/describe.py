@@ -28,6 +28,8 @@ def describe(root: str, manifest: Manifest) -> dict:
     sizes = table_sizes(manifest)
     found, file_errors = table_rows_found(root, manifest)
     dense, dense_error = dense_datasets(root, manifest)
+    store, stale = _format_facts(root, manifest), staleness(root, manifest)
+    layer_errors = [e for e in ((store or {}).get("error"), stale.get("error")) if e]
     return {
         "root": os.path.abspath(root),
         "step": manifest.step,
@@ -35,7 +37,7 @@ def describe(root: str, manifest: Manifest) -> dict:
         "kind": manifest.kind,
         "codec": manifest.codec,
         "created": iso_time(manifest.created),
-        "status": status(root, manifest),
+        "status": f"damaged ({layer_errors[0]})" if layer_errors else status(root, manifest),
         "world_size": manifest.world_size,
         "dim": manifest.dim,
         "optimizer": manifest.optimizer,
@@ -44,8 +46,8 @@ def describe(root: str, manifest: Manifest) -> dict:
         "table_sizes": sizes,
         "parents": list(manifest.parents),
         "chain": manifest.chain,
-        "chunk_store": _format_facts(root, manifest),
-        "staleness": staleness(root, manifest),
+        "chunk_store": store,
+        "staleness": stale,
         "layout": {str(r): v for r, v in sorted(rows_per_rank(manifest).items())},
         "reader_state": manifest.reader_state,
         "stats": manifest.stats,
@@ -53,15 +55,18 @@ def describe(root: str, manifest: Manifest) -> dict:
         "tables": [{"table": t, "size": n, "rows_found": found.get(t, 0)}
                    for t, n in enumerate(sizes)] + extra_tables(found, len(sizes)),
         "dense": dense,
-        "errors": file_errors + ([dense_error] if dense_error else []),
+        "errors": file_errors + ([dense_error] if dense_error else [])
+        + list(dict.fromkeys(layer_errors)),
     }
 
 
 def _format_facts(root: str, manifest: Manifest) -> dict | None:
+    """The kind's own facts (IncrCP: its chunk store); {"error": why} where they cannot be
+    read (a damaged chunk index, a missing chain file). Local."""
     try:
         return format_of(manifest).describe(root, manifest)
-    except CheckpointError:
-        return None
+    except (CheckpointError, OSError, ValueError) as e:
+        return {"error": error_text(root, e)}
 
 
 def staleness(root: str, manifest: Manifest) -> dict:
@@ -175,7 +180,7 @@ def format_text(info: dict) -> list[str]:
         lines.append(f"parents      {', '.join(str(p) for p in info['parents'])}")
     if info.get("chain"):
         lines.append(f"chain        {info['chain']}")
-    if info.get("chunk_store"):
+    if (info.get("chunk_store") or {}).get("ranks"):
         lines.append("chunk store (2-D lists per writer rank):")
         for r, v in info["chunk_store"]["ranks"].items():
             rect = v["rectangle"]

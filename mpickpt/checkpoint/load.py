@@ -18,7 +18,7 @@ from mpickpt.kinds.registry import checkpoint_segments, format_of
 from mpickpt.store.dense_file import dense_arrays
 from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import Manifest, list_manifests, parent_manifests, torn_dirs
-from mpickpt.store.segments import load_rows, wanted_files
+from mpickpt.store.segments import load_rows, segment_files, wanted_files
 from mpickpt.store.shard_file import OpenShards, open_shard, read_all
 
 
@@ -56,6 +56,27 @@ def check_read_files(root: str, manifest: Manifest, by_step: dict, segments, pla
         check_files(root, m, [rel for rel, meta in m.files.items()
                               if rel in read or meta["role"] == "dense"
                               or meta.get("rank") == rank])
+
+
+def usable_problems(root: str, manifest: Manifest, by_step: dict[int, Manifest]) -> list[str]:
+    """What stops `manifest`'s checkpoint from being read, without reading rows: its listed
+    files' existence and sizes (`store.catalog.file_problem_messages`), then its layers: the
+    manifests it builds on, an IncrCP chunk index that reads, and every file its segments name
+    (chain files no manifest lists). Local."""
+    from mpickpt.store.catalog import file_problem_messages
+
+    found = file_problem_messages(root, manifest)
+    if found:
+        return found
+    try:
+        segments = checkpoint_segments(root, manifest, by_step)
+        for m in parent_manifests(manifest, by_step):
+            found += file_problem_messages(root, m)
+    except (CheckpointError, OSError, ValueError) as e:
+        return [str(e)]
+    return found + [f"{os.path.join(root, rel)}: file of checkpoint step {manifest.step} is "
+                    f"missing" for rel in segment_files(segments)
+                    if not os.path.isfile(os.path.join(root, rel))]
 
 
 def check_compatible(manifest: Manifest, plan, dim: int, row_names) -> None:

@@ -93,11 +93,6 @@ def status(root: str, manifest: Manifest) -> str:
     return "damaged (" + "; ".join(f"{kind}: {rel}" for rel, kind in problems) + ")"
 
 
-def is_sound(root: str, manifest: Manifest) -> bool:
-    """Every listed file exists with its recorded size. Local."""
-    return not file_problems(root, manifest)
-
-
 def dir_step(name: str) -> int | None:
     """The step encoded in a `step-<12 digits>-<id>` directory name, or None. Local."""
     match = STEP_DIR_RE.match(name)
@@ -130,9 +125,10 @@ def listing(cat: Catalog) -> list[dict]:
                     "ckpt_id": None} for item in cat.leftovers]
 
 
-def select(cat: Catalog, step: int | None) -> tuple[Manifest, str | None]:
+def select(cat: Catalog, step: int | None, problems=None) -> tuple[Manifest, str | None]:
     """The manifest of `step`, or by default the newest whose manifest reads and whose files are
-    all present and complete.
+    all present and complete (`problems(root, manifest)`, the list of what is wrong with it:
+    by default `file_problem_messages`, the listed files' existence and sizes).
 
     Returns (manifest, note); the note says when newer checkpoints were passed over (a damaged
     manifest, missing or truncated files) or when no sound one exists and the newest is returned
@@ -152,7 +148,7 @@ def select(cat: Catalog, step: int | None) -> tuple[Manifest, str | None]:
         steps = ", ".join(str(s) for s in cat.steps())
         raise NoSuchCheckpoint(f"{cat.root}: no committed checkpoint at step {step}; "
                                f"committed steps: {steps}")
-    chosen, note = _newest_sound(cat)
+    chosen, note = _newest_sound(cat, problems or file_problem_messages)
     skipped = [f"skipped checkpoint step {s}: {damaged[s]}"
                for s in sorted(damaged, reverse=True) if s > chosen.step]
     if skipped:
@@ -160,11 +156,13 @@ def select(cat: Catalog, step: int | None) -> tuple[Manifest, str | None]:
     return chosen, note
 
 
-def _newest_sound(cat: Catalog) -> tuple[Manifest, str | None]:
-    newest = cat.manifests[-1]
+def _newest_sound(cat: Catalog, problems) -> tuple[Manifest, str | None]:
+    newest, first = cat.manifests[-1], None
     for m in reversed(cat.manifests):
-        if is_sound(cat.root, m):
+        found = problems(cat.root, m)
+        if not found:
             note = None if m is newest else (f"newest checkpoint step {newest.step} is "
-                                             f"{status(cat.root, newest)}; using step {m.step}")
+                                             f"damaged ({'; '.join(first)}); using step {m.step}")
             return m, note
+        first = first or found
     return newest, f"no checkpoint has all its files intact; using the newest, step {newest.step}"
