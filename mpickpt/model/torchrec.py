@@ -144,7 +144,9 @@ class TorchRecModel:
             spec = self.sharded.module_sharding_plan[name].sharding_spec
             for shard in spec.shards:
                 rank, start = shard.placement.rank(), int(shard.shard_offsets[0])
-                per_rank.setdefault(rank, []).append((t, start, start + int(shard.shard_sizes[0])))
+                rows = int(shard.shard_sizes[0])
+                if rows:  # row-wise: ceil(rows / world) each, so the last ranks may get none
+                    per_rank.setdefault(rank, []).append((t, start, start + rows))
         shards = []
         for rank, parts in per_rank.items():
             local = 0
@@ -154,7 +156,7 @@ class TorchRecModel:
         mine = [(s.table, s.row_start, s.row_end - s.row_start)
                 for s in sorted((s for s in shards if s.rank == self.topo.rank),
                                 key=lambda s: s.local_start)]
-        if mine != self.embeddings.tables:
+        if mine != [t for t in self.embeddings.tables if t[2]]:
             raise TorchRecContractError(f"{self.sharded_path}: the fused module holds "
                                         f"{self.embeddings.tables} (table, first row, rows), "
                                         f"its sharding plan says {mine}")
