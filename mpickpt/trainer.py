@@ -148,7 +148,7 @@ class Trainer:
         the relaunch). Collective."""
         newest = self.restorer.newest_step() if self.restorer is not None else None
         if self.restorer is not None and self.restorer.resume != "latest":
-            self.survival.drop_dump()  # a chosen start: older jobs' dumps are no relaunch's
+            self.survival.start_anew()  # a chosen start: older jobs' dumps are no relaunch's
             survey, found = None, None
         else:
             survey, found = self.survival.resume(newest)

@@ -98,8 +98,7 @@ class SurvivorDumps:
     # ---- restoring ----------------------------------------------------------------------------
     def survey(self, newest_committed: int | None) -> Survey:
         """Find, check and agree on the dumps of a relaunch. Collective."""
-        self.lineage = self.topo.control.bcast(
-            lineage(self.root) if self.topo.is_root else None, root=0)
+        self._learn_lineage()
         found, reason = self._find()
         summary = None if found is None else {
             "step": found[1].step, "undo": found[1].undo_step is not None,
@@ -179,6 +178,19 @@ class SurvivorDumps:
             self.parity.unfold((read_array(directory, "undo/fold_src"),
                                 torch.as_tensor(read_array(directory, "undo/fold_block"))))
         return header.undo_reader_state
+
+    def start_anew(self) -> None:
+        """A chosen start (`--resume STEP` or `none`): earlier jobs' dumps are no relaunch's,
+        so this rank's go; the directory's lineage is learned all the same, for the dumps this
+        job may write (a relaunch of it finds them its own). Collective."""
+        self.remove()
+        self._learn_lineage()
+
+    def _learn_lineage(self) -> None:
+        """This job's lineage id, rank 0's reading of the directory's (`dump.lineage`).
+        Collective."""
+        self.lineage = self.topo.control.bcast(
+            lineage(self.root) if self.topo.is_root else None, root=0)
 
     def remove(self) -> None:
         """Delete this rank's dumps. Local."""

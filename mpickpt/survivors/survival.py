@@ -90,6 +90,12 @@ class Survival:
                  + "".join(f"; rank {r} lost: {why}" for r, why in sorted(survey.lost.items())))
         return survey, restored
 
+    def start_anew(self) -> None:
+        """A chosen start: earlier jobs' dumps go, and this job's will be its relaunch's
+        (`SurvivorDumps.start_anew`). Collective."""
+        if self.dumps is not None:
+            self.dumps.start_anew()
+
     def drop_dump(self) -> None:
         """A checkpoint newer than the dumps committed: remove this rank's. Local."""
         if self.dumps is not None:

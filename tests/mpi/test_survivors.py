@@ -98,12 +98,19 @@ def test_undo_takes_back_a_whole_step_or_the_part_that_ran(topology, root):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_dumps_restore_the_agreed_step_in_a_fresh_model(topology, root):
+@pytest.mark.parametrize("start", ["survey", "chosen"])
+def test_dumps_restore_the_agreed_step_in_a_fresh_model(topology, root, start):
+    """The first launch resumed as launches do (its survey finds nothing) or started where
+    the user chose (`--resume STEP` or `none`: earlier dumps dropped): either way its dumps
+    carry the directory's lineage, and its relaunch restores them."""
     topo = topology
     dead = topo.world_size - 1
     ahead = 0 if topo.world_size >= 3 else None  # with 2 ranks its step would be the agreed one
     run = Run(topo, root)
-    run.dumps.survey(None)  # the lineage of this directory (a first launch: nothing found)
+    if start == "survey":
+        run.dumps.survey(None)  # the lineage of this directory (a first launch: nothing found)
+    else:
+        run.dumps.start_anew()
     run.train(4)
     agreed, at = run.snapshot(), run.state.to_dict()
     run.train(1)  # rank `ahead` completed step 5 when the peer died; the others only step 4
