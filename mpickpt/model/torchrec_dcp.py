@@ -43,6 +43,18 @@ def _state(model, with_meta: str | None) -> dict:
     return state
 
 
+def _holds_tensors(value) -> bool:
+    """Whether a state (nested dicts and lists) holds any tensor: an empty one is a key DCP
+    would look for and not find. Local."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensors(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensors(v) for v in value)
+    return False
+
+
 def save_dcp(model, path: str, step: int, reader: dict) -> None:
     """Write `model` (a TorchRecModel) as a DCP checkpoint at `path`. Collective."""
     import torch.distributed.checkpoint as dcp
@@ -77,8 +89,8 @@ def load_dcp(model, path: str) -> dict | None:
     tops = importable_entries(path)
     state = _state(model, "" if META_KEY in tops else None)
     for name in ("fused_optimizer", "dense_optimizer"):
-        if name not in tops:
-            state.pop(name)
+        if name not in tops or not _holds_tensors(state[name]):
+            state.pop(name)  # not saved, or nothing of it in this model (an SGD run)
     with model.state_lock:
         dcp.load(state, checkpoint_id=path, process_group=model.topo.pg)
         if "fused_optimizer" in state:

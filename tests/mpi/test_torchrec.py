@@ -20,7 +20,7 @@ ROWS, DIM, B = (100, 60, 40, 20), 8, 16
 
 
 def build(topo, sharding: str, seed: int, fused: str = "RowWiseAdagrad", kernel: str = "fused",
-          rows=ROWS):
+          rows=ROWS, dense=torch.optim.Adagrad):
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -56,7 +56,7 @@ def build(topo, sharding: str, seed: int, fused: str = "RowWiseAdagrad", kernel:
                                    env=ShardingEnv.from_process_group(topo.pg),
                                    sharders=[sharder],
                                    data_parallel_wrapper=dense_allreduce_wrapper())
-    return TorchRecModel(dmp, topo, lambda params: torch.optim.Adagrad(params, lr=0.05))
+    return TorchRecModel(dmp, topo, lambda params: dense(params, lr=0.05))
 
 
 def batch(rank: int, step: int, rows=ROWS):
@@ -332,6 +332,11 @@ def test_an_export_to_dcp_loads_into_a_fresh_dmp_with_plain_dcp_load(topology, s
     assert load_dcp(ours, f"{shared_dir}/dcp") == {"step": 3, "reader": {
         "kind": "synthetic", "sample_index": 48}}
     assert ours.digest() == first.digest()
+    for sharding in ("table_wise", "row_wise"):  # a run of plain SGD has no optimizer state
+        sgd = build(topology, sharding, seed=3, fused="SGD", dense=torch.optim.SGD)
+        assert load_dcp(sgd, f"{shared_dir}/dcp")["step"] == 3
+        assert torch.allclose(sgd.predict(batch(rank, 9)), probe, rtol=0, atol=1e-6)
+        assert torch.equal(_by_gid(topology, sgd, "weight"), _by_gid(topology, first, "weight"))
 
 
 @pytest.mark.mpi(min_size=2)
