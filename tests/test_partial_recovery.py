@@ -72,9 +72,18 @@ def test_partial_recovery_of_a_middle_rank_on_4_ranks_replays_nothing(tmp_path):
     assert read_trace(trace) == read_trace(straight)  # the failure-free run's reader positions
 
 
-@pytest.mark.parametrize("case", ["parity", "partial", "full"])
+@pytest.mark.parametrize("case", ["parity", "partial", "full", "fixed"])
 def test_recovery_auto_picks_what_its_inputs_say(tmp_path, case):
     common = ("--ckpt-dir", str(tmp_path / "ckpt"), "--recovery", "auto")
+    if case == "fixed":  # the user's interval: both modes weighed there, after every save
+        proc = run_ranks(2, "mpickpt.train", *SMALL_MODEL, *common, "--mtbf", "100",
+                         "--ckpt-interval", "4", "--num-batches", "16", "--inject-failure",
+                         "10:1")
+        decided = re.search(r"recovery auto: (\w+) recovery for this loss \((.*)\)",
+                            proc.stdout)
+        assert decided and "at the fixed interval 4 steps" in decided.group(2), proc.stdout
+        assert "nothing measured yet" not in proc.stdout
+        return
     if case == "parity":
         proc = run_ranks(4, "mpickpt.train", *SMALL_MODEL, *common, "--mtbf", "100",
                          "--num-batches", "16", "--parity-k", "3", "--inject-failure", "8:2")

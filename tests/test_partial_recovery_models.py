@@ -45,6 +45,21 @@ def test_benefit_check_picks_partial_when_it_pays_and_full_otherwise():
     assert benefit_check(cheap, 0.1, 0.25).mode == "full"  # 25.1% vs 25.0%: no benefit
 
 
+
+def test_under_a_fixed_interval_both_modes_are_weighed_there_and_partial_meets_the_pls_target():
+    """`--ckpt-interval N` with `--recovery auto`: the interval is the user's, so the check
+    weighs both modes at it; partial recovery pays there, but only where its E[PLS] at that
+    interval (eq. 4) meets the target."""
+    c = Costs(save=2.0, load=5.0, reschedule=3.0, mtbf=400.0, total=4000.0)
+    d = benefit_check(c, target_pls=0.1, lost_share=0.25, fixed=100)
+    assert (d.mode, d.interval, d.fixed) == ("partial", 100, True)
+    assert d.full_overhead == pytest.approx(full_overhead(c, 100))
+    assert d.expected_pls == pytest.approx(0.5 * 100 * 0.25 / 400)
+    assert "at the fixed interval 100 steps" in d.explain() and "Young" not in d.explain()
+    loose = benefit_check(c, target_pls=0.1, lost_share=0.25, fixed=400)  # E[PLS] 0.125
+    assert loose.mode == "full" and "E[PLS] 0.1250 against the target 0.1000" in loose.inputs()
+
+
 # ---- PLS --------------------------------------------------------------------------------------
 def test_pls_follows_eq3_over_a_scripted_sequence_of_failures():
     acct = PLSAccount(total_samples=1000 * 64)

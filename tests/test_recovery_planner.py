@@ -111,9 +111,10 @@ def test_nothing_is_planned_before_a_step_is_measured_nor_with_a_fixed_interval(
     _save(planner, ckpt, 10, 0.2)
     assert ckpt.schedule.interval == 10 and planner.history == [] and lines == []
     fixed, fckpt, _, _ = _planner(tmp_path, mode="auto", interval=25, start=25)
-    assert not fixed.plans_interval
+    assert not fixed.plans_interval and fixed.watches_saves  # FaultTolerance hooks it then
     _save(fixed, fckpt, 25, 0.2)
     assert fckpt.schedule.interval == 25 and fixed.decision is not None  # decided, not re-planned
+    assert fixed.decision.fixed and fixed.decision.interval == 25
 
 
 def test_auto_decides_on_the_measured_costs_and_logs_the_inputs(tmp_path):

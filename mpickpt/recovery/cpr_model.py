@@ -66,6 +66,10 @@ class Decision:
     expected_pls: float
     """E[PLS] of partial recovery at its interval (eq. 4)."""
     costs: Costs
+    fixed: bool = False
+    """Both modes weighed at the job's fixed interval (`--ckpt-interval N`): partial recovery
+    then also has to meet the PLS target there."""
+    target_pls: float | None = None
 
     def explain(self) -> str:
         """The decision and every input, for the log. Local."""
@@ -74,9 +78,14 @@ class Decision:
     def inputs(self) -> str:
         """What the decision weighed. Local."""
         c = self.costs
-        return (f"expected overhead full {self.full_overhead:.2%} at Young's {self.young:.1f} "
-                f"steps, partial {self.partial_overhead:.2%} at the PLS interval "
-                f"{self.pls_interval:.1f} steps, E[PLS] {self.expected_pls:.4f}; O_save "
+        weighed = (f"expected overhead full {self.full_overhead:.2%}, partial "
+                   f"{self.partial_overhead:.2%} at the fixed interval {self.interval:.0f} "
+                   f"steps, E[PLS] {self.expected_pls:.4f} against the target "
+                   f"{self.target_pls:.4f}") if self.fixed else (
+            f"expected overhead full {self.full_overhead:.2%} at Young's {self.young:.1f} "
+            f"steps, partial {self.partial_overhead:.2%} at the PLS interval "
+            f"{self.pls_interval:.1f} steps, E[PLS] {self.expected_pls:.4f}")
+        return (f"{weighed}; O_save "
                 f"{c.save:.3f}, O_load {c.load:.3f} (partial {c.load_partial:.3f}), O_res {c.reschedule:.3f}, T_fail "
                 f"{c.mtbf:.1f}, T_total {c.total:.0f} steps")
 
@@ -110,8 +119,16 @@ def partial_overhead(c: Costs, interval: float) -> float:
 
 
 def benefit_check(c: Costs, target_pls: float, lost_share: float,
-                  min_benefit: float = MIN_BENEFIT) -> Decision:
-    """CPR's choice between partial and full recovery, with each mode's interval. Local."""
+                  min_benefit: float = MIN_BENEFIT, fixed: float | None = None) -> Decision:
+    """CPR's choice between partial and full recovery, with each mode's interval; `fixed`:
+    the job's interval, at which both modes are weighed instead (partial recovery only where
+    its E[PLS] there meets `target_pls`). Local."""
+    if fixed is not None:
+        full, part = full_overhead(c, fixed), partial_overhead(c, fixed)
+        pls = expected_pls(fixed, c.mtbf, lost_share)
+        mode = "partial" if part <= (1.0 - min_benefit) * full and pls <= target_pls \
+            else "full"
+        return Decision(mode, fixed, full, part, fixed, fixed, pls, c, True, target_pls)
     young = young_interval(c.save, c.mtbf)
     part_t = pls_interval(target_pls, c.mtbf, lost_share)
     full, part = full_overhead(c, young), partial_overhead(c, part_t)

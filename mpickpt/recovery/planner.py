@@ -59,7 +59,15 @@ class RecoveryPlanner:
 
     @property
     def plans_interval(self) -> bool:
+        """It sets the checkpoint interval (none is fixed, and something plans one). Local."""
         return self.fixed is None and (self.young or self.pls or self.mode == "auto")
+
+    @property
+    def watches_saves(self) -> bool:
+        """It re-plans after every save (`after_save`): where it sets the interval, and for
+        `--recovery auto`, whose benefit check picks the mode under a fixed interval too.
+        Local."""
+        return self.plans_interval or self.mode == "auto"
 
     def first_interval(self, default: int) -> int:
         """The interval until the first checkpoint measures O_save: CPR's when it needs no
@@ -83,7 +91,8 @@ class RecoveryPlanner:
         interval = None
         mode_changed = False
         if self.mode == "auto":
-            decision = benefit_check(costs, self.config.pls_target, self.lost_share)
+            decision = benefit_check(costs, self.config.pls_target, self.lost_share,
+                                     fixed=self.fixed)
             mode_changed = self.decision is None or decision.mode != self.decision.mode
             if mode_changed:
                 self.say(decision.explain())

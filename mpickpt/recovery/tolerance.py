@@ -44,8 +44,9 @@ class FaultTolerance:
         """Steps of the scripted losses already fired."""
         if ckpt is not None:
             ckpt.stats_sources.append(lambda: {"pls": self.pls.to_stats()})
-            if self.planner.plans_interval:
+            if self.planner.watches_saves:
                 ckpt.on_saved = self.planner.after_save
+            if self.planner.plans_interval:
                 ckpt.schedule.interval = self.planner.first_interval(ckpt.schedule.interval)
                 ckpt.schedule.restart(step)
 
