@@ -159,6 +159,10 @@ class Trainer:
             return survey.step, position_from_dict(reader), pls, sorted(survey.lost)
         restored = self.restorer.restore() if self.restorer is not None else None  # collective
         imported = self._import_dcp(first) if restored is None else None
+        if restored is not None and self.config.model.import_dcp is not None:
+            self.log.say(f"--import-dcp {self.config.model.import_dcp}: not imported: "
+                         f"{self.restorer.root} holds checkpoints, and the job resumed from step "
+                         f"{restored.step} (an import starts a job whose --ckpt-dir holds none)")
         if self.parity is not None:
             self.parity.encode()  # collective
         if imported is not None:

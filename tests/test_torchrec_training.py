@@ -175,6 +175,9 @@ def test_a_dcp_export_imports_as_a_baseline_and_continues_like_the_original(root
     assert f"imported DCP checkpoint {dcp_dir} at step 12" in rest.stdout, rest.stdout
     assert min(m.step for m in list_manifests(ckpt)) == 12  # the baseline
     assert digest_of(rest) == digest  # (an export loaded under another plan: tests/mpi)
+    again = _train(2, "table_wise", "--import-dcp", dcp_dir, "--ckpt-dir", ckpt, *CKPT)
+    assert f"--import-dcp {dcp_dir}: not imported: {ckpt} holds checkpoints, and the job " \
+        f"resumed from step {STEPS}" in again.stdout, again.stdout  # said, not silently ignored
     other = run_ranks(2, "mpickpt.train", *TORCHREC, "--arch-embedding-size", "300-200-100-60",
                       "--import-dcp", dcp_dir)  # the last table has 10 more rows
     assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr
