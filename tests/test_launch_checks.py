@@ -205,26 +205,29 @@ def test_stale_staging_areas_are_those_of_gone_processes_of_this_pid_namespace_o
     have their own: a staging area's name carries its creator's namespace, and the clean-up
     removes this user's areas of gone processes of this namespace (and of names from before
     the namespace was in them), never a live one's, another namespace's or another user's."""
+    from mpickpt import owned_names
     from mpickpt.engine import staging
 
     if staging.SHM_DIR is None:
         pytest.skip("no /dev/shm")
     area = staging.StagingArea({"x": ((4,), "<f4")})
-    ns = staging.pid_namespace()
+    ns, prefix = owned_names.pid_namespace(), staging.PREFIX
     try:
         name = os.path.basename(area.path)
-        assert ns.isdigit() and name.startswith(f"{staging.PREFIX}{os.getpid()}-{ns}-"), name
+        assert ns.isdigit() and name.startswith(f"{prefix}{os.getpid()}-{ns}-"), name
         gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                               capture_output=True, text=True, check=True).stdout.strip()
-        names = {"dead": f"{staging.PREFIX}{gone}-{ns}-0123abcd",
-                 "legacy": f"{staging.PREFIX}{gone}-0123abcd",
-                 "foreign": f"{staging.PREFIX}{gone}-{int(ns) + 1}-0123abcd",
-                 "live": f"{staging.PREFIX}{os.getpid()}-{ns}-0123abcd"}
+        names = {"dead": f"{prefix}{gone}-{ns}-0123abcd",
+                 "legacy": f"{prefix}{gone}-0123abcd",
+                 "foreign": f"{prefix}{gone}-{int(ns) + 1}-0123abcd",
+                 "live": f"{prefix}{os.getpid()}-{ns}-0123abcd"}
         mine = lambda n: os.getuid()  # noqa: E731
-        judged = {k: staging.stale_area(n, mine, ns) for k, n in names.items()}
+        judged = {k: owned_names.stale(n, prefix, mine, ns, legacy=True)
+                  for k, n in names.items()}
         assert judged == {"dead": True, "legacy": True, "foreign": False, "live": False}
-        assert not staging.stale_area(names["dead"], lambda n: os.getuid() + 1, ns)
-        assert not staging.stale_area(names["dead"], lambda n: None, ns)
+        assert not owned_names.stale(names["legacy"], prefix, mine, ns)  # legacy off
+        assert not owned_names.stale(names["dead"], prefix, lambda n: os.getuid() + 1, ns)
+        assert not owned_names.stale(names["dead"], prefix, lambda n: None, ns)
         paths = [os.path.join(staging.SHM_DIR, n) for n in names.values()]
         for p in paths:
             open(p, "wb").close()

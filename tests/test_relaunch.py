@@ -154,6 +154,32 @@ def test_the_rank_wrapper_turns_a_death_by_signal_into_a_status():
     assert proc.returncode == 76
 
 
+def test_the_folder_of_a_sigkilled_agent_goes_with_the_next_agent(tmp_path):
+    """A SIGKILL runs no clean-up (hydra SIGKILLs a node's ranks when one ends by a signal):
+    the next agent removes the folder of an agent of this PID namespace that is gone, names
+    it, and leaves its own nowhere."""
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    killed = subprocess.run([sys.executable, "-m", "mpickpt.launch.rank_wrapper",
+                             sys.executable, "-c", "import os; print(os.environ["
+                             "'MPICKPT_AGENT_DIR'], flush=True); os.kill(os.getppid(), 9)"],
+                            capture_output=True, text=True, env=env)
+    assert killed.returncode == -9, killed.stderr
+    left = killed.stdout.strip()
+    assert os.path.isdir(left) and os.path.dirname(left) == str(tmp_path)
+    pid, namespace = os.path.basename(left)[len("mpickpt-agent-"):].split("-")[:2]
+    assert pid.isdigit() and not os.path.exists(f"/proc/{pid}") and namespace == \
+        str(os.stat("/proc/self/ns/pid").st_ino)
+    other = tmp_path / "mpickpt-agent-1-0-abc"  # another namespace's (or a name of old)
+    other.mkdir()
+    after = subprocess.run([sys.executable, "-m", "mpickpt.launch.rank_wrapper",
+                            sys.executable, "-c", "pass"], capture_output=True, text=True,
+                           env=env)
+    assert after.returncode == 0, after.stderr
+    assert f"removed 1 folder(s) of agents that are gone: {os.path.basename(left)}" in \
+        after.stderr, after.stderr
+    assert sorted(os.listdir(tmp_path)) == [other.name]
+
+
 def test_a_signal_to_mpickpt_run_reaches_the_run_and_ends_the_loop(tmp_path):
     marker = tmp_path / "got"
     child = (f"import signal, sys, time, pathlib\n"

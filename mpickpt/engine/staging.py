@@ -14,6 +14,8 @@ import uuid
 
 import numpy as np
 
+from mpickpt.owned_names import owned_name, remove_stale
+
 ALIGN = 4096
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 PREFIX = "mpickpt-staging-"
@@ -51,8 +53,7 @@ class StagingArea:
         self.layout, self.nbytes = layout_of(specs)
         self._specs = list(specs.items())
         directory = SHM_DIR or os.environ.get("TMPDIR", "/tmp")
-        self.path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{pid_namespace()}-"
-                                            f"{uuid.uuid4().hex[:8]}")
+        self.path = os.path.join(directory, owned_name(PREFIX, uuid.uuid4().hex[:8]))
         with open(self.path, "wb") as f:
             f.truncate(self.nbytes)
         self._mm, self.arrays = map_arrays(self.path, self.layout, writable=True)
@@ -109,54 +110,9 @@ class StagingArea:
         self.close()
 
 
-def pid_namespace() -> str:
-    """This process's PID namespace, as the inode number of /proc/self/ns/pid ('0' where it
-    cannot be read). A staging area's name carries it: a PID means a process only inside its
-    namespace, and containers that share /dev/shm (``--ipc=host``) have namespaces of their
-    own. Local."""
-    try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        return "0"
-
-
-def stale_area(name: str, uid_of, namespace: str) -> bool:
-    """Whether the staging file `name` is one this process may remove: its creator's PID is
-    gone from this PID namespace, which its name says it was created in, and it belongs to
-    this user (`uid_of(name)`: its owner, None where it is gone). A name of another namespace
-    is a process this one cannot see: left alone, as is another user's file; a name without
-    one (written before the namespace was part of the name) is judged in this namespace.
-    Local."""
-    parts = name[len(PREFIX):].split("-")
-    if len(parts) == 2:
-        parts.insert(1, namespace)
-    if len(parts) != 3 or not parts[0].isdigit() or parts[1] != namespace:
-        return False
-    return not os.path.exists(f"/proc/{parts[0]}") and uid_of(name) == os.getuid()
-
-
 def remove_stale_areas() -> list[str]:
     """Delete this user's staging files left by processes of this PID namespace that no longer
-    exist (`stale_area`). Local."""
+    exist (`owned_names.stale`; names from before the namespace was in them too). Local."""
     if SHM_DIR is None:
         return []
-    try:
-        names = [n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX)]
-    except OSError:  # never a reason to fail a start or an agent's end
-        return []
-    namespace, removed = pid_namespace(), []
-    for name in names:
-        if stale_area(name, lambda n: _owner(os.path.join(SHM_DIR, n)), namespace):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-                removed.append(name)
-            except OSError:
-                pass
-    return removed
-
-
-def _owner(path: str) -> int | None:
-    try:
-        return os.stat(path).st_uid
-    except OSError:
-        return None
+    return remove_stale(SHM_DIR, PREFIX, legacy=True)

@@ -46,6 +46,7 @@ from mpickpt.background import JOB_SIGNALS
 from mpickpt.job_variables import AGENTS_VARIABLE, STORE_VARIABLE
 from mpickpt.launch.run_store import announce, goodbye
 from mpickpt.launch.standby import WARM_VARIABLE, Standby
+from mpickpt.owned_names import owned_name, remove_stale
 from mpickpt.stop_signals import SIGNALS as STOP_SIGNALS
 
 IN_PLACE_VARIABLE = "MPICKPT_IN_PLACE"
@@ -54,6 +55,9 @@ AGENT_VARIABLE = "MPICKPT_AGENT_DIR"
 STARTED_FILE = "started"
 """Written by the trainer into the agent's folder once it has started (its first step is next):
 the rendezvous store's address, or nothing."""
+FOLDER_PREFIX = "mpickpt-agent-"
+"""An agent's folder in the temporary directory: `owned_names.owned_name` (its PID and PID
+namespace, then a random tag), so that the next agent removes one a SIGKILL left."""
 REPLACES_VARIABLE = "MPICKPT_REPLACES"
 """Set by the agent for a process it started to replace a dead trainer: "rank/size/host:pid"
 (launcher rank and size; the dead process, as it held its slot at the store)."""
@@ -103,7 +107,10 @@ class Agent:
 
     def run(self) -> int:
         env = dict(self.env)
-        self.folder = tempfile.mkdtemp(prefix=f"mpickpt-agent-{self.rank}-")
+        gone = remove_stale(tempfile.gettempdir(), FOLDER_PREFIX)  # SIGKILLed agents' folders
+        if gone:
+            self.say(f"removed {len(gone)} folder(s) of agents that are gone: {' '.join(gone)}")
+        self.folder = tempfile.mkdtemp(prefix=owned_name(FOLDER_PREFIX, ""))
         env[AGENT_VARIABLE] = self.folder
         watch = announce(self.env.get(AGENTS_VARIABLE), self.rank) if self.in_place else None
         if self.in_place and self.env.get(WARM_VARIABLE) == "1":
