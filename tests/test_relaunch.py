@@ -11,7 +11,8 @@ import pytest
 
 from mpickpt.launch.command import (agents_respawn, launch_command, mpi_flavour,
                                      open_mpi_flavour)
-from mpickpt.launch.relaunch import Relauncher, RunWatch, cause, ckpt_dir_of, main
+from mpickpt.launch.relaunch import (Relauncher, RunWatch, cause, ckpt_dir_of, main,
+                                     repeated)
 from mpickpt.mpiexec import mpiexec
 
 
@@ -60,6 +61,32 @@ def test_gives_up_after_max_restarts_with_the_last_status(tmp_path):
     assert Relauncher(cmd, max_restarts=2, log_path=str(log)).run() == 9
     assert counter.read_text() == "3"
     assert "no restarts left (--max-restarts 2)" in log.read_text().splitlines()[-1]
+
+
+def test_a_startup_error_that_repeats_ends_the_loop(tmp_path):
+    """A startup that fails twice with the same error (a trainer's traceback, then its 'startup
+    failed' line) is a fault of the command or its input, which every relaunch repeats: the
+    second failure ends the loop, naming the error; a peer's death is not relaunched alike."""
+    failed = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+              "[rank1]: ValueError: shard Shard(table=1) does not fit tables of [3, 1]\n"
+              "mpickpt-train: startup failed in building the model and restoring; exit "
+              "status 77 for a relaunch\n")
+    cmd, counter = runs(tmp_path, [77, 77, 77, 0], failed)
+    log = tmp_path / "restarts.log"
+    assert Relauncher(cmd, max_restarts=3, log_path=str(log)).run() == 77
+    assert counter.read_text() == "2"
+    first, second = log.read_text().splitlines()
+    assert "(a rank's startup failed: ValueError: shard Shard(table=1) does not fit" in first
+    assert "relaunching (restart 1 of 3)" in first
+    assert second.endswith("the same startup error as the run before: a fault a relaunch "
+                           "repeats, not a peer's death; not relaunching"), second
+    watch = RunWatch()
+    for line in failed.splitlines():
+        watch.read(line + "\n")
+    assert watch.error.startswith("ValueError: shard")
+    assert repeated(77, watch, (77, watch.error)) and not repeated(77, watch, None)
+    assert not repeated(77, watch, (77, "RuntimeError: Connection closed by peer"))
+    assert not repeated(77, RunWatch(), (77, ""))  # no error line: a deadline, a death
 
 
 def test_cause_names_the_dead_rank_the_signal_and_the_launcher_note():

@@ -42,6 +42,9 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 _DIED = re.compile(r"peer rank\(s\) \[([0-9, ]+)\] died after step (\d+) \(([^)]*)\)")
 _HYDRA_BAD = re.compile(r"EXIT CODE: (\d+)")
 _SRUN_TASK = re.compile(r"srun: error: \S+: tasks? ([0-9,\-]+): (.+)")
+_ERROR = re.compile(r"^(?:\[rank\d+\]: )?([A-Za-z_][\w.]*(?:Error|Exception): .+)$")
+"""The last line of a Python traceback (with torch's rank prefix, where it adds one)."""
+_STARTUP_FAILED = "startup failed in "
 
 
 @dataclass
@@ -52,8 +55,16 @@ class RunWatch:
     step: int | None = None
     how: str = ""
     notes: list = field(default_factory=list)
+    error: str = ""
+    """The last error line (a traceback's) before a trainer said its startup failed."""
+    last_error: str = ""
 
     def read(self, line: str) -> None:
+        m = _ERROR.match(line.strip())
+        if m:
+            self.last_error = m.group(1)
+        if _STARTUP_FAILED in line and self.last_error and not self.error:
+            self.error = self.last_error
         m = _DIED.search(line)
         if m:
             self.dead |= {int(r) for r in m.group(1).split(",") if r.strip()}
@@ -76,12 +87,20 @@ def cause(status: int, watch: RunWatch) -> str:
         parts.append(f"exit status {status} (a process killed by "
                      f"{_signal_name(status - 128)})")
     elif status == EXIT_STARTUP_FAILED:
-        parts.append(f"exit status {status} (a rank's startup failed: a peer died before the "
-                     f"first step, or --startup-timeout passed)")
+        parts.append(f"exit status {status} (a rank's startup failed: " + (
+            f"{watch.error}" if watch.error else
+            "a peer died before the first step, or --startup-timeout passed") + ")")
     elif status not in FINAL and status != EXIT_PEER_LOST:
         parts.append(f"exit status {status}")
     parts += watch.notes[:2]
     return "; ".join(parts) or f"exit status {status}"
+
+
+def repeated(status: int, watch: RunWatch, last: tuple | None) -> bool:
+    """Whether a run's startup failed with the error the run before failed with: a fault of
+    the command or its input, which every relaunch repeats (a peer's death is not). Local and
+    pure."""
+    return status == EXIT_STARTUP_FAILED and bool(watch.error) and last == (status, watch.error)
 
 
 def _signal_name(n: int) -> str:
@@ -116,6 +135,7 @@ class Relauncher:
                  f"restarts)")
         previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
         remove_stale_saying(self.say)  # what runs killed as a whole left on this host
+        last = None
         try:
             while True:
                 status, watch, seconds = self._one_run()
@@ -125,6 +145,12 @@ class Relauncher:
                                                           if self.stop_signal else ""))
                     return status
                 why = cause(status, watch)
+                if repeated(status, watch, last):
+                    self._record(f"run {self.restarts + 1} failed after {seconds:.1f} s: {why}; "
+                                 f"the same startup error as the run before: a fault a "
+                                 f"relaunch repeats, not a peer's death; not relaunching")
+                    return status
+                last = (status, watch.error)
                 if self.restarts >= self.max_restarts:
                     self._record(f"run {self.restarts + 1} failed after {seconds:.1f} s: {why}; "
                                  f"no restarts left (--max-restarts {self.max_restarts})")
