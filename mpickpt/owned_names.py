@@ -2,8 +2,8 @@
 can remove what a killed one left (a SIGKILL runs no clean-up) without touching a live one's.
 
 A name carries its maker's PID and PID namespace: ``<prefix><pid>-<namespace>-<random>``. A PID
-names a process only inside its namespace, and containers that share a folder (``/dev/shm`` with
-``--ipc=host``, a bind-mounted ``/tmp``) each have their own: a name of another namespace is a
+names a process only inside its namespace, and containers that share a folder (``/dev/shm`` in the
+host's IPC namespace, a bind-mounted ``/tmp``) each have their own: a name of another namespace is a
 process this one cannot see, and is left alone, as is another user's. Used for the staging
 areas in /dev/shm (`engine.staging`) and mpickpt-run's agent folders (`launch.rank_wrapper`).
 Local: nothing here uses MPI.

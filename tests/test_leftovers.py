@@ -82,9 +82,12 @@ def test_a_chain_used_only_by_damaged_manifests_is_kept(copy, capsys):
     assert leftovers.find(copy, [], chains=False) == []
     listed = ls(copy, capsys)
     assert listed.count("unreadable manifest") == 2 and "leftover:" not in listed, listed
-    proc = train("--num-batches", "3", "--ckpt-dir", copy)  # no checkpoint of its own
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "checkpoint step 8 unusable" in proc.stdout, proc.stdout
+    proc = train("--num-batches", "3", "--ckpt-dir", copy)  # no fresh start over them
+    assert proc.returncode == 2 and "every manifest there is unreadable" in proc.stderr, \
+        proc.stderr[-2000:]
+    assert tree(os.path.join(copy, "chains", chain)) == before
+    proc = train("--num-batches", "3", "--ckpt-dir", copy, "--resume", "none")  # by choice
+    assert proc.returncode == 0, proc.stderr[-2000:]  # (no checkpoint of its own)
     assert "leftovers of earlier runs" not in proc.stdout, proc.stdout
     assert tree(os.path.join(copy, "chains", chain)) == before
 
