@@ -8,3 +8,12 @@ AGENTS_VARIABLE = "MPICKPT_AGENTS"
 RESTART_VARIABLE = "MPICKPT_RESTART"
 """Set by `mpickpt-run` for every run it starts (and so seen by the agents and trainers): how
 many relaunches came before."""
+
+
+def relaunches(environ) -> list[str]:
+    """The variables that say this launch is a relaunch of the same command (`mpickpt-run`'s
+    restarts, a requeued Slurm job), as NAME=VALUE; empty on a job's first launch. Local."""
+    counts = {name: environ.get(name, "").strip() for name in (RESTART_VARIABLE,
+                                                                "SLURM_RESTART_COUNT")}
+    return [f"{name}={value}" for name, value in counts.items()
+            if value.isdigit() and int(value) > 0]

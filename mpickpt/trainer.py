@@ -20,6 +20,7 @@ from mpickpt.parity.guard import ParityGuard
 from mpickpt.progress import ProgressLog
 from mpickpt.faults.loss import Loss
 from mpickpt.generation import GenerationError
+from mpickpt.job_variables import relaunches
 from mpickpt.recovery.tolerance import FaultTolerance
 from mpickpt.run_report import RunReport
 from mpickpt.stop_signals import StopSignals, stop_failed_message
@@ -75,7 +76,9 @@ class Trainer:
                 if note:
                     self.ckpt.say(note)
             self.restorer = Restorer(topo, config.checkpoint.directory, self.model, self.ckpt.say,
-                                     resume, train_until=config.num_batches)
+                                     resume, train_until=config.num_batches,
+                                     first_launch=not relaunches(os.environ)
+                                     and not topo.replacement)
         self.parity = ParityGuard(topo, self.model, config.parity, self.log.say,
                                   self._widen, self.shared_rows) \
             if config.parity is not None else None
@@ -186,7 +189,7 @@ class Trainer:
 
         start = time.perf_counter()
         try:
-            meta = load_dcp(self.model, path)
+            meta = load_dcp(self.model, path, self.log.say)
         except (ValueError, CheckpointException) as e:  # a BaseException; DCP's planning
             raise CheckpointError(  # gathers every rank's errors and raises them on all ranks:
                 f"--import-dcp {path}: cannot be loaded into this model: "  # an agreed refusal

@@ -115,10 +115,12 @@ def test_a_file_of_another_checkpoint_is_refused_though_sound_and_of_the_same_si
     assert digest_of(resumed) == digest
 
 
-def test_a_directory_whose_every_manifest_is_unreadable_is_no_fresh_start(tmp_path, reference):
+def test_a_directory_whose_every_manifest_is_unreadable_is_no_fresh_start(tmp_path, reference,
+                                                                           monkeypatch):
     """Training from scratch there would commit over the damaged manifests' names and then
-    delete their data as torn: the run stops with status 2, naming them, and leaves every
-    file as it was."""
+    delete their data as torn: a job's first launch stops with status 2, naming them, and
+    leaves every file as it was. A relaunch starts over, as before: its first launch may have
+    chosen to (`--resume none`) and died before its first commit."""
     src, _ = reference
     ckpt = tmp_path / "ckpt"
     shutil.copytree(src, ckpt)
@@ -135,6 +137,9 @@ def test_a_directory_whose_every_manifest_is_unreadable_is_no_fresh_start(tmp_pa
     assert "step 10/30" not in proc.stdout
     assert sorted((str(p.relative_to(ckpt)), p.stat().st_mtime_ns)
                   for p in ckpt.rglob("*")) == before
+    monkeypatch.setenv("MPICKPT_RESTART", "1")
+    again = train(2, ckpt, 30)
+    assert again.returncode == 0 and resumed_step(again.stdout) is None, again.stderr
 
 
 def test_full_disk_abandons_checkpoint_and_training_goes_on(small_tmpfs):

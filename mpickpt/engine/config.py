@@ -206,14 +206,11 @@ class CheckpointConfig:
         trains nothing past its chosen step (`train_until`, the run's last step: a digest or an
         evaluation of that step): the relaunch starts there again then. Local (reads the
         directory's record)."""
-        from mpickpt.job_variables import RESTART_VARIABLE
+        from mpickpt.job_variables import relaunches
 
         if self.resume == "latest":
             return "latest", None
-        counts = {name: environ.get(name, "").strip() for name in (RESTART_VARIABLE,
-                                                                    "SLURM_RESTART_COUNT")}
-        again = [f"{name}={value}" for name, value in counts.items()
-                 if value.isdigit() and int(value) > 0]
+        again = relaunches(environ)
         if not again:
             return self.resume, None
         relaunch = f"this is a relaunch ({', '.join(again)})"

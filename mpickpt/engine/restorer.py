@@ -50,14 +50,17 @@ class Restorer:
     """Restore for one rank of a job writing checkpoints under `root`. `restore` is collective."""
 
     def __init__(self, topo, root: str, model, say, resume: str = "latest",
-                 train_until: int | None = None):
+                 train_until: int | None = None, first_launch: bool = True):
         """`resume`: 'latest', 'none' or a step (`CheckpointConfig.resume_in_force`: a chosen
         one applies to a job's first launch); a chosen start under newer committed checkpoints
         retires them (`_replace_newer`) when the run will train past it, i.e. before
-        `train_until` (None: always)."""
+        `train_until` (None: always). `first_launch`: not a relaunch of the same command (whose
+        first launch may have started over by choice, `--resume none`, beside manifests it
+        cannot read): only a job's first launch refuses a directory of unreadable manifests."""
         self.topo, self.root, self.model, self.say = topo, os.path.abspath(root), model, say
         self.resume = str(resume)
         self.train_until = train_until
+        self.first_launch = first_launch
         self.seconds: list[float] = []
         """Wall time of every restore, the slowest rank's (O_load)."""
         self.partial_seconds: list[float] = []
@@ -88,6 +91,8 @@ class Restorer:
         if not latest and self.resume_step is not None:
             self._record_replacing()
         candidates = list(reversed(manifests)) if latest else self._candidates(manifests)
+        if not candidates and self.damaged and not latest and self.first_launch:
+            raise CheckpointError(self._all_unreadable())
         into = None if latest else self._own_rows()
 
         def load(manifest, by_step):
@@ -156,8 +161,6 @@ class Restorer:
     def _first_usable(self, candidates, manifests, load):
         """The first candidate every rank could load (`load(manifest, by_step)` -> (error,
         result)), falling back past damaged ones with a message. Collective."""
-        if not candidates and self.damaged:
-            raise CheckpointError(self._all_unreadable())
         by_step = {m.step: m for m in manifests}
         problems = []
         for manifest in candidates:
@@ -174,8 +177,10 @@ class Restorer:
         return None
 
     def _all_unreadable(self) -> str:
-        """Why a directory whose every manifest is unreadable is not a fresh start: training
-        from scratch would commit over their names and then delete their data as torn. Local."""
+        """Why a directory whose every manifest is unreadable is no fresh start for a job's
+        first launch: training from scratch would commit over their names and then delete their
+        data as torn. (A relaunch, and a recovery inside the job, start over as before: the job
+        may have chosen to, `--resume none`, and not committed yet.) Local."""
         steps = ", ".join(f"step {s}: {why}" for s, why in sorted(self.damaged.items()))
         return (f"no usable checkpoint in {self.root}: every manifest there is unreadable "
                 f"({steps}); repair or move them away, or start over with --resume none, which "
