@@ -11,8 +11,8 @@ import pytest
 
 from mpickpt.launch.command import (agents_respawn, launch_command, mpi_flavour,
                                      open_mpi_flavour)
-from mpickpt.launch.relaunch import (Relauncher, RunWatch, cause, ckpt_dir_of, main,
-                                     repeated)
+from mpickpt.launch.relaunch import (Relauncher, RunWatch, cause, ckpt_dir_of, failure_of,
+                                     main, repeated)
 from mpickpt.mpiexec import mpiexec
 
 
@@ -84,9 +84,12 @@ def test_a_startup_error_that_repeats_ends_the_loop(tmp_path):
     for line in failed.splitlines():
         watch.read(line + "\n")
     assert watch.error.startswith("ValueError: shard")
-    assert repeated(77, watch, (77, watch.error)) and not repeated(77, watch, None)
-    assert not repeated(77, watch, (77, "RuntimeError: Connection closed by peer"))
-    assert not repeated(77, RunWatch(), (77, ""))  # no error line: a deadline, a death
+    same = failure_of(77, watch)
+    assert repeated(77, watch, same) and not repeated(77, watch, None)
+    assert not repeated(77, watch, (77, frozenset({"RuntimeError: Connection closed"})))
+    assert failure_of(77, RunWatch()) is None  # no error line: a deadline
+    watch.read("EXIT CODE: 9\n")  # a rank killed: a death, whatever the errors say
+    assert failure_of(77, watch) is None and not repeated(77, watch, same)
 
 
 def test_cause_names_the_dead_rank_the_signal_and_the_launcher_note():

@@ -56,15 +56,18 @@ class RunWatch:
     how: str = ""
     notes: list = field(default_factory=list)
     error: str = ""
-    """The last error line (a traceback's) before a trainer said its startup failed."""
-    last_error: str = ""
+    """The last error line (a traceback's) before a trainer first said its startup failed."""
+    errors: set = field(default_factory=set)
+    """Every distinct error line of the run (its ranks' streams interleave)."""
+    startup_failed: bool = False
 
     def read(self, line: str) -> None:
         m = _ERROR.match(line.strip())
         if m:
-            self.last_error = m.group(1)
-        if _STARTUP_FAILED in line and self.last_error and not self.error:
-            self.error = self.last_error
+            self.errors.add(m.group(1))
+            self.error = self.error if self.startup_failed else m.group(1)
+        if _STARTUP_FAILED in line:
+            self.startup_failed = True
         m = _DIED.search(line)
         if m:
             self.dead |= {int(r) for r in m.group(1).split(",") if r.strip()}
@@ -97,10 +100,18 @@ def cause(status: int, watch: RunWatch) -> str:
 
 
 def repeated(status: int, watch: RunWatch, last: tuple | None) -> bool:
-    """Whether a run's startup failed with the error the run before failed with: a fault of
-    the command or its input, which every relaunch repeats (a peer's death is not). Local and
-    pure."""
-    return status == EXIT_STARTUP_FAILED and bool(watch.error) and last == (status, watch.error)
+    """Whether a run's startup failed as the run before did, with the same error lines and
+    no sign of a death (no rank reported dead, no launcher note of a rank killed or gone): a
+    fault of the command or its input, which every relaunch repeats. Local and pure."""
+    return last is not None and last == failure_of(status, watch) and bool(last[1])
+
+
+def failure_of(status: int, watch: RunWatch) -> tuple | None:
+    """What `repeated` compares: (status, the run's error lines) of a startup failure with no
+    sign of a death, else None. Local and pure."""
+    if status != EXIT_STARTUP_FAILED or not watch.startup_failed or watch.dead or watch.notes:
+        return None
+    return status, frozenset(watch.errors)
 
 
 def _signal_name(n: int) -> str:
@@ -150,7 +161,7 @@ class Relauncher:
                                  f"the same startup error as the run before: a fault a "
                                  f"relaunch repeats, not a peer's death; not relaunching")
                     return status
-                last = (status, watch.error)
+                last = failure_of(status, watch)
                 if self.restarts >= self.max_restarts:
                     self._record(f"run {self.restarts + 1} failed after {seconds:.1f} s: {why}; "
                                  f"no restarts left (--max-restarts {self.max_restarts})")
