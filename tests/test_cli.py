@@ -497,7 +497,8 @@ def test_a_first_launch_records_its_chosen_start_before_its_slow_start_up(tmp_pa
     committed (its manifest named, readable or not) under newer ones and the run trains past
     it; 'none' under any; not for 'latest', a missing step, nothing newer, or a run that
     trains nothing (which leaves a record as it is, where a launch that replaces nothing
-    removes a stale one); a launch resuming the newest removes any record, damaged or not."""
+    removes a stale one); a launch resuming the newest removes any record, damaged or not,
+    where it trains past the newest (a look at the newest leaves it)."""
     from mpickpt.store import replacing
     from mpickpt.store.manifest import manifest_path
 
@@ -512,6 +513,7 @@ def test_a_first_launch_records_its_chosen_start_before_its_slow_start_up(tmp_pa
     assert replacing.settle(root, "4", 4) is None and replacing.pending(root) == "4"  # left
     assert replacing.settle(root, "5", 100) is None and replacing.pending(root) is None  # stale
     assert replacing.settle(root, "none", 1) is None and replacing.pending(root) == "none"
+    assert replacing.settle(root, "latest", 8) is None and replacing.pending(root) == "none"
     assert replacing.settle(root, "latest", 100) is None and replacing.pending(root) is None
     with open(replacing.path_of(root), "w") as f:
         f.write("garbage")  # a damaged record: a job resuming the newest removes it too

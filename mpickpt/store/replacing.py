@@ -66,14 +66,16 @@ def settle(root: str, resume: str, train_until: int | None) -> str | None:
     `root` (named by their manifest files, readable or not; the chosen step's must be there)
     in a run that trains to `train_until` (None: past any step), else `end` a stale record; a
     run that trains nothing past its start leaves the record as it is. A launch that resumes
-    the newest checkpoint ('latest') ends any record, damaged or not: it is another job than
-    the one whose relaunch the record was for. Returns a warning when the record cannot be
-    written or removed, else None. Local."""
+    the newest checkpoint ('latest') and trains past it ends any record, damaged or not: it is
+    another job than the one whose relaunch the record was for, and its checkpoints are the
+    newest now (one that trains nothing past the newest, a look at it, leaves it). Returns a
+    warning when the record cannot be written or removed, else None. Local."""
     from mpickpt.store.manifest import manifest_steps
 
     if resume == "latest":
         try:
-            end(root)
+            if train_until is None or train_until > max(manifest_steps(root), default=-1):
+                end(root)
         except OSError as e:
             return f"could not remove {path_of(root)} ({e}), a record of an earlier job's start"
         return None
