@@ -16,7 +16,8 @@ import shutil
 
 def pid_namespace() -> str:
     """This process's PID namespace, as the inode number of /proc/self/ns/pid ('0' where it
-    cannot be read). Local."""
+    cannot be read: then `stale` takes nothing for stale, as any container may be another).
+    Local."""
     try:
         return str(os.stat("/proc/self/ns/pid").st_ino)
     except OSError:
@@ -33,7 +34,7 @@ def stale(name: str, prefix: str, uid_of, namespace: str, legacy: bool = False) 
     is gone, and belongs to this user (`uid_of(name)`: its owner, None where it is gone).
     `legacy`: also a name of `<prefix><pid>-<random>`, from before the namespace was in names,
     judged in this namespace. Local."""
-    if not name.startswith(prefix):
+    if not name.startswith(prefix) or namespace == "0":  # namespaces unknown: no one's is
         return False
     parts = name[len(prefix):].split("-")
     if legacy and len(parts) == 2:

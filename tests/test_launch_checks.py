@@ -228,6 +228,7 @@ def test_stale_staging_areas_are_those_of_gone_processes_of_this_pid_namespace_o
         assert not owned_names.stale(names["legacy"], prefix, mine, ns)  # legacy off
         assert not owned_names.stale(names["dead"], prefix, lambda n: os.getuid() + 1, ns)
         assert not owned_names.stale(names["dead"], prefix, lambda n: None, ns)
+        assert not owned_names.stale(f"{prefix}{gone}-0-0123abcd", prefix, mine, "0")  # unknown
         paths = [os.path.join(staging.SHM_DIR, n) for n in names.values()]
         for p in paths:
             open(p, "wb").close()
