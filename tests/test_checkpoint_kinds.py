@@ -522,8 +522,8 @@ def test_inspect_and_export_pass_over_an_incrcp_step_whose_chain_file_is_gone(tm
     assert main(["inspect", str(tmp_path)]) == 0
     got = capsys.readouterr()
     assert "\nstep         5\n" in got.out, got.out
-    assert got.err.strip() == f"mpickpt: note: newest checkpoint step 6 is damaged ({why}); " \
-        f"using step 5", got.err
+    assert got.err.strip() == f"mpickpt: note: skipped checkpoint step 6: {why}; using step 5", \
+        got.err
     assert main(["inspect", str(tmp_path), "--step", "6"]) == 1
     shown = capsys.readouterr().out
     assert "status       damaged (" in shown and "\nerror: " in shown and gone in shown, shown

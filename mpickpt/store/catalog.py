@@ -148,21 +148,23 @@ def select(cat: Catalog, step: int | None, problems=None) -> tuple[Manifest, str
         steps = ", ".join(str(s) for s in cat.steps())
         raise NoSuchCheckpoint(f"{cat.root}: no committed checkpoint at step {step}; "
                                f"committed steps: {steps}")
-    chosen, note = _newest_sound(cat, problems or file_problem_messages)
-    skipped = [f"skipped checkpoint step {s}: {damaged[s]}"
-               for s in sorted(damaged, reverse=True) if s > chosen.step]
+    chosen, passed, note = _newest_sound(cat, problems or file_problem_messages)
+    why = {**{s: damaged[s] for s in damaged if s > chosen.step}, **passed}
+    skipped = [f"skipped checkpoint step {s}: {why[s]}" for s in sorted(why, reverse=True)]
     if skipped:
         note = "; ".join(skipped) + (f"; {note}" if note else f"; using step {chosen.step}")
     return chosen, note
 
 
-def _newest_sound(cat: Catalog, problems) -> tuple[Manifest, str | None]:
-    newest, first = cat.manifests[-1], None
+def _newest_sound(cat: Catalog, problems) -> tuple[Manifest, dict[int, str], str | None]:
+    """(the newest checkpoint without `problems`, what is wrong with each newer one by step,
+    None), or (the newest, {}, a note) where every one has problems. Local."""
+    passed: dict[int, str] = {}
     for m in reversed(cat.manifests):
         found = problems(cat.root, m)
         if not found:
-            note = None if m is newest else (f"newest checkpoint step {newest.step} is "
-                                             f"damaged ({'; '.join(first)}); using step {m.step}")
-            return m, note
-        first = first or found
-    return newest, f"no checkpoint has all its files intact; using the newest, step {newest.step}"
+            return m, passed, None
+        passed[m.step] = "; ".join(found)
+    newest = cat.manifests[-1]
+    return newest, {}, (f"no checkpoint has all its files intact; using the newest, step "
+                        f"{newest.step}")
