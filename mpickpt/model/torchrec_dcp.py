@@ -80,17 +80,22 @@ def importable_entries(path: str) -> set[str]:
     return tops
 
 
-def load_dcp(model, path: str) -> dict | None:
+def load_dcp(model, path: str, say=None) -> dict | None:
     """Read the DCP checkpoint at `path` into `model` (tables, their fused optimizer state,
-    the dense part and its optimizer, whichever it holds; `"model"` must be there). Returns
-    `{"step", "reader"}` when mpickpt wrote it, else None. Collective."""
+    the dense part and its optimizer, whichever it holds; `"model"` must be there). Optimizer
+    state the model has nowhere to put (plain SGD, or an optimizer that makes its state at its
+    first step) is not read, and `say` is told. Returns `{"step", "reader"}` when mpickpt wrote
+    it, else None. Collective."""
     import torch.distributed.checkpoint as dcp
 
     tops = importable_entries(path)
     state = _state(model, "" if META_KEY in tops else None)
     for name in ("fused_optimizer", "dense_optimizer"):
+        if name in tops and not _holds_tensors(state[name]) and say is not None:
+            say(f"--import-dcp {path}: its {name} state is not loaded: this model's optimizer "
+                f"holds none to load it into (plain SGD, or state made at the first step)")
         if name not in tops or not _holds_tensors(state[name]):
-            state.pop(name)  # not saved, or nothing of it in this model (an SGD run)
+            state.pop(name)
     with model.state_lock:
         dcp.load(state, checkpoint_id=path, process_group=model.topo.pg)
         if "fused_optimizer" in state:

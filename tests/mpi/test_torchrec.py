@@ -333,8 +333,10 @@ def test_an_export_to_dcp_loads_into_a_fresh_dmp_with_plain_dcp_load(topology, s
         "kind": "synthetic", "sample_index": 48}}
     assert ours.digest() == first.digest()
     for sharding in ("table_wise", "row_wise"):  # a run of plain SGD has no optimizer state
-        sgd = build(topology, sharding, seed=3, fused="SGD", dense=torch.optim.SGD)
-        assert load_dcp(sgd, f"{shared_dir}/dcp")["step"] == 3
+        sgd, said = build(topology, sharding, seed=3, fused="SGD", dense=torch.optim.SGD), []
+        assert load_dcp(sgd, f"{shared_dir}/dcp", said.append)["step"] == 3
+        assert [s.split(": ")[1] for s in said] == [
+            "its fused_optimizer state is not loaded", "its dense_optimizer state is not loaded"]
         assert torch.allclose(sgd.predict(batch(rank, 9)), probe, rtol=0, atol=1e-6)
         assert torch.equal(_by_gid(topology, sgd, "weight"), _by_gid(topology, first, "weight"))
 
