@@ -328,20 +328,13 @@ def loaded_floor(ranks: int, nbytes: float, args, workdir: Path) -> dict:
     `floor_hog` does the floor's work on `nbytes` at a time; its CPU seconds per GB there (the
     cores, their caches and the memory bandwidth shared with training as the writers share
     them). RuntimeError where the hog did not complete a pass. Local (launches mpiexec)."""
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--hog", "floor",
-                             str(workdir), str(int(nbytes))], stdout=subprocess.PIPE, text=True)
-    try:
-        set_up = float(proc.stdout.readline() or "nan")
-        loop = run(ranks, args, workdir, "floor-beside", ())["loop_seconds"]
-    finally:
-        proc.terminate()
-        tail = proc.stdout.read().split()
-        proc.wait()
-        proc.stdout.close()
+    loop, set_up, tail, returncode, _, _ = _beside(["floor", str(workdir), str(int(nbytes))],
+                                                   ranks, args, workdir, "floor-beside")
+    tail = tail.split()
     done, cpu = (float(tail[0]), float(tail[1])) if len(tail) == 2 else (0.0, float("nan"))
     if not done > 0:
         raise RuntimeError(f"the loaded floor's hog completed no pass (exit code "
-                           f"{proc.returncode}, printed {tail})")
+                           f"{returncode}, printed {tail})")
     return {"ranks": ranks, "bytes": nbytes, "loop_s": loop, "hog_bytes": done,
             "hog_cpu_s": cpu - set_up, "cpu_s_per_gb": (cpu - set_up) / (done / 1e9)}
 
@@ -390,22 +383,33 @@ def beside_hog(kind: str, ranks: int, args, workdir: Path) -> tuple[float, float
     """A run without checkpoints beside a `kind` hog: (its loop seconds, the hog's CPU seconds
     during the loop: its CPU rate from the end of its set-up to its end times the loop's wall
     time). RuntimeError where the hog did not run. Local (launches mpiexec)."""
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--hog", kind,
-                             str(workdir)], stdout=subprocess.PIPE, text=True)
+    loop, set_up, _, returncode, usage, elapsed = _beside([kind, str(workdir)], ranks, args,
+                                                          workdir, f"probe-{kind}")
+    cpu = usage.ru_utime + usage.ru_stime - set_up
+    if returncode != 0 or not cpu > 0:
+        raise RuntimeError(f"the interference probe's {kind} hog did not run (exit code "
+                           f"{returncode}, {cpu} CPU s after its set-up)")
+    return loop, cpu / elapsed * loop
+
+
+def _beside(hog_args: list[str], ranks: int, args, workdir: Path, name: str):
+    """A run without checkpoints (`name`) beside this bench's `--hog` process of `hog_args`,
+    which prints its CPU seconds once set up, and stops at SIGTERM: (the run's loop seconds,
+    the hog's set-up CPU seconds, what it printed after, its exit code, its resource usage, the
+    wall seconds from its set-up to its end). Local (launches mpiexec)."""
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--hog", *hog_args],
+                            stdout=subprocess.PIPE, text=True)
     try:
         set_up = float(proc.stdout.readline() or "nan")
         started = time.perf_counter()
-        loop = run(ranks, args, workdir, f"probe-{kind}", ())["loop_seconds"]
+        loop = run(ranks, args, workdir, name, ())["loop_seconds"]
     finally:
         proc.terminate()
+        tail = proc.stdout.read()
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         proc.stdout.close()
-    cpu = usage.ru_utime + usage.ru_stime - set_up
-    if proc.returncode != 0 or not cpu > 0:
-        raise RuntimeError(f"the interference probe's {kind} hog did not run (exit code "
-                           f"{proc.returncode}, {cpu} CPU s after its set-up)")
-    return loop, cpu / (time.perf_counter() - started) * loop
+    return loop, set_up, tail, proc.returncode, usage, time.perf_counter() - started
 
 
 def probe_round(ranks: int, args, workdir: Path, rnd: int) -> dict:
