@@ -231,6 +231,23 @@ def test_a_damaged_chunk_index_is_named_and_passed_over(pristine, straight, tmp_
     assert path.replace(work, chosen) in proc.stderr and "checksum" in proc.stderr
 
 
+def test_a_deleted_newest_chunk_index_is_named_by_the_generation_left(pristine, tmp_path,
+                                                                        capsys):
+    work, steps, _ = working_copy(pristine, "incrcp", tmp_path, "index-gone")
+    *_, older, newest = files_of(work, "index")
+    os.remove(newest)
+    assert files_of(work, "bundle")  # the newest ingestion's bundles stay behind
+    report = verify_report(work, capsys)
+    damaged = [line for line in report.splitlines() if older in line]
+    assert damaged and all("names missing files: " in line and "a newer generation of this "
+                           "index, which collected these files, is missing" in line
+                           for line in damaged), report
+    assert f"step {max(steps)}: {older}" in report
+    assert cli.main(["inspect", work]) == 0
+    note = capsys.readouterr().err
+    assert f"skipped checkpoint step {max(steps)}: {older}" in note, note
+
+
 def edit_attribute(path: str, obj: str, name: str, change) -> None:
     """Rewrite one HDF5 attribute in place with h5py (r+, `modify`: same type, same place, so the
     file keeps its size and HDF5's own metadata checksums stay valid): only the digest in

@@ -17,7 +17,7 @@ import numpy as np
 from mpickpt.incrcp.client import ExtractorClient
 from mpickpt.incrcp.held_bundle import HOLD_BYTES
 from mpickpt.kinds.base import Increment, Kind
-from mpickpt.store.chunk_index import load_index
+from mpickpt.store.chunk_index import check_named_files, load_index
 from mpickpt.store.file_spec import column_relpath
 from mpickpt.store.segments import Segment, merge_refs, whole_files
 
@@ -118,12 +118,15 @@ def chain_columns(manifest) -> list[int]:
 
 def chunk_segments(root: str, manifest) -> list[Segment]:
     """The 2-D lists' rectangle of a checkpoint over all writer ranks, column order; a column not
-    ingested yet is read from its own (intact) column files. Local."""
+    ingested yet is read from its own (intact) column files. CheckpointCorruptError when a file
+    the rectangle needs is missing (`check_named_files`). Local."""
     parts = int(manifest.stats.get("parts", 1))
     pieces = []
     for rank in range(manifest.world_size):
         index = load_index(root, manifest.chain, rank)
-        pieces += merge_refs(index.rectangle(manifest.step))
+        rect = index.rectangle(manifest.step)
+        check_named_files(root, index, rect)
+        pieces += merge_refs(rect)
         for column in chain_columns(manifest):
             if column not in index.columns:
                 pieces += [Segment(column_relpath(manifest.chain, rank, column, j), order=column)

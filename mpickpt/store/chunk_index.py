@@ -28,6 +28,8 @@ from mpickpt.store.sealed_json import dumps_sealed, read_sealed
 from mpickpt.store.durable import fsync_path
 
 INDEX_RE = re.compile(r"^index-(\d{8})\.json$")
+BUNDLE_RE = re.compile(r"^bundle-(\d{12})-row\d+\.h5$")
+"""The bundles an ingestion writes, named for the step it ingested (`incrcp.extraction`)."""
 INDEX_VERSION = 2
 FIRST_SEALED_VERSION = 2
 """Indexes from version 2 on carry a checksum of their content."""
@@ -199,6 +201,28 @@ def load_index(root: str, chain: str, rank: int) -> ChunkIndex:
     except (ValueError, KeyError, TypeError) as e:
         text = str(e) if str(e).startswith(path) else f"{path}: not a valid chunk index: {e!r}"
         raise CheckpointCorruptError(text) from None
+
+
+def check_named_files(root: str, index: ChunkIndex, refs) -> None:
+    """CheckpointCorruptError when a file that `refs` (chunks of `index`) name is missing,
+    naming the index generation that names it; where the folder holds a bundle of a step later
+    than every column the generation ingested, a newer generation, which collected the files
+    this one names, was committed and is gone. Local."""
+    missing = sorted({r.file for r in refs if not os.path.isfile(os.path.join(root, r.file))})
+    if not missing:
+        return
+    folder = index_dir(root, index.chain, index.rank)
+    newest = max(index.columns, default=-1)
+    later = sorted(name for name in os.listdir(folder)
+                   if (m := BUNDLE_RE.match(name)) and int(m.group(1)) > newest)
+    why = (f"; the folder holds {later[-1]}, which only an ingestion after step {newest} writes: "
+           f"a newer generation of this index, which collected these files, is missing"
+           if later else "")
+    shown = ", ".join(os.path.join(root, rel) for rel in missing[:3])
+    more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+    raise CheckpointCorruptError(
+        f"{os.path.join(folder, f'index-{index.generation:08d}.json')}: chunk index generation "
+        f"{index.generation} names missing files: {shown}{more}{why}")
 
 
 def _remove(path: str) -> None:
