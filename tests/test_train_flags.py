@@ -3,6 +3,7 @@ message naming the flag (or file) and what was expected; `--help` lists every fl
 its default; each flag is declared once, on its config dataclass."""
 import argparse
 import dataclasses
+import os
 import re
 
 import pytest
@@ -404,6 +405,20 @@ def test_outputs_are_checked_where_they_will_be_written(tmp_path):
         check_output("--run-report", str(tmp_path / "file" / "r.json"), folder=False)
     with pytest.raises(OutputError, match=r"^--ckpt-dir .*file/ckpt: .*file exists and is not a"):
         CheckpointConfig(directory=str(tmp_path / "file" / "ckpt")).check_directory()
+
+
+def test_a_folder_named_as_the_record_of_a_chosen_start_is_refused_and_never_written_into(
+        tmp_path):
+    from mpickpt.options import OutputError
+    from mpickpt.store import replacing
+
+    (tmp_path / replacing.NAME).mkdir()
+    with pytest.raises(OutputError, match=rf"^--ckpt-dir {tmp_path}: .*/\.mpickpt-replacing is "
+                                          r"not a file; .*: move it away$"):
+        CheckpointConfig(directory=str(tmp_path)).check_directory()
+    with pytest.raises(IsADirectoryError):
+        replacing.begin(str(tmp_path), "40", 40)
+    assert os.listdir(tmp_path) == [replacing.NAME]  # no temporary left behind
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -238,11 +238,17 @@ class CheckpointConfig:
         return int(self.resume) if str(self.resume).isdigit() else None
 
     def check_directory(self) -> None:
-        """Create the directory if needed; OutputError naming it when it cannot be used.
-        Local."""
+        """Create the directory if needed; OutputError naming it when it cannot be used, or
+        when something other than a file holds the name of mpickpt's record of a chosen start
+        (`store.replacing`). Local."""
         check_output("--ckpt-dir", self.directory, folder=True)
         try:
             os.makedirs(self.directory, exist_ok=True)
         except OSError as e:
             raise OutputError(f"--ckpt-dir {self.directory}: cannot be created: "
                               f"{e.strerror}") from None
+        record = replacing.path_of(self.directory)
+        if os.path.lexists(record) and not os.path.isfile(record):
+            raise OutputError(f"--ckpt-dir {self.directory}: {record} is not a file; mpickpt "
+                              f"keeps its record of a chosen start (--resume) under that name: "
+                              f"move it away")

@@ -30,11 +30,16 @@ def begin(root: str, resume: str, start: int) -> None:
     checkpoints of `root`. OSError when it cannot. Local (rank 0)."""
     path = path_of(root)
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(dumps_sealed({"resume": str(resume), "start": int(start)}))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(dumps_sealed({"resume": str(resume), "start": int(start)}))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
+        raise
     fsync_path(root)
 
 
