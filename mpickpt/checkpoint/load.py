@@ -34,15 +34,13 @@ class LoadedState:
 
 
 def check_files(root: str, manifest: Manifest, paths=None) -> None:
-    """Every listed file exists with the size the manifest records. Local."""
-    for rel in paths if paths is not None else manifest.files:
-        path = os.path.join(root, rel)
-        if not os.path.exists(path):
-            raise CheckpointError(f"{path}: file of checkpoint step {manifest.step} is missing")
-        size, want = os.path.getsize(path), manifest.files[rel]["size"]
-        if size != want:
-            raise CheckpointError(f"{path}: {size} bytes, the manifest of step {manifest.step} "
-                                  f"records {want} (truncated or overwritten)")
+    """Every listed file (of `paths`; None: all) exists with the size the manifest records;
+    CheckpointError with the first that does not. Local."""
+    from mpickpt.store.catalog import file_problem_messages
+
+    found = file_problem_messages(root, manifest, paths)
+    if found:
+        raise CheckpointError(found[0])
 
 
 def check_read_files(root: str, manifest: Manifest, by_step: dict, segments, plan, rank: int,
@@ -63,7 +61,7 @@ def usable_problems(root: str, manifest: Manifest, by_step: dict[int, Manifest])
     files' existence and sizes (`store.catalog.file_problem_messages`), then its layers: the
     manifests it builds on, an IncrCP chunk index that reads, and every file its segments name
     (chain files no manifest lists). Local."""
-    from mpickpt.store.catalog import file_problem_messages
+    from mpickpt.store.catalog import file_problem_messages, missing_message
 
     found = file_problem_messages(root, manifest)
     if found:
@@ -74,9 +72,8 @@ def usable_problems(root: str, manifest: Manifest, by_step: dict[int, Manifest])
             found += file_problem_messages(root, m)
     except (CheckpointError, OSError, ValueError) as e:
         return [str(e)]
-    return found + [f"{os.path.join(root, rel)}: file of checkpoint step {manifest.step} is "
-                    f"missing" for rel in segment_files(segments)
-                    if not os.path.isfile(os.path.join(root, rel))]
+    paths = [os.path.join(root, rel) for rel in segment_files(segments)]
+    return found + [missing_message(p, manifest.step) for p in paths if not os.path.isfile(p)]
 
 
 def check_compatible(manifest: Manifest, plan, dim: int, row_names) -> None:

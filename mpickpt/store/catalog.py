@@ -58,27 +58,31 @@ def scan(root: str) -> Catalog:
     return cat
 
 
-def file_problems(root: str, manifest: Manifest) -> list[tuple[str, str]]:
-    """(relative path, 'missing' | 'size mismatch') of every listed file that is not as recorded.
-
-    Local; sizes only, no file is opened."""
+def file_problems(root: str, manifest: Manifest, paths=None) -> list[tuple[str, str]]:
+    """(relative path, 'missing' | 'size mismatch') of every listed file (of `paths`, relative
+    paths it lists; None: all) that is not as recorded. Local; sizes only, no file is opened."""
     out = []
-    for rel, meta in sorted(manifest.files.items()):
+    for rel in sorted(manifest.files) if paths is None else paths:
         path = os.path.join(root, rel)
         if not os.path.isfile(path):
             out.append((rel, "missing"))
-        elif os.path.getsize(path) != meta["size"]:
+        elif os.path.getsize(path) != manifest.files[rel]["size"]:
             out.append((rel, "size mismatch"))
     return out
 
 
-def file_problem_messages(root: str, manifest: Manifest) -> list[str]:
+def missing_message(path: str, step: int) -> str:
+    """What is said of a missing file of checkpoint `step`. Local."""
+    return f"{path}: file of checkpoint step {step} is missing"
+
+
+def file_problem_messages(root: str, manifest: Manifest, paths=None) -> list[str]:
     """`file_problems` as messages naming the full path, the sizes and the step. Local."""
     out = []
-    for rel, kind in file_problems(root, manifest):
+    for rel, kind in file_problems(root, manifest, paths):
         path, want = os.path.join(root, rel), manifest.files[rel]["size"]
         if kind == "missing":
-            out.append(f"{path}: file of checkpoint step {manifest.step} is missing")
+            out.append(missing_message(path, manifest.step))
         else:
             out.append(f"{path}: {os.path.getsize(path)} bytes, the manifest of step "
                        f"{manifest.step} records {want} (truncated or overwritten)")
