@@ -62,11 +62,12 @@ def add_dir_step(p: argparse.ArgumentParser, default_help: str = "the newest int
 
 def cmd_ls(args) -> int:
     rows = listing(scan(args.dir))
-    print(f"{'STEP':>12}  {'KIND':<6} {'RANKS':>5} {'FILES':>5} {'SIZE_MB':>9}  STATUS")
+    wide = max([len("KIND")] + [len(r["kind"] or "-") for r in rows])  # the longest kind's name
+    print(f"{'STEP':>12}  {'KIND':<{wide}} {'RANKS':>5} {'FILES':>5} {'SIZE_MB':>9}  STATUS")
     for r in rows:
         step = "?" if r["step"] is None else r["step"]
         ranks = "-" if r["world_size"] is None else r["world_size"]
-        print(f"{step:>12}  {r['kind'] or '-':<6} {ranks:>5} {r['files']:>5} "
+        print(f"{step:>12}  {r['kind'] or '-':<{wide}} {ranks:>5} {r['files']:>5} "
               f"{r['bytes'] / 1e6:>9.2f}  {r['status']}")
     under_way = replacing_note(args.dir)
     if under_way:

@@ -530,3 +530,17 @@ def test_inspect_and_export_pass_over_an_incrcp_step_whose_chain_file_is_gone(tm
     out = tmp_path / "model.h5"
     assert main(["export", str(tmp_path), "-o", str(out)]) == 0
     assert capsys.readouterr().out.startswith("exported step 5") and out.exists()
+
+
+def test_ls_keeps_its_columns_under_long_kind_names(tmp_path, capsys):
+    from mpickpt import cli
+
+    chain = LocalChain(str(tmp_path), PLAN, dim=3, policy="consecutive", seed=3)
+    _stream(chain, np.random.default_rng(3), 3, 4, 30)
+    assert cli.main(["ls", str(tmp_path)]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert {row.split()[1] for row in rows} == {"full", "consecutive"}, rows
+    for column in ("RANKS", "FILES", "SIZE_MB"):  # right-aligned under their headings
+        end = header.index(column) + len(column)
+        assert all(row[end - 1] != " " and row[end] == " " for row in rows), (column, rows)
+    assert all(row.index(row.split()[-1]) == header.index("STATUS") for row in rows), rows
