@@ -59,6 +59,7 @@ def test_4bit_checkpoints_resume_after_sigkill_within_the_codec_bound(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert resumed_step(resumed.stdout) == last
     assert "adaptive-4" in resumed.stdout
+    assert resumed.stdout.count("quantization: ") == 1, resumed.stdout  # a restore changes nothing
     after = {m.step: m for m in list_manifests(str(quant))}
     assert max(after) == STEPS and after[STEPS].stats["restores"] == 1
     for m in after.values():
@@ -96,6 +97,7 @@ def test_auto_bits_fall_back_to_8_after_more_restores_than_expected(tmp_path):
     resumed = run_ranks(2, "mpickpt.train", *_args(ckpt, *auto, steps=20))
     assert resumed.returncode == 0, resumed.stderr
     assert "1 restores exceed the expected 0.50: checkpoints fall back to 8 bits" in resumed.stdout
+    assert "restores so far 1) -> weights adaptive-8" in resumed.stdout, resumed.stdout
     start = resumed_step(resumed.stdout)
     codecs = {m.step: m.codec.split(" ")[0] for m in list_manifests(str(ckpt))}
     assert start == 12 and codecs[start] == "adaptive-2", codecs

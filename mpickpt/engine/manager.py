@@ -91,7 +91,8 @@ class CheckpointManager:
         self._vote: tuple | None = None
         """(step, request) of the busy vote started a step before that step's save."""
         self.bits = config.quant.policy(max(1, topo.world_size // max(1, topo.local_size)))
-        self.say(self.bits.explain())
+        self._bits_said = ""
+        self._say_bits()
         self.codec_threads = self._codec_threads(config, topo)
         """Quantizer threads of each writer: the rank's free cores over its writers."""
 
@@ -213,7 +214,15 @@ class CheckpointManager:
         fallback = self.bits.note_restore(restored.restores)
         if fallback:
             self.say(fallback)
-        self.say(self.bits.explain())
+        self._say_bits()
+
+    def _say_bits(self) -> None:
+        """Log the bit-width choice with its inputs where it differs from the last said (a
+        restore changes it only under --ckpt-bits auto). Local."""
+        text = self.bits.explain()
+        if text != self._bits_said:
+            self.say(text)
+            self._bits_said = text
 
     def partially_restored(self, restored) -> None:
         """Some rows were just reloaded from a checkpoint (partial recovery): count the restore
