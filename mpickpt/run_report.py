@@ -65,6 +65,7 @@ class RunReport:
         d["world_size"] = trainer.topo.world_size
         d["global_batch"] = trainer.config.global_batch
         d["num_batches"] = trainer.config.num_batches
+        d["skipped_lines"] = trainer.skipped_lines()
         ft = trainer.faults
         d["pls"] = {"value": ft.pls.value, "events": ft.pls.events}
         d["mode"] = ft.mode

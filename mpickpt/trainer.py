@@ -608,6 +608,10 @@ class Trainer:
         cfg = self.config
         for line in self.faults.summary():
             self.log.say(line)
+        skipped = self.skipped_lines()
+        if skipped:
+            self.log.say(f"--skip-bad-lines: {skipped} malformed line(s) of the training data "
+                         f"skipped so far in this job (its reader's position counts them)")
         if self.stopped is None:
             self.test()
             if cfg.run.phase_times:
@@ -617,6 +621,11 @@ class Trainer:
             if cfg.run.digest:
                 self.log.say(f"digest {self.model.digest()}")
         self.report.finish(self)
+
+    def skipped_lines(self) -> int:
+        """Malformed TSV lines the training reader skipped, counted in its position from the
+        job's first step on (a resume carries the count); 0 for other sources. Local."""
+        return getattr(self.reader.state(), "bad_lines", 0) if self.reader is not None else 0
 
     def _export_dcp(self, path: str) -> None:
         """--export-dcp: the final model as a DCP checkpoint. Collective."""

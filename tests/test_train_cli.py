@@ -1,4 +1,5 @@
 """The trainer as users launch it: real `mpiexec` jobs, checked by their output."""
+import json
 import os
 import re
 
@@ -73,9 +74,14 @@ def test_malformed_line_mid_file_names_file_and_line(tmp_path):
     proc = run_ranks(2, "mpickpt.train", *args)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert re.search(rf"{path}.*line 8", proc.stderr), proc.stderr
-    skipped = run_ranks(2, "mpickpt.train", *args, "--skip-bad-lines", "--print-freq", "1")
+    report = tmp_path / "report.json"
+    skipped = run_ranks(2, "mpickpt.train", *args, "--skip-bad-lines", "--print-freq", "1",
+                        "--run-report", str(report))
     assert skipped.returncode == 0, skipped.stderr
     assert "step 5/5" in skipped.stdout
+    assert skipped.stdout.count("--skip-bad-lines: 1 malformed line(s) of the training data "
+                                "skipped so far") == 1, skipped.stdout
+    assert json.loads(report.read_text())["skipped_lines"] == 1
 
 
 def test_a_run_that_ends_before_its_first_checkpoint_says_so(tmp_path):
