@@ -223,7 +223,7 @@ class Rendezvous:
 
     def unreplaceable(self, generation: int, world: int) -> list[int]:
         """Ranks that died at the end of the previous generation, whose slot in `generation`
-        nobody holds, whose node agent is gone (no respawn) while no spare waits: nobody can
+        nobody holds, whose node agent is gone or has no respawn left, while no spare waits: nobody can
         come for them. Local."""
         if generation == 0 or self.spares_waiting() > 0:
             return []
@@ -282,8 +282,8 @@ class Rendezvous:
                 lost = self.unreplaceable(generation, world)
                 if lost:
                     raise GenerationError(f"generation {generation}: nobody can take rank(s) "
-                                          f"{lost}: their node agent is gone (no respawn) and "
-                                          f"no spare is waiting")
+                                          f"{lost}: their node agent is gone or has no respawn "
+                                          f"left, and no spare is waiting")
             if time.monotonic() > deadline:
                 missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
                 raise GenerationError(f"generation {generation}: rank(s) {missing} did not join "

@@ -426,6 +426,31 @@ def test_the_death_of_the_last_survivor_while_the_generation_forms_falls_back_at
     assert took < 90, (took, out)  # the join timeout and a relaunch, not a startup deadline
 
 
+def test_an_agent_without_respawns_left_lets_the_survivors_fall_back_at_once(tmp_path):
+    """MPICKPT_RESPAWNS=0, rank 1 killed after step 30 (2 ranks, no parity): its agent cannot
+    replace it, says so and ends as a lost agent, so the survivor gives up at once instead of
+    waiting --join-timeout (60 s) for a respawn, and the relaunch resumes from its dump."""
+    flags = FLAGS[:-2]
+    clean = run_ranks(2, "mpickpt.train", *flags, "--ckpt-dir", str(tmp_path / "clean"))
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    job = Job(mpickpt_run("-n", "2", "--max-restarts", "1", "--", *flags, "--ckpt-dir",
+                          str(tmp_path / "ckpt"), "--inject-kill", "30:1"),
+              env=dict(os.environ, MPICKPT_RESPAWNS="0"))
+    try:
+        assert job.wait_for_line(r"wait for the replacement\(s\) \(generation 1\)", 60), \
+            job.output
+        start = time.monotonic()
+        assert job.wait_for_line(r"relaunching \(restart 1 of 1\)", 50), job.output
+        took = time.monotonic() - start
+        code = job.wait(200)
+    finally:
+        job.stop()
+    out = job.output
+    assert "rank 1: no respawn left (0 made, MPICKPT_RESPAWNS allows 0)" in out, out
+    assert "nobody can take rank(s) [1]" in out and took < 30, (took, out)
+    assert code == 0 and digest_in(out) == digest_in(clean.stdout), out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(90, 110))
 def test_second_deaths_while_the_generation_forms_randomized(tmp_path, clean_digest, seed):

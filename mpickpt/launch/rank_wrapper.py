@@ -44,7 +44,7 @@ import time
 
 from mpickpt.background import JOB_SIGNALS
 from mpickpt.job_variables import AGENTS_VARIABLE, STORE_VARIABLE
-from mpickpt.launch.run_store import announce, goodbye
+from mpickpt.launch.run_store import announce, goodbye, no_respawn
 from mpickpt.launch.standby import WARM_VARIABLE, Standby
 from mpickpt.owned_names import owned_name, remove_stale
 from mpickpt.stop_signals import SIGNALS as STOP_SIGNALS
@@ -115,7 +115,7 @@ class Agent:
         watch = announce(self.env.get(AGENTS_VARIABLE), self.rank) if self.in_place else None
         if self.in_place and self.env.get(WARM_VARIABLE) == "1":
             self.standby = Standby(self.cmd, _without_mpi(env), _replacement_start)
-        since = time.time()
+        since, bye = time.time(), True
         try:  # PMI_FD goes along
             child = subprocess.Popen(self.cmd, close_fds=False, env=env,
                                      preexec_fn=_die_with_parent)
@@ -128,6 +128,7 @@ class Agent:
                 if why_not == FINISHED:  # a replacement killed at the job's end: not needed
                     status = 0
                 if why_not is not None:
+                    bye = why_not == FINISHED  # else: no respawn will come for this rank
                     break
                 child = self._replace(child.pid, -status, env)
                 status = self._wait(child)
@@ -135,7 +136,7 @@ class Agent:
         finally:
             if self.standby is not None:
                 self.standby.drop()
-            goodbye(watch)
+            (goodbye if bye else no_respawn)(watch)
             shutil.rmtree(self.folder, ignore_errors=True)
             from mpickpt.launch.mpich_shm import remove_orphans_saying
 
@@ -172,6 +173,10 @@ class Agent:
         the job ended, so this rank has nothing left to do). Whether the job still needs the
         rank is the replacement's question (it leaves at once if not): asking the store here
         would import torch into the agent, seconds under load, while a death waits."""
+        if self.in_place and self.respawns_left <= 0:
+            self.say(f"rank {self.rank}: no respawn left ({self.respawned} made, "
+                     f"{RESPAWNS_VARIABLE} allows {self.respawned + self.respawns_left}): the "
+                     f"job goes on without one for this rank (a spare, or a relaunch)")
         if not self.in_place or self.respawns_left <= 0 or self._store_address() is None:
             return "no replacement"
         host, _, port = self._store_address().rpartition(":")

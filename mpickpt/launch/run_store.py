@@ -134,6 +134,14 @@ def announce(address: str | None, rank: int | None) -> socket.socket | None:
         return None
 
 
+def no_respawn(sock: socket.socket | None) -> None:
+    """This agent ends without replacing its dead trainer (no respawns left): close the
+    connection without the goodbye, so that the watch records the rank as one no respawn will
+    come for, as for an agent that died. Local."""
+    if sock is not None:
+        sock.close()
+
+
 def goodbye(sock: socket.socket | None) -> None:
     """This agent ends normally: not a lost agent. Local."""
     if sock is None:
