@@ -223,8 +223,8 @@ class Rendezvous:
 
     def unreplaceable(self, generation: int, world: int) -> list[int]:
         """Ranks that died at the end of the previous generation, whose slot in `generation`
-        nobody holds, whose node agent is gone or has no respawn left, while no spare waits: nobody can
-        come for them. Local."""
+        nobody holds, whose node agent is gone or has no respawn left, while no spare waits:
+        nobody can come for them. Local."""
         if generation == 0 or self.spares_waiting() > 0:
             return []
         return [r for r in self.dead_of(generation - 1, world)
