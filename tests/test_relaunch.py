@@ -101,6 +101,13 @@ def test_cause_names_the_dead_rank_the_signal_and_the_launcher_note():
         watch.read(line)
     text = cause(137, watch)
     assert "rank(s) [2] died after step 7 (silent for 10 s)" in text
+    failed = RunWatch()
+    failed.read("mpickpt: rank 0: peer rank(s) [1] died after step 85 (in-place recovery failed "
+                "(generation 4: rank(s) [1] did not join within 60 s); noticed 2026-12-07T01:"
+                "02:03+00:00); no survivor dump; exiting for a relaunch (status 76)\n")
+    assert cause(76, failed) == ("rank(s) [1] died after step 85 (in-place recovery failed "
+                                 "(generation 4: rank(s) [1] did not join within 60 s)); the "
+                                 "survivors exited 76")
     assert "SIGKILL" in text and "task 2: Killed" in text
     assert cause(1, RunWatch()) == "exit status 1"
     assert "killed by SIGTERM" in cause(-15, RunWatch())

@@ -39,7 +39,8 @@ FINAL = {0: "finished", EXIT_BAD_INPUT: "refused its input", EXIT_SAVED:
          "stopped on a signal with its checkpoint committed", EXIT_SAVE_FAILED:
          "stopped on a signal but its emergency checkpoint failed"}
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
-_DIED = re.compile(r"peer rank\(s\) \[([0-9, ]+)\] died after step (\d+) \(([^)]*)\)")
+_DIED = re.compile(r"peer rank\(s\) \[([0-9, ]+)\] died after step (\d+) \(")
+"""A survivor's line on a death; the cause in parentheses follows (`_parenthesized`)."""
 _HYDRA_BAD = re.compile(r"EXIT CODE: (\d+)")
 _SRUN_TASK = re.compile(r"srun: error: \S+: tasks? ([0-9,\-]+): (.+)")
 _ERROR = re.compile(r"^(?:\[rank\d+\]: )?([A-Za-z_][\w.]*(?:Error|Exception): .+)$")
@@ -71,11 +72,23 @@ class RunWatch:
         m = _DIED.search(line)
         if m:
             self.dead |= {int(r) for r in m.group(1).split(",") if r.strip()}
-            self.step, self.how = int(m.group(2)), self.how or m.group(3)
+            self.step = int(m.group(2))
+            self.how = self.how or _parenthesized(line[m.end():]).split("; noticed ")[0]
             return
         m = _SRUN_TASK.search(line) or _HYDRA_BAD.search(line)
         if m and len(self.notes) < 4:
             self.notes.append(line.strip())
+
+
+def _parenthesized(text: str) -> str:
+    """`text` up to the parenthesis that closes one opened just before it (parentheses inside
+    it, "rank(s)", "(generation 4: ...)", are kept); all of it where none closes. Local."""
+    depth = 0
+    for i, c in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if depth < 0:
+            return text[:i]
+    return text
 
 
 def cause(status: int, watch: RunWatch) -> str:
