@@ -26,13 +26,25 @@ class RunReport:
     """Collects one run's events (rank 0 only). Local."""
 
     def __init__(self, path: str | None, is_root: bool, start_step: int):
-        self.path = path if is_root else None
+        """Every rank keeps the record where a `path` is given (a replacement of rank 0 goes on
+        from a survivor's: `record`, `adopt`); rank 0 writes it."""
+        self.path, self.is_root = path, is_root
         self.started = time.perf_counter()
         self.doc = {"start_step": start_step, "steps": [], "recoveries": [], "tests": []}
 
     @property
     def on(self) -> bool:
         return self.path is not None
+
+    def record(self) -> dict:
+        """The events so far and the seconds since this process's record began. Local."""
+        return {"doc": self.doc, "seconds": time.perf_counter() - self.started}
+
+    def adopt(self, record: dict) -> None:
+        """Go on from another rank's `record` (this process replaces rank 0, which kept the
+        run's): its events, and its clock. Local."""
+        self.doc = record["doc"]
+        self.started = time.perf_counter() - record["seconds"]
 
     def step(self, step: int, loss: float, seconds: float) -> None:
         if self.on:
@@ -57,8 +69,8 @@ class RunReport:
                                       "logloss": result.logloss, "samples": result.samples})
 
     def finish(self, trainer) -> None:
-        """Add the totals and write the file (temp + rename). Local."""
-        if not self.on:
+        """Add the totals and write the file (temp + rename) on rank 0. Local."""
+        if not self.on or not self.is_root:
             return
         d = self.doc
         d["wall_seconds"] = time.perf_counter() - self.started

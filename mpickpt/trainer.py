@@ -90,7 +90,7 @@ class Trainer:
                                  in_place=rec.in_place_wanted(os.environ),
                                  on_notice=self._on_death_notice)
         self.in_place = InPlace(topo, self.model, self.survival.undo, self.parity,
-                                rec.join_timeout)
+                                rec.join_timeout, history=self._history)
         note = None if topo.replacement else rec.dumps_note(os.environ)
         if note:
             self.log.say(note)
@@ -114,6 +114,8 @@ class Trainer:
         self.reader = self._make_reader(start)
         self.log.restart_at(self.step)
         self.report = RunReport(config.run.run_report, topo.is_root, self.step)
+        if topo.replacement and self._joined.history is not None:
+            self._adopt(self._joined.history)
         self.executed = 0
         self.votes = torch.zeros(1)
         self.stopped: str | None = None
@@ -214,6 +216,20 @@ class Trainer:
         self._joined = joined
         return joined.step, position_from_dict(joined.reader), joined.pls, \
             sorted(set(joined.replaced) | set(joined.unrebuilt))
+
+    def _history(self) -> dict:
+        """This rank's record of the run (its report's events, its checkpoint counts), for a
+        process that replaces rank 0. Local."""
+        return {"report": self.report.record(),
+                "checkpoints": self.ckpt.record() if self.ckpt is not None else None}
+
+    def _adopt(self, history: dict) -> None:
+        """This process replaces rank 0: go on from a survivor's record of the run, so that
+        the report and the summaries cover the whole run. Local."""
+        self.report.adopt(history["report"])
+        if self.ckpt is not None and history["checkpoints"] is not None:
+            self.ckpt.adopt(history["checkpoints"], self.step)
+            self.ckpt.drop_unfinished()
 
     def _take_over(self, joined: Rejoined) -> None:
         """Checkpointing continues from the agreed step: a new baseline next, the job's attempt
@@ -359,9 +375,10 @@ class Trainer:
             if abandoned:
                 self.log.say(f"checkpoint(s) of step(s) {abandoned} abandoned: rank(s) "
                              f"{sorted(dead)} died before they were written everywhere")
-        self.log.say(f"rank(s) {sorted(dead)} died after step {step}: the survivors keep their "
-                     f"processes and wait for the replacement(s) (generation "
-                     f"{self.topo.generation + 1})")
+        if self.topo.rank == min(set(range(self.topo.world_size)) - dead):  # rank 0 may be dead
+            print(f"rank(s) {sorted(dead)} died after step {step}: the survivors keep their "
+                  f"processes and wait for the replacement(s) (generation "
+                  f"{self.topo.generation + 1})", flush=True)
         try:
             joined = self.in_place.survivor(dead, step, reader, pls, attempt, interval,
                                             self.survival.more_dead, self.finish_done,

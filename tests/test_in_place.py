@@ -5,6 +5,7 @@ generation with it, the lost shard is recovered by `--recovery`, and the job end
 relaunch and the failure-free digest."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -13,7 +14,7 @@ import time
 import pytest
 
 from mpickpt.exit_codes import EXIT_SAVED
-from mpickpt.store.manifest import list_manifests
+from mpickpt.store.manifest import list_manifests, torn_dirs
 from tests.fault_jobs import (OPEN_MPI_ARGS, Job, alive, digest_in, mpickpt_run, open_mpi_skip,
                               rank_of)
 from tests.launch import descendants, run_ranks
@@ -424,6 +425,36 @@ def test_the_death_of_the_last_survivor_while_the_generation_forms_falls_back_at
     assert code == 0 and digest_in(out) == digest_in(clean.stdout), out
     assert "relaunching (restart 1 of 1)" in out and "in-place recovery:" not in out, out
     assert took < 90, (took, out)  # the join timeout and a relaunch, not a startup deadline
+
+
+def test_a_replacement_of_rank_0_goes_on_from_a_survivors_record_of_the_run(tmp_path,
+                                                                             clean_digest):
+    """Rank 0 killed at step 20 (4 ranks, parity; the generation agrees on step 19 or 20): the
+    lowest survivor says the death, the replacement's run report and checkpoint summary cover
+    the whole run (a survivor's record, handed over at the join), and a checkpoint rank 0 was
+    to commit when it died leaves no directory behind."""
+    report = tmp_path / "report.json"
+    job = Job(mpickpt_run("-n", "4", "--max-restarts", "0", "--", *FLAGS, "--ckpt-dir",
+                          str(tmp_path / "ckpt"), "--inject-kill", "20:0", "--run-report",
+                          str(report)))
+    try:
+        code = job.wait(200)
+    finally:
+        job.stop()
+    out = job.output
+    assert code == 0 and digest_in(out) == clean_digest, out
+    assert re.search(r"rank\(s\) \[0\] died after step (19|20): the survivors keep their", out)
+    joined = re.search(r"in-place recovery: generation 1 at step (19|20): rank\(s\) \[0\] "
+                       r"replaced", out)
+    assert joined, out
+    doc = json.loads(report.read_text())
+    steps = [s[0] for s in doc["steps"]]  # a step undone at the join is there twice
+    assert doc["start_step"] == 0 and sorted(set(steps)) == list(range(1, 121)), doc
+    assert len(steps) - 120 == 20 - int(joined.group(1)), doc
+    saved = re.search(r"checkpoints: (\d+) saved, \d+ committed, \d+ abandoned since rank 0's "
+                      rf"replacement joined at step {joined.group(1)},", out)
+    assert saved and int(saved.group(1)) == doc["checkpoints"] >= 120 // 20, out
+    assert not torn_dirs(str(tmp_path / "ckpt"), list_manifests(str(tmp_path / "ckpt"))), out
 
 
 def test_an_agent_without_respawns_left_lets_the_survivors_fall_back_at_once(tmp_path):

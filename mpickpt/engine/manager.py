@@ -23,6 +23,7 @@ IncrCP extractor) in `engine.incremental`.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import uuid
 
@@ -86,6 +87,9 @@ class CheckpointManager:
         """CPU seconds the writers spent on each checkpoint (CRC, quantizer, HDF5), all of them."""
         self.write_bytes: list[int] = []
         """Payload bytes this rank's writers wrote for each checkpoint."""
+        self.commits_since: int | None = None
+        """The step from which rank 0's commit counts run (its replacement's join), else
+        None: the run's start."""
         self._last_submitted: int | None = None
         self._restored_step: int | None = None
         self._vote: tuple | None = None
@@ -474,12 +478,42 @@ class CheckpointManager:
         self.writers = None
         self._summary()
 
+    RECORDED = ("counters", "stalls", "save_seconds", "write_seconds", "write_cpu_seconds",
+                "write_bytes")
+    """What `record` hands to a replacement of rank 0."""
+
+    def record(self) -> dict:
+        """This rank's counts and times of the run's checkpoints so far. Local."""
+        return {name: getattr(self, name) for name in self.RECORDED}
+
+    def adopt(self, record: dict, step: int) -> None:
+        """Go on from a survivor's `record`: this process replaces rank 0 at `step`. The
+        commits and abandons rank 0 counted before died with it; the summary says from when
+        they are counted. Local."""
+        for name in self.RECORDED:
+            setattr(self, name, record[name])
+        self.commits_since = step
+
+    def drop_unfinished(self) -> None:
+        """This process replaces rank 0, which coordinated the commits: the checkpoints that
+        were in flight when it died never commit. Remove their directories (no writer of the
+        generation it died in writes any more; none of this one has started), saying so.
+        Local (rank 0)."""
+        from mpickpt.store.manifest import list_manifests, torn_dirs
+
+        for d in torn_dirs(self.root, list_manifests(self.root)):
+            self.say(f"checkpoint {d} abandoned: rank 0, which was to commit it, died; "
+                     f"removing its directory")
+            shutil.rmtree(os.path.join(self.root, d), ignore_errors=True)
+
     def _summary(self) -> None:
         """The run's checkpoints in one line (rank 0), where any was saved. Local."""
         s = self.counters
         if s["saved"]:
+            since = "" if self.commits_since is None else \
+                f" since rank 0's replacement joined at step {self.commits_since}"
             self.say(f"checkpoints: {s['saved']} saved, {len(self.commits.committed)} committed, "
-                     f"{len(self.commits.abandoned)} abandoned, {s['waits']} waits "
+                     f"{len(self.commits.abandoned)} abandoned{since}, {s['waits']} waits "
                      f"({s['wait_seconds']:.2f} s), {s['skips']} skips; mean stall "
                      f"{np.mean(self.stalls) * 1e3:.1f} ms")
 

@@ -49,6 +49,10 @@ class Rejoined:
     dumps_from: int | None = None
     """The step of the survivor dumps a relaunch resumed from, where a survivor still keeps
     them (until a newer checkpoint commits): every member then watches for that commit."""
+    history: dict | None = None
+    """The run's record so far (`InPlace.history`), from the first survivor, where rank 0 is
+    replaced: rank 0 writes the run's report and its summaries, and its replacement goes on
+    from the survivor's record instead of starting one at the join."""
 
 
 def agreed_end(ends: list[list[str]]) -> list[str]:
@@ -72,9 +76,12 @@ def agreed_end(ends: list[list[str]]) -> list[str]:
 class InPlace:
     """One rank's part in forming a new generation. Construction is local."""
 
-    def __init__(self, topo, model, undo, parity, join_timeout_s: float):
+    def __init__(self, topo, model, undo, parity, join_timeout_s: float, history=None):
+        """`history()`: this rank's record of the run so far (a picklable dict), handed to a
+        replacement of rank 0 (`Rejoined.history`)."""
         self.topo, self.model, self.undo, self.parity = topo, model, undo, parity
         self.join_timeout_s = join_timeout_s
+        self.history = history
 
     def survivor(self, dead, step: int, reader: dict, pls: dict | None, attempt: str | None,
                  interval: int | None, more_dead=None, finish_done=(),
@@ -135,10 +142,13 @@ class InPlace:
                 if went_back is not None:
                     went_back(agreed, reader)
         first = survivors[0]
+        handed = everyone[0]["step"] is None and self.history is not None  # rank 0 replaced
         shared = control.bcast({"dense": {k: v.detach().cpu() for k, v in
                                           self.model.dense_state().items()},
                                 "reader": reader, "pls": pls, "attempt": attempt,
-                                "interval": interval} if me == first else None, root=first)
+                                "interval": interval,
+                                "history": self.history() if handed else None}
+                               if me == first else None, root=first)
         replaced = [r for r, e in enumerate(everyone) if e["step"] is None]
         rebuilding = sorted({r for e in everyone for r in e["rebuilding"]})
         if self.parity is not None and rebuilding:
@@ -155,4 +165,5 @@ class InPlace:
                         {r: e["pid"] for r, e in enumerate(everyone)},
                         checkpoints_closed=any(e["closed"] for e in everyone),
                         dumps_from=max((e["dumps_from"] for e in everyone
-                                        if e["dumps_from"] is not None), default=None))
+                                        if e["dumps_from"] is not None), default=None),
+                        history=shared["history"])
