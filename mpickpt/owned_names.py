@@ -41,7 +41,18 @@ def stale(name: str, prefix: str, uid_of, namespace: str, legacy: bool = False) 
         parts.insert(1, namespace)
     if len(parts) != 3 or not parts[0].isdigit() or parts[1] != namespace:
         return False
-    return not os.path.exists(f"/proc/{parts[0]}") and uid_of(name) == os.getuid()
+    return not running(int(parts[0])) and uid_of(name) == os.getuid()
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` of this namespace runs: it exists and is no zombie (a process that
+    ended and that its parent, often init after its launcher left, has not reaped yet: its
+    memory and files are released). Local."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def remove_stale(folder: str, prefix: str, legacy: bool = False) -> list[str]:

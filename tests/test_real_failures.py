@@ -255,3 +255,28 @@ def test_survivors_exit_and_the_relaunch_recovers_under_open_mpi(tmp_path, parit
     assert code == 0 and exited < 30, out[-4000:]
     assert f"rank(s) [{rank}] died after step" in out and "relaunching (restart 1 of 1)" in out
     assert digest_in(out) == parity_reference
+
+
+def test_a_second_ctrl_c_to_mpickpt_run_leaves_no_trainer_and_no_staging_area(tmp_path):
+    """Hydra, told to stop twice, kills its ranks and leaves at once: the trainers are zombies
+    of init when mpickpt-run removes what they left (their staging areas were kept as a live
+    process's before), so no trainer and no staging area outlives it."""
+    from mpickpt.owned_names import running
+    from tests.launch import descendants
+
+    job = Job(mpickpt_run("-n", "2", "--max-restarts", "0", "--", *SMALL_MODEL, *FOLLOW,
+                          "--num-batches", "400", "--ckpt-dir", str(tmp_path / "ckpt")))
+    try:
+        assert job.wait_for_step(15), job.output
+        run = [pid for pid, _ in descendants(job.proc.pid)]  # agents, trainers, writers
+        areas = [n for n in os.listdir("/dev/shm")
+                 if any(n.startswith(f"mpickpt-staging-{p}-") for p in run)]
+        assert len(areas) == 2, (run, areas)  # one per trainer
+        job.proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        job.proc.send_signal(signal.SIGINT)
+        job.wait(60)
+    finally:
+        job.stop()
+    assert not [p for p in run if running(p)], job.output  # zombies hold no memory
+    assert not [n for n in areas if os.path.exists(f"/dev/shm/{n}")], job.output

@@ -25,6 +25,8 @@ import re
 import shutil
 from dataclasses import dataclass
 
+from mpickpt.owned_names import running
+
 _MANIFEST_TMP = re.compile(r"^\.manifest-\d{12}\.json\.tmp-(\d+)$")
 _REPLACING_TMP = re.compile(r"^\.mpickpt-replacing\.tmp-(\d+)$")  # `store.replacing`'s
 _PID_TMP = re.compile(r"\.tmp-(\d+)$")
@@ -133,8 +135,8 @@ def _tree_bytes(path: str) -> int:
 
 
 def _alive(pid: str) -> bool:
-    """A process of that id exists on this host (it may still be writing). Local."""
-    return os.path.exists(f"/proc/{pid}")
+    """A process of that id runs on this host (it may still be writing). Local."""
+    return running(int(pid))
 
 
 def stale_dumps(root: str, newest_step: int | None) -> list[Leftover]:
