@@ -110,6 +110,12 @@ def test_cause_names_the_dead_rank_the_signal_and_the_launcher_note():
                                  "survivors exited 76")
     assert "SIGKILL" in text and "task 2: Killed" in text
     assert cause(1, RunWatch()) == "exit status 1"
+    startup = RunWatch()
+    startup.read("mpickpt-agent: rank 1: its trainer (pid 4242) was killed by SIGKILL during "
+                 "startup, before its first step; ending this rank the same way so that the "
+                 "launcher ends the run\n")
+    assert cause(9, startup) == ("rank 1's trainer was killed by SIGKILL during startup; exit "
+                                 "status 9")
     assert "killed by SIGTERM" in cause(-15, RunWatch())
 
 

@@ -41,6 +41,9 @@ FINAL = {0: "finished", EXIT_BAD_INPUT: "refused its input", EXIT_SAVED:
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 _DIED = re.compile(r"peer rank\(s\) \[([0-9, ]+)\] died after step (\d+) \(")
 """A survivor's line on a death; the cause in parentheses follows (`_parenthesized`)."""
+_STARTUP_KILL = re.compile(r"rank (\d+): its trainer \(pid \d+\) was killed by (\w+) during "
+                           r"startup")
+"""A node agent's line on a trainer killed before its first step (`rank_wrapper`)."""
 _HYDRA_BAD = re.compile(r"EXIT CODE: (\d+)")
 _SRUN_TASK = re.compile(r"srun: error: \S+: tasks? ([0-9,\-]+): (.+)")
 _ERROR = re.compile(r"^(?:\[rank\d+\]: )?([A-Za-z_][\w.]*(?:Error|Exception): .+)$")
@@ -61,6 +64,8 @@ class RunWatch:
     errors: set = field(default_factory=set)
     """Every distinct error line of the run (its ranks' streams interleave)."""
     startup_failed: bool = False
+    killed_in_startup: dict = field(default_factory=dict)
+    """rank -> the signal that killed its trainer before its first step (its agent said)."""
 
     def read(self, line: str) -> None:
         m = _ERROR.match(line.strip())
@@ -69,6 +74,10 @@ class RunWatch:
             self.error = self.error if self.startup_failed else m.group(1)
         if _STARTUP_FAILED in line:
             self.startup_failed = True
+        m = _STARTUP_KILL.search(line)
+        if m:
+            self.killed_in_startup[int(m.group(1))] = m.group(2)
+            return
         m = _DIED.search(line)
         if m:
             self.dead |= {int(r) for r in m.group(1).split(",") if r.strip()}
@@ -93,7 +102,8 @@ def _parenthesized(text: str) -> str:
 
 def cause(status: int, watch: RunWatch) -> str:
     """One line on why a run ended with `status`. Local and pure."""
-    parts = []
+    parts = [f"rank {r}'s trainer was killed by {sig} during startup"
+             for r, sig in sorted(watch.killed_in_startup.items())]
     if watch.dead:
         parts.append(f"rank(s) {sorted(watch.dead)} died after step {watch.step} "
                      f"({watch.how}); the survivors exited {EXIT_PEER_LOST}")
@@ -122,7 +132,8 @@ def repeated(status: int, watch: RunWatch, last: tuple | None) -> bool:
 def failure_of(status: int, watch: RunWatch) -> tuple | None:
     """What `repeated` compares: (status, the run's error lines) of a startup failure with no
     sign of a death, else None. Local and pure."""
-    if status != EXIT_STARTUP_FAILED or not watch.startup_failed or watch.dead or watch.notes:
+    if status != EXIT_STARTUP_FAILED or not watch.startup_failed or watch.dead or watch.notes \
+            or watch.killed_in_startup:
         return None
     return status, frozenset(watch.errors)
 
