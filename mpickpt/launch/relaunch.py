@@ -124,8 +124,9 @@ def cause(status: int, watch: RunWatch) -> str:
 
 def repeated(status: int, watch: RunWatch, last: tuple | None) -> bool:
     """Whether a run's startup failed as the run before did, with the same error lines and
-    no sign of a death (no rank reported dead, no launcher note of a rank killed or gone): a
-    fault of the command or its input, which every relaunch repeats. Local and pure."""
+    no sign of a death (no rank reported dead, no launcher note of a rank killed or gone, no
+    agent's note of a trainer killed in its startup): a fault of the command or its input,
+    which every relaunch repeats. Local and pure."""
     return last is not None and last == failure_of(status, watch) and bool(last[1])
 
 
