@@ -23,7 +23,8 @@ def children_cpu_seconds() -> float:
 
 
 class RunReport:
-    """Collects one run's events (rank 0 only). Local."""
+    """Collects one run's events (on every rank where a path is given; rank 0 writes them).
+    Local."""
 
     def __init__(self, path: str | None, is_root: bool, start_step: int):
         """Every rank keeps the record where a `path` is given (a replacement of rank 0 goes on
