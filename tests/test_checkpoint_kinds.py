@@ -518,7 +518,10 @@ def test_inspect_and_export_pass_over_an_incrcp_step_whose_chain_file_is_gone(tm
     index = load_index(str(tmp_path), manifests[-1].chain, 0)
     gone = sorted({r.file for r in index.rectangle(6)} - {r.file for r in index.rectangle(5)})[0]
     os.remove(tmp_path / gone)
-    why = f"{tmp_path / gone}: file of checkpoint step 6 is missing"
+    folder = index_dir(str(tmp_path), manifests[-1].chain, 0)
+    named_by = os.path.join(folder, f"index-{index.generation:08d}.json")
+    why = (f"{named_by}: chunk index generation {index.generation} names missing files: "
+           f"{tmp_path / gone}")
     assert main(["inspect", str(tmp_path)]) == 0
     got = capsys.readouterr()
     assert "\nstep         5\n" in got.out, got.out
