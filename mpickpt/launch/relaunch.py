@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from mpickpt.launch.command import (LAUNCHERS, agents_respawn, cleanup_command,
                                      launch_command, sends_death_notices)
+from mpickpt.launch import own_group
 from mpickpt.launch.mpich_shm import remove_orphans_saying, remove_stale_saying
 from mpickpt.launch.rank_wrapper import IN_PLACE_VARIABLE
 from mpickpt.launch.standby import WARM_VARIABLE
@@ -38,7 +39,7 @@ from mpickpt.exit_codes import (EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_SAVE_FAILED
 FINAL = {0: "finished", EXIT_BAD_INPUT: "refused its input", EXIT_SAVED:
          "stopped on a signal with its checkpoint committed", EXIT_SAVE_FAILED:
          "stopped on a signal but its emergency checkpoint failed"}
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 _DIED = re.compile(r"peer rank\(s\) \[([0-9, ]+)\] died after step (\d+) \(")
 """A survivor's line on a death; the cause in parentheses follows (`_parenthesized`)."""
 _STARTUP_KILL = re.compile(r"rank (\d+): its trainer \(pid \d+\) was killed by (\w+) during "
@@ -49,6 +50,8 @@ _SRUN_TASK = re.compile(r"srun: error: \S+: tasks? ([0-9,\-]+): (.+)")
 _ERROR = re.compile(r"^(?:\[rank\d+\]: )?([A-Za-z_][\w.]*(?:Error|Exception): .+)$")
 """The last line of a Python traceback (with torch's rank prefix, where it adds one)."""
 _STARTUP_FAILED = "startup failed in "
+RELAYED_S = 0.5
+"""A signal that comes again within this many seconds is the first one relayed (`_forward`)."""
 
 
 @dataclass
@@ -164,6 +167,8 @@ class Relauncher:
         self.say = say or (lambda m: print(f"mpickpt-run: {m}", file=sys.stderr, flush=True))
         self.restarts = 0
         self.stop_signal: str | None = None
+        self._forwarded: tuple[int, float] | None = None
+        """(signal, monotonic time) of the last signal forwarded to the launcher."""
         self._proc: subprocess.Popen | None = None
 
     def run(self) -> int:
@@ -228,8 +233,10 @@ class Relauncher:
 
     def _launch(self, env: dict) -> tuple[int, RunWatch, float]:
         watch, start, since = RunWatch(), time.monotonic(), time.time()
-        self._proc = subprocess.Popen(self.command, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, env=env, bufsize=0)
+        # a group of its own: a stop reaches it once, forwarded (`own_group`)
+        self._proc = subprocess.Popen(own_group.command(self.command), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                      env=env, bufsize=0, **own_group.POPEN)
         pumps = [threading.Thread(target=_pump, args=(src, dst, watch), daemon=True)
                  for src, dst in ((self._proc.stdout, sys.stdout), (self._proc.stderr,
                                                                      sys.stderr))]
@@ -244,6 +251,15 @@ class Relauncher:
         return status, watch, time.monotonic() - start
 
     def _forward(self, signum, frame) -> None:
+        """Pass a signal on to the launcher, once per event: the same signal again within
+        `RELAYED_S` is that event relayed to this process a second time (by a wrapper such as
+        timeout(1) in the same process group), not a second Ctrl-C, which hydra and srun take
+        for an abort without the emergency checkpoint."""
+        now = time.monotonic()
+        if self._forwarded is not None and self._forwarded[0] == signum and \
+                now - self._forwarded[1] < RELAYED_S:
+            return
+        self._forwarded = (signum, now)
         self.stop_signal = signal.Signals(signum).name
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signum)
