@@ -375,6 +375,10 @@ class Trainer:
             if abandoned:
                 self.log.say(f"checkpoint(s) of step(s) {abandoned} abandoned: rank(s) "
                              f"{sorted(dead)} died before they were written everywhere")
+        uncovered = self.faults.recovery.why_not(Loss.of_ranks(sorted(dead), step,
+                                                               self.model.plan))
+        if uncovered is not None:  # a replacement could not recover its shard: relaunch now
+            self.survival.give_up_in_place(dead, f"nothing in place can recover it: {uncovered}")
         if self.topo.rank == min(set(range(self.topo.world_size)) - dead):  # rank 0 may be dead
             print(f"rank(s) {sorted(dead)} died after step {step}: the survivors keep their "
                   f"processes and wait for the replacement(s) (generation "

@@ -457,6 +457,27 @@ def test_a_replacement_of_rank_0_goes_on_from_a_survivors_record_of_the_run(tmp_
     assert not torn_dirs(str(tmp_path / "ckpt"), list_manifests(str(tmp_path / "ckpt"))), out
 
 
+def test_a_death_nothing_in_place_can_recover_falls_back_to_a_relaunch_at_once(tmp_path):
+    """No --ckpt-dir and no parity (2 ranks): a replacement could not recover the lost shard,
+    so the survivors do not form a generation for it (it failed with a traceback before) and
+    relaunch at once, saying why; the relaunch trains to the failure-free digest."""
+    flags = FLAGS[:-4]  # no --ckpt-interval, no parity
+    clean = run_ranks(2, "mpickpt.train", *flags)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    job = Job(mpickpt_run("-n", "2", "--max-restarts", "1", "--", *flags, "--inject-kill",
+                          "30:1"))
+    try:
+        code = job.wait(200)
+    finally:
+        job.stop()
+    out = job.output
+    assert code == 0 and digest_in(out) == digest_in(clean.stdout), out
+    assert "in-place recovery failed (nothing in place can recover it: ranks [1] lost their " \
+           "shards after step 30: there is no checkpoint to fall back to (--ckpt-dir)); " \
+           "falling back to a relaunch" in out, out
+    assert "Traceback" not in out and "generation 1" not in out, out
+
+
 def test_an_agent_without_respawns_left_lets_the_survivors_fall_back_at_once(tmp_path):
     """MPICKPT_RESPAWNS=0, rank 1 killed after step 30 (2 ranks, no parity): its agent cannot
     replace it, says so and ends as a lost agent, so the survivor gives up at once instead of

@@ -15,15 +15,27 @@ class Recovery:
         parity re-encoding what it protects."""
         self.history: list[Outcome] = []
 
-    def recover(self, loss: Loss) -> Outcome:
-        """Recover `loss` with the first policy that covers it; Unrecoverable names why none
-        does. Collective (every rank sees the same loss and takes the same decision)."""
+    def why_not(self, loss: Loss) -> str | None:
+        """None where a policy covers `loss`, else why none does (what `recover` would raise).
+        Local."""
+        policy, reasons = self._first(loss)
+        return None if policy is not None else f"{loss}: {', and '.join(reasons)}"
+
+    def _first(self, loss: Loss) -> tuple:
+        """(the first policy that covers `loss` or None, why each one before it does not)."""
         reasons = []
         for policy in self.policies:
             why = policy.why_not(loss)
-            if why is not None:
-                reasons.append(why)
-                continue
+            if why is None:
+                return policy, reasons
+            reasons.append(why)
+        return None, reasons
+
+    def recover(self, loss: Loss) -> Outcome:
+        """Recover `loss` with the first policy that covers it; Unrecoverable names why none
+        does. Collective (every rank sees the same loss and takes the same decision)."""
+        policy, reasons = self._first(loss)
+        if policy is not None:
             if reasons:
                 self.say(f"{loss}: {'; '.join(reasons)}; {policy.action}")
             elif not policy.announces:
