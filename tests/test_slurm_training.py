@@ -9,12 +9,14 @@ where Slurm is not installed or this is not root."""
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from mpickpt.store.manifest import list_manifests
 from tests.fault_jobs import digest_in, rank_of, relaunch_step, wait_gone
 from tests.launch import REPO, digest_of, run_ranks
 from tests.slurm_cluster import slurm_cluster_fixture
@@ -157,6 +159,28 @@ def test_scancel_term_saves_the_step_reached_and_the_requeue_replays_none(slurm,
     assert "world of 1" not in text and text.count("digest ") == 1  # 2-rank jobs; one finished
     log = (tmp_path / "ckpt" / "mpickpt-restarts.log").read_text()
     assert "stopped on a signal with its checkpoint committed; requeueing" in log
+
+
+def test_sigterm_to_mpickpt_run_under_srun_stops_the_ranks_with_their_checkpoint(slurm,
+                                                                                 tmp_path):
+    """srun kills its step on SIGTERM and only prints its tasks' states on one SIGINT: a stop
+    sent to mpickpt-run reaches the ranks as SIGUSR1, which srun passes on, and they commit the
+    step they reached (no checkpoint was written before, and the steps were lost)."""
+    job, out = submit(slurm, tmp_path, 2, 400, CKPT_INTERVAL="1000", MAX_REQUEUES="0")
+    wait_for(out, r"^step 30/", 120)
+    ckpt = str(tmp_path / "ckpt")
+    found = subprocess.run(["pgrep", "-f", f"bin/mpickpt-run --launcher srun .*{ckpt}"],
+                           capture_output=True, text=True)
+    runs = [int(p) for p in found.stdout.split()]
+    assert len(runs) == 1, runs
+    os.kill(runs[0], signal.SIGTERM)
+    m = wait_for(out, r"stopping on SIGUSR1 after step (\d+): checkpoint step (\d+) committed",
+                 60)
+    assert m.group(1) == m.group(2), m.group(0)
+    slurm.wait_job(job, timeout=120)
+    text = out.read_text()
+    assert "(SIGTERM received)" in text and "Killed" not in text, text[-3000:]
+    assert [m.step for m in list_manifests(ckpt)] == [int(m.group(1))], text[-3000:]
 
 
 @pytest.mark.parametrize("spares", [0, pytest.param(1, marks=pytest.mark.slow)])

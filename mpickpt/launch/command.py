@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -74,6 +75,14 @@ def sends_death_notices(launcher: str, program: str | None = None) -> bool:
     """Whether the launcher sends every rank SIGUSR1 when a rank exits (MPICH's hydra); the
     ranks then take a SIGUSR1 around a death for that notice, not for a stop. Local."""
     return launcher == "mpiexec" and mpi_flavour(program or mpiexec()) == "hydra"
+
+
+def stop_signal_for(launcher: str) -> int | None:
+    """The signal a stop (SIGTERM, SIGINT to `mpickpt-run`) goes to `launcher` as, where it
+    would not reach the tasks as it is: srun kills the step on SIGTERM and only prints its tasks'
+    states on a single SIGINT, but passes SIGUSR1 on, which the trainers take for a stop (srun
+    sends no death notices). None: as it is. Local."""
+    return signal.SIGUSR1 if launcher == "srun" else None
 
 
 def trainer_command(flags: list[str]) -> list[str]:

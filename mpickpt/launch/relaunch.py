@@ -26,7 +26,8 @@ import time
 from dataclasses import dataclass, field
 
 from mpickpt.launch.command import (LAUNCHERS, agents_respawn, cleanup_command,
-                                     launch_command, sends_death_notices)
+                                     launch_command, sends_death_notices,
+                                     stop_signal_for)
 from mpickpt.launch import own_group
 from mpickpt.launch.mpich_shm import remove_orphans_saying, remove_stale_saying
 from mpickpt.launch.rank_wrapper import IN_PLACE_VARIABLE
@@ -154,12 +155,14 @@ class Relauncher:
 
     def __init__(self, command: list[str], max_restarts: int, log_path: str | None,
                  cleanup: list[str] | None = None, say=None, in_place: bool = True,
-                 warm: bool = False, notices: bool = True):
+                 warm: bool = False, notices: bool = True, stop_as: int | None = None):
         """`in_place`: the rank agents replace a trainer killed by a signal inside the run
         (survivors keep their processes); a relaunch is then the fallback. `warm`: the agents
         keep a warm standby for that (`--warm-respawn`). `notices`: the launcher sends SIGUSR1
-        as a death notice (hydra), so the ranks may mute it around a death."""
-        self.notices = notices
+        as a death notice (hydra), so the ranks may mute it around a death. `stop_as`: the
+        signal a first SIGTERM or SIGINT is forwarded as, where the launcher passes that one
+        to its tasks and not those (srun: `launch.command.stop_signal_for`); None: as it is."""
+        self.notices, self.stop_as = notices, stop_as
         self.in_place = in_place
         self.warm = warm and in_place
         self.command, self.max_restarts = command, max_restarts
@@ -259,8 +262,11 @@ class Relauncher:
         if self._forwarded is not None and self._forwarded[0] == signum and \
                 now - self._forwarded[1] < RELAYED_S:
             return
+        first = self.stop_signal is None
         self._forwarded = (signum, now)
         self.stop_signal = signal.Signals(signum).name
+        if first and self.stop_as is not None and signum in (signal.SIGTERM, signal.SIGINT):
+            signum = self.stop_as  # later ones go as they are: the launcher's forced end
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signum)
 
@@ -360,7 +366,8 @@ def main(argv=None) -> int:
                       in_place=(flag_value(flags, "--in-place") or "auto") != "off"
                       and agents_respawn(args.launcher, args.launcher_path),
                       warm="--warm-respawn" in flags,
-                      notices=sends_death_notices(args.launcher, args.launcher_path)).run()
+                      notices=sends_death_notices(args.launcher, args.launcher_path),
+                      stop_as=stop_signal_for(args.launcher)).run()
 
 
 if __name__ == "__main__":
