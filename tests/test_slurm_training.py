@@ -41,7 +41,8 @@ def submit(slurm, tmp_path, ranks: int, steps: int, *args: str, **env) -> tuple[
     out = tmp_path / "job.out"
     job_env = dict(MODEL_ENV, VENV=str(Path(sys.executable).parents[1]),
                    NUM_BATCHES=str(steps), CKPT_DIR=str(tmp_path / "ckpt"),
-                   PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", **env)
+                   PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    job_env.update(env)
     job = slurm.sbatch(SCRIPT, "-N", "1", f"--ntasks={ranks}", f"--ntasks-per-node={ranks}",
                        "--cpus-per-task=1",
                        f"--output={out}", "--time=10", script_args=[*TRAIN_ARGS, *args],
@@ -118,6 +119,12 @@ def test_srun_without_an_mpi_plugin_stops_with_the_fix_and_no_requeue(slurm, tmp
     assert "srun --mpi=pmi2" in text and "refused its input" in text
     assert "digest " not in text and "requeueing" not in text and "step 1/" not in text
     assert slurm.job_info(job)["Restarts"] == "0"
+    (tmp_path / "venv").mkdir()
+    job, out = submit(slurm, tmp_path / "venv", 2, 40, VENV="/nonexistent")
+    result = slurm.wait_job(job, timeout=120)
+    text = out.read_text()
+    assert (result.state, result.exit_code) == ("FAILED", 2), text
+    assert "error: VENV=/nonexistent has no bin/activate" in text and "requeue" not in text
 
 
 @pytest.mark.slow  # CI time: scancel's requeue test covers the requeue path
