@@ -190,6 +190,29 @@ def test_sigterm_to_mpickpt_run_under_srun_stops_the_ranks_with_their_checkpoint
     assert [m.step for m in list_manifests(ckpt)] == [int(m.group(1))], text[-3000:]
 
 
+def test_a_trainer_killed_during_startup_under_srun_is_relaunched_at_once(slurm, tmp_path,
+                                                                          reference):
+    """srun goes on when a task fails (--kill-on-bad-exit=0), so the other ranks waited in
+    their startup for its deadline (300 s); mpickpt-run ends the launcher once the agent said
+    its trainer died in startup, and the relaunch trains to the failure-free digest."""
+    ckpt = tmp_path / "ckpt"
+    job, out = submit(slurm, tmp_path, 2, 40, CKPT_INTERVAL="20")
+    deadline, pids = time.monotonic() + 60, []
+    while len(pids) < 2 and time.monotonic() < deadline:
+        pids = trainer_pids(ckpt)
+        time.sleep(0.02)
+    assert len(pids) == 2 and "step 1/" not in out.read_text(), pids
+    os.kill(pids[1], signal.SIGKILL)
+    killed = time.monotonic()
+    wait_for(out, r"relaunching \(restart 1 of", 120)
+    took = time.monotonic() - killed
+    result = slurm.wait_job(job, timeout=240)
+    text = out.read_text()
+    assert "was killed by SIGKILL during startup" in text and took < 60, (took, text[-3000:])
+    assert (result.state, result.exit_code) == ("COMPLETED", 0), text[-3000:]
+    assert digest_in(text) == reference(2, 40)
+
+
 @pytest.mark.parametrize("spares", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_a_rank_sigkilled_under_srun_is_replaced_in_place(slurm, tmp_path, reference, spares):
     """In place is the default under the script: the dead task's agent respawns its trainer

@@ -51,6 +51,8 @@ _SRUN_TASK = re.compile(r"srun: error: \S+: tasks? ([0-9,\-]+): (.+)")
 _ERROR = re.compile(r"^(?:\[rank\d+\]: )?([A-Za-z_][\w.]*(?:Error|Exception): .+)$")
 """The last line of a Python traceback (with torch's rank prefix, where it adds one)."""
 _STARTUP_FAILED = "startup failed in "
+STARTUP_KILL_GRACE_S = 3.0
+"""How long a launcher may go on after an agent said its trainer died in startup."""
 RELAYED_S = 0.5
 """A signal that comes again within this many seconds is the first one relayed (`_forward`)."""
 
@@ -245,13 +247,33 @@ class Relauncher:
                                                                      sys.stderr))]
         for t in pumps:
             t.start()
-        status = self._proc.wait()
+        status = self._wait_launcher(watch)
         for t in pumps:
             t.join(10)
         # the run's segments that ranks killed by their launcher left, their agents with them,
         # and the staging areas of trainers killed on this host
         remove_orphans_saying(since, self.say, areas=True)
         return status, watch, time.monotonic() - start
+
+    def _wait_launcher(self, watch: RunWatch) -> int:
+        """The launcher's exit status. A trainer killed during its startup makes its agent end
+        its rank by the same signal, which ends the run under hydra; srun, told to keep going
+        when a task fails (`--kill-on-bad-exit=0`), would wait for the others' startup
+        deadline: a launcher still running `STARTUP_KILL_GRACE_S` after an agent said so gets
+        SIGTERM (srun ends its step). Local."""
+        deadline = None
+        while True:
+            try:
+                return self._proc.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                pass
+            if deadline is None and watch.killed_in_startup:
+                deadline = time.monotonic() + STARTUP_KILL_GRACE_S
+            if deadline is not None and time.monotonic() > deadline:
+                self.say(f"a trainer was killed during its startup and the launcher went on for "
+                         f"{STARTUP_KILL_GRACE_S:.0f} s: ending the run")
+                self._proc.terminate()
+                deadline = float("inf")
 
     def _forward(self, signum, frame) -> None:
         """Pass a signal on to the launcher, once per event: the same signal again within
