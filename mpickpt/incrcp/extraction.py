@@ -30,6 +30,7 @@ from mpickpt.store.block_cache import BlockCache
 from mpickpt.store.chunk_index import ChunkIndex, ChunkRef, commit_index, index_dir
 from mpickpt.store.row_arrays import EncodedRows, open_rows, write_raw
 from mpickpt.store.direct_io import direct_file
+from mpickpt.store.file_spec import bundle_relpath
 from mpickpt.store.open_files import VerifiedFiles
 from mpickpt.store.row_arena import KEEP_BYTES, RowArena
 from mpickpt.store.durable import fsync_path
@@ -307,9 +308,8 @@ class Extractor:
             reader.close()
             return stats
         old_files = set(index.refcounts())
-        rel = os.path.relpath(index_dir(self.root, index.chain, index.rank), self.root)
-        row0 = BundleBuilder(f"{rel}/bundle-{step:012d}-row0.h5", self._row0_arena())
-        row1 = BundleBuilder(f"{rel}/bundle-{step:012d}-row1.h5", self.arenas[2])
+        row0 = BundleBuilder(bundle_relpath(index.chain, index.rank, step, 0), self._row0_arena())
+        row1 = BundleBuilder(bundle_relpath(index.chain, index.rank, step, 1), self.arenas[2])
         learned = {} if stats.bloom else None  # no filters are built while stage 2 is off
         try:
             for table in sorted({r.table for r in new_refs} | set(index.cells)):
@@ -324,7 +324,7 @@ class Extractor:
             stats.bundle_bytes = (row0.write(self.root, step, align, direct) +
                                   row1.write(self.root, step, align, direct))
             if stats.bundle_bytes:
-                fsync_path(os.path.join(self.root, rel))
+                fsync_path(index_dir(self.root, index.chain, index.rank))
             self._remember_blooms(index, learned or {})
         finally:
             reader.close()

@@ -23,13 +23,11 @@ import re
 from dataclasses import dataclass, field
 
 from mpickpt.store.errors import CheckpointCorruptError
-from mpickpt.store.file_spec import chain_relpath
+from mpickpt.store.file_spec import BUNDLE_RE, chain_relpath
 from mpickpt.store.sealed_json import dumps_sealed, read_sealed
 from mpickpt.store.durable import fsync_path
 
 INDEX_RE = re.compile(r"^index-(\d{8})\.json$")
-BUNDLE_RE = re.compile(r"^bundle-(\d{12})-row\d+\.h5$")
-"""The bundles an ingestion writes, named for the step it ingested (`incrcp.extraction`)."""
 INDEX_VERSION = 2
 FIRST_SEALED_VERSION = 2
 """Indexes from version 2 on carry a checksum of their content."""

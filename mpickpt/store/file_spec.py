@@ -12,10 +12,12 @@ Layout under the checkpoint root::
     step-<step>-<attempt>/rank-<r>-extra.h5          RNG states, when the shard lives in a chain
     step-<step>-<attempt>/dense.h5                   replicated dense state
     chains/<chain>/rank-<r>/col-<step>-part-<j>.h5   an IncrCP increment (a 2-D list column)
+    chains/<chain>/rank-<r>/bundle-<step>-row<i>.h5  an ingestion's chunks of list row i
 """
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -51,6 +53,16 @@ def chain_relpath(chain: str, rank: int) -> str:
 def column_relpath(chain: str, rank: int, step: int, part: int) -> str:
     """Where the foreground writer puts the increment of checkpoint `step` (writer part `part`)."""
     return f"{chain_relpath(chain, rank)}/col-{step:012d}-part-{part}.h5"
+
+
+BUNDLE_RE = re.compile(r"^bundle-(\d{12})-row\d+\.h5$")
+"""A bundle's file name: the step of the ingestion that wrote it, and its row of the lists."""
+
+
+def bundle_relpath(chain: str, rank: int, step: int, row: int) -> str:
+    """Where the extractor's ingestion of checkpoint `step` puts its chunks of list row `row`
+    (`incrcp.extraction`: row 0 or 1)."""
+    return f"{chain_relpath(chain, rank)}/bundle-{step:012d}-row{row}.h5"
 
 
 def shard_attrs(step: int, kind: str, codec: str, rank: int, part: int, parts: int,
