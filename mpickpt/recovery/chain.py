@@ -19,7 +19,7 @@ class Recovery:
         """None where a policy covers `loss`, else why none does (what `recover` would raise).
         Local."""
         policy, reasons = self._first(loss)
-        return None if policy is not None else f"{loss}: {', and '.join(reasons)}"
+        return None if policy is not None else _none_covers(loss, reasons)
 
     def _first(self, loss: Loss) -> tuple:
         """(the first policy that covers `loss` or None, why each one before it does not)."""
@@ -46,4 +46,9 @@ class Recovery:
                     hook()
             self.history.append(outcome)
             return outcome
-        raise Unrecoverable(f"{loss}: {', and '.join(reasons)}")
+        raise Unrecoverable(_none_covers(loss, reasons))
+
+
+def _none_covers(loss: Loss, reasons: list[str]) -> str:
+    """Why no policy covers `loss`: each policy's reason. Local."""
+    return f"{loss}: {', and '.join(reasons)}"
