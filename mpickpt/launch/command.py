@@ -123,5 +123,8 @@ def cleanup_command(launcher: str, nodes: str | None) -> list[str] | None:
     only: a requeued job's steps reuse the ids whose segments are left), or None. Local."""
     if launcher != "srun" or shutil.which("srun") is None:
         return None
-    per_node = ["--ntasks-per-node=1"] + ([f"--nodes={nodes}"] if nodes else [])
+    # one task per node, the count said too: srun would take the job's SLURM_NTASKS otherwise
+    # and warn that it cannot honour one per node
+    per_node = ["--ntasks-per-node=1"] + ([f"--nodes={nodes}", f"--ntasks={nodes}"]
+                                          if nodes else [])
     return ["srun", "--mpi=none", *per_node, sys.executable, "-m", "mpickpt.launch.mpich_shm"]
