@@ -13,15 +13,19 @@ from mpickpt.launch.command import (agents_respawn, launch_command, mpi_flavour,
                                      open_mpi_flavour)
 from mpickpt.launch.relaunch import (Relauncher, RunWatch, cause, ckpt_dir_of, failure_of,
                                      main, repeated)
+from mpickpt.job_variables import AGENTS_VARIABLE
 from mpickpt.mpiexec import mpiexec
 
 
 def runs(tmp_path, statuses, lines=""):
-    """A command that, on its k-th run, prints `lines` and exits with statuses[k]."""
+    """A command that, on its k-th run, starts as a launcher with one rank does (its agent
+    connects to the run's agent watch), prints `lines` and exits with statuses[k]."""
     counter = tmp_path / "count"
     script = tmp_path / "run.py"
     script.write_text(
         "import os, sys\n"
+        "from mpickpt.launch.run_store import announce, goodbye\n"
+        f"goodbye(announce(os.environ.get({AGENTS_VARIABLE!r}), 0))\n"
         f"p = {str(counter)!r}\n"
         "k = int(open(p).read()) if os.path.exists(p) else 0\n"
         "open(p, 'w').write(str(k + 1))\n"
@@ -90,6 +94,34 @@ def test_a_startup_error_that_repeats_ends_the_loop(tmp_path):
     assert failure_of(77, RunWatch()) is None  # no error line: a deadline
     watch.read("EXIT CODE: 9\n")  # a rank killed: a death, whatever the errors say
     assert failure_of(77, watch) is None and not repeated(77, watch, same)
+
+
+def test_a_launcher_that_refuses_its_command_twice_alike_ends_the_loop_as_bad_input(tmp_path):
+    """A real mpiexec given an argument it does not know starts no rank's agent: once is
+    relaunched (a launcher may fail for a passing reason), the same refusal again ends the loop
+    with exit 2, which the Slurm script does not requeue; runs whose agents started, or whose
+    output differs, are not taken for a refusal."""
+    log = tmp_path / "restarts.log"
+    status = main(["-n", "1", "--max-restarts", "3", "--launcher-arg=--bogus",
+                   "--restart-log", str(log), "--", "--num-batches", "2"])
+    first, second = log.read_text().splitlines()
+    assert status == 2
+    assert "the launcher started no rank ([mpiexec@" in first and "unrecognized argument bogus" \
+        in first and "relaunching (restart 1 of 3)" in first
+    assert second.endswith("the launcher refused the run as it did the run before: a fault of "
+                           "its command or of the allocation, which a relaunch or a requeue "
+                           "repeats; not relaunching (exit status 2)"), second
+    refusal = RunWatch(started=False)
+    refusal.read("srun: error: Invalid MPI type 'x', --mpi=list for acceptable types\n")
+    same = failure_of(1, refusal)
+    assert repeated(1, refusal, same) and "the launcher started no rank (srun: error: " \
+        "Invalid MPI type" in cause(1, refusal)
+    other = RunWatch(started=False)
+    other.read("srun: error: Unable to create step for job 9: Socket timed out\n")
+    ran = RunWatch(started=True)
+    ran.read("srun: error: Invalid MPI type 'x', --mpi=list for acceptable types\n")
+    assert not repeated(1, other, same) and not repeated(1, ran, same)
+    assert "started no rank" not in cause(1, ran) and failure_of(0, refusal) is None
 
 
 def test_cause_names_the_dead_rank_the_signal_and_the_launcher_note():

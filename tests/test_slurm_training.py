@@ -110,7 +110,9 @@ def test_the_script_as_shipped_trains_like_mpiexec(slurm, tmp_path, reference):
 
 def test_srun_without_an_mpi_plugin_stops_with_the_fix_and_no_requeue(slurm, tmp_path):
     """SRUN_MPI=none: srun starts 2 singletons; every one stops before training with exit 2,
-    which mpickpt-run and the script pass on (a requeue would fail the same way)."""
+    which mpickpt-run and the script pass on (a requeue would fail the same way). An MPI plugin
+    srun does not have: srun refuses to start the step, twice alike, and mpickpt-run ends with
+    exit 2 instead of relaunching and requeueing; so does a VENV without an activate script."""
     job, out = submit(slurm, tmp_path, 2, 40, SRUN_MPI="none")
     result = slurm.wait_job(job, timeout=120)
     text = out.read_text()
@@ -118,7 +120,16 @@ def test_srun_without_an_mpi_plugin_stops_with_the_fix_and_no_requeue(slurm, tmp
     assert "launched as 2 separate 1-rank jobs: srun (SLURM_STEP_NUM_TASKS=2)" in text
     assert "srun --mpi=pmi2" in text and "refused its input" in text
     assert "digest " not in text and "requeueing" not in text and "step 1/" not in text
+    assert "can't honor" not in text  # the segment clean-up step asks one task per node
     assert slurm.job_info(job)["Restarts"] == "0"
+    (tmp_path / "plugin").mkdir()
+    job, out = submit(slurm, tmp_path / "plugin", 2, 40, SRUN_MPI="bogus")
+    result = slurm.wait_job(job, timeout=120)
+    text = out.read_text()
+    assert (result.state, result.exit_code) == ("FAILED", 2), text[-3000:]
+    assert text.count("the launcher started no rank (srun: error:") == 2, text[-3000:]
+    assert "the launcher refused the run as it did the run before" in text
+    assert "requeueing" not in text and "restart 2 of" not in text
     (tmp_path / "venv").mkdir()
     job, out = submit(slurm, tmp_path / "venv", 2, 40, VENV="/nonexistent")
     result = slurm.wait_job(job, timeout=120)

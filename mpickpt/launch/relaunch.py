@@ -7,7 +7,8 @@ What SCR's `scr_srun` does for a job script, for any launcher: each run's exit s
 0 is done; 2 (bad input), 75 (stopped by a signal, checkpoint committed: "requeue me") and 74
 (stopped by a signal, but the emergency checkpoint failed) end the loop and are passed on;
 anything else (a rank killed, the survivors' 76, an error) relaunches the job, up to
-`--max-restarts` times, after deleting a killed Slurm step's MPICH segments. The
+`--max-restarts` times (a failure that repeats the run before's, a startup error or the launcher's
+refusal to start any rank, ends it), after deleting a killed Slurm step's MPICH segments. The
 relaunch resumes by itself: survivors from their dumps, the dead ranks by `--recovery`, or
 everything from the newest checkpoint. Every restart is logged with its cause to stderr and, one
 line each, to `<ckpt-dir>/mpickpt-restarts.log` (or `--restart-log`). Signals sent to
@@ -55,6 +56,8 @@ STARTUP_KILL_GRACE_S = 3.0
 """How long a launcher may go on after an agent said its trainer died in startup."""
 RELAYED_S = 0.5
 """A signal that comes again within this many seconds is the first one relayed (`_forward`)."""
+HEAD_LINES = 40
+"""Lines of a run's output kept to compare a launcher's refusal with the one before."""
 
 
 @dataclass
@@ -72,8 +75,14 @@ class RunWatch:
     startup_failed: bool = False
     killed_in_startup: dict = field(default_factory=dict)
     """rank -> the signal that killed its trainer before its first step (its agent said)."""
+    started: bool | None = None
+    """Whether any of the run's node agents started (None: the run had no agent watch)."""
+    head: list = field(default_factory=list)
+    """The run's first `HEAD_LINES` lines of output, stripped."""
 
     def read(self, line: str) -> None:
+        if len(self.head) < HEAD_LINES:
+            self.head.append(line.strip())
         m = _ERROR.match(line.strip())
         if m:
             self.errors.add(m.group(1))
@@ -110,6 +119,9 @@ def cause(status: int, watch: RunWatch) -> str:
     """One line on why a run ended with `status`. Local and pure."""
     parts = [f"rank {r}'s trainer was killed by {sig} during startup"
              for r, sig in sorted(watch.killed_in_startup.items())]
+    if refused(status, watch):
+        said = next((line for line in watch.head if line), "")
+        parts.append("the launcher started no rank" + (f" ({said})" if said else ""))
     if watch.dead:
         parts.append(f"rank(s) {sorted(watch.dead)} died after step {watch.step} "
                      f"({watch.how}); the survivors exited {EXIT_PEER_LOST}")
@@ -128,17 +140,26 @@ def cause(status: int, watch: RunWatch) -> str:
     return "; ".join(parts) or f"exit status {status}"
 
 
+def refused(status: int, watch: RunWatch) -> bool:
+    """Whether the launcher failed without starting any rank's agent: it refused its command
+    (`--launcher-arg`, `--srun-mpi`) or the allocation. Local and pure."""
+    return status != 0 and watch.started is False
+
+
 def repeated(status: int, watch: RunWatch, last: tuple | None) -> bool:
-    """Whether a run's startup failed as the run before did, with the same error lines and
-    no sign of a death (no rank reported dead, no launcher note of a rank killed or gone, no
-    agent's note of a trainer killed in its startup): a fault of the command or its input,
-    which every relaunch repeats. Local and pure."""
+    """Whether a run failed as the run before did, in a way every relaunch repeats: the
+    launcher refused to start it with the same output, or its startup failed with the same
+    error lines and no sign of a death (no rank reported dead, no launcher note of a rank
+    killed or gone, no agent's note of a trainer killed in its startup). Local and pure."""
     return last is not None and last == failure_of(status, watch) and bool(last[1])
 
 
 def failure_of(status: int, watch: RunWatch) -> tuple | None:
-    """What `repeated` compares: (status, the run's error lines) of a startup failure with no
-    sign of a death, else None. Local and pure."""
+    """What `repeated` compares: (status, the run's first lines) of a launcher's refusal,
+    (status, the run's error lines) of a startup failure with no sign of a death, else None.
+    Local and pure."""
+    if refused(status, watch):
+        return status, tuple(sorted(watch.head))  # (its two streams interleave)
     if status != EXIT_STARTUP_FAILED or not watch.startup_failed or watch.dead or watch.notes \
             or watch.killed_in_startup:
         return None
@@ -191,12 +212,20 @@ class Relauncher:
                                                           if self.stop_signal else ""))
                     return status
                 why = cause(status, watch)
+                failure = failure_of(status, watch)
+                if repeated(status, watch, last) and refused(status, watch):
+                    self._record(f"run {self.restarts + 1} failed after {seconds:.1f} s: {why}; "
+                                 f"the launcher refused the run as it did the run before: a "
+                                 f"fault of its command or of the allocation, which a relaunch "
+                                 f"or a requeue repeats; not relaunching (exit status "
+                                 f"{EXIT_BAD_INPUT})")
+                    return EXIT_BAD_INPUT
                 if repeated(status, watch, last):
                     self._record(f"run {self.restarts + 1} failed after {seconds:.1f} s: {why}; "
                                  f"the same startup error as the run before: a fault a "
                                  f"relaunch repeats, not a peer's death; not relaunching")
                     return status
-                last = failure_of(status, watch)
+                last = failure
                 if self.restarts >= self.max_restarts:
                     self._record(f"run {self.restarts + 1} failed after {seconds:.1f} s: {why}; "
                                  f"no restarts left (--max-restarts {self.max_restarts})")
@@ -225,6 +254,8 @@ class Relauncher:
             env.update(host.environment(), **{IN_PLACE_VARIABLE: "1"})
         try:
             status, watch, seconds = self._launch(env)
+            if host is not None and status != 0:
+                watch.started = host.started()
             done = host.completed() if status != 0 and host is not None else None
             if done is not None:
                 self.say(f"the training completed (step {done}); the launcher's "

@@ -22,6 +22,7 @@ from __future__ import annotations
 import selectors
 import socket
 import threading
+import time
 
 from mpickpt.job_variables import AGENTS_VARIABLE, STORE_VARIABLE
 
@@ -29,6 +30,8 @@ COMPLETED_KEY = "completed"
 """Set at the store by rank 0 once the training ended normally (the last step trained, the
 final checkpoint and test done): the run is done whatever status the launcher reports."""
 _GOODBYE = b"bye\n"
+SELECT_S = 0.2
+"""How long the agent watch waits for a connection or data before looking at its stop flag."""
 
 
 class RunStore:
@@ -51,6 +54,14 @@ class RunStore:
             return None
         return self.store.get(COMPLETED_KEY).decode()
 
+    def started(self) -> bool:
+        """Whether any node agent of the run connected: False when the launcher started no
+        task (it refused its command, or the allocation). Call once the launcher ended: a
+        connection not yet accepted is waited for one turn of the watch. Local."""
+        if not self.watch.connected:
+            time.sleep(2 * SELECT_S)
+        return self.watch.connected > 0
+
     def lost_agents(self) -> list[int]:
         """Launcher ranks whose agent died during the run. Local."""
         return sorted(self.watch.lost)
@@ -70,6 +81,8 @@ class AgentWatch:
         self.address = f"{rendezvous_host()}:{self._server.getsockname()[1]}"
         self._store_address, self._timeout_s = store_address, timeout_s
         self.lost: set[int] = set()
+        self.connected = 0
+        """Connections accepted so far (one per agent that started)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="mpickpt-agent-watch",
                                         daemon=True)
@@ -83,10 +96,11 @@ class AgentWatch:
         selector.register(self._server, selectors.EVENT_READ)
         said: dict[socket.socket, bytes] = {}
         while not self._stop.is_set():
-            for key, _ in selector.select(timeout=0.2):
+            for key, _ in selector.select(timeout=SELECT_S):
                 sock = key.fileobj
                 if sock is self._server:
                     conn, _ = self._server.accept()
+                    self.connected += 1
                     selector.register(conn, selectors.EVENT_READ)
                     said[conn] = b""
                     continue
