@@ -116,6 +116,9 @@ def test_partial_recovery_after_a_sigkill_and_relaunch(tmp_path):
     finally:
         job.stop()
     assert survivor_steps(job.output), job.output[-3000:]
+    # mpickpt-run, out of restarts, says where the dumps the hand relaunch below uses stay
+    assert re.search(r"mpickpt-run: 3 survivor dump\(s\), [0-9.]+ MB, stay in /dev/shm/mpickpt-"
+                     r"survivors-[0-9a-f]{16} on this node", job.output), job.output[-3000:]
     agreed = min(survivor_steps(job.output).values())
     committed = max(m.step for m in list_manifests(str(ckpt)))
     assert committed < agreed, (committed, agreed)

@@ -415,12 +415,29 @@ def main(argv=None) -> int:
     if log:
         os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
     nodes = os.environ.get("SLURM_JOB_NUM_NODES")
-    return Relauncher(command, args.max_restarts, log, cleanup_command(args.launcher, nodes),
-                      in_place=(flag_value(flags, "--in-place") or "auto") != "off"
-                      and agents_respawn(args.launcher, args.launcher_path),
-                      warm="--warm-respawn" in flags,
-                      notices=sends_death_notices(args.launcher, args.launcher_path),
-                      stop_as=stop_signal_for(args.launcher)).run()
+    relauncher = Relauncher(command, args.max_restarts, log, cleanup_command(args.launcher, nodes),
+                            in_place=(flag_value(flags, "--in-place") or "auto") != "off"
+                            and agents_respawn(args.launcher, args.launcher_path),
+                            warm="--warm-respawn" in flags,
+                            notices=sends_death_notices(args.launcher, args.launcher_path),
+                            stop_as=stop_signal_for(args.launcher))
+    status = relauncher.run()
+    if status != 0 and ckpt:
+        say_dumps_left(ckpt, relauncher.say)
+    return status
+
+
+def say_dumps_left(ckpt: str, say) -> None:
+    """Say what survivor dumps of `ckpt` a job that ends unfinished leaves in this node's shared
+    memory (memory the node lacks until they go): a later job with the same --ckpt-dir resumes
+    from them and removes them. Local."""
+    from mpickpt.survivors.dump import held_here
+
+    folder, dumps, nbytes = held_here(ckpt)
+    if dumps:
+        say(f"{dumps} survivor dump(s), {nbytes / 1e6:.1f} MB, stay in {folder} on this node "
+            f"(and any on the run's other nodes): a job with --ckpt-dir {ckpt} resumes from "
+            f"them and removes them; remove that folder if none will run")
 
 
 if __name__ == "__main__":

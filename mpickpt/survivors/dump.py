@@ -88,9 +88,33 @@ def plan_id(plan) -> str:
     return hashlib.sha256(json.dumps(plan.describe(), sort_keys=True).encode()).hexdigest()[:16]
 
 
+def shm_folder(key: str) -> str:
+    """The shared-memory folder of job `key`'s dumps on this node. Local."""
+    return os.path.join(SHM_ROOT, f"mpickpt-survivors-{key}")
+
+
+def held_here(root: str) -> tuple[str, int, int]:
+    """(folder, dumps, bytes) of the survivor dumps of checkpoint directory `root` that this
+    node's shared memory holds, cut-short ones included. Local."""
+    folder = shm_folder(job_key(root))
+    dumps = nbytes = 0
+    for entry in os.scandir(folder) if os.path.isdir(folder) else ():
+        dumps += entry.name.startswith("rank-") and ".tmp-" not in entry.name
+        for sub, _, names in os.walk(entry.path):
+            nbytes += sum(_size(os.path.join(sub, n)) for n in names)
+    return folder, dumps, nbytes
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:  # removed meanwhile
+        return 0
+
+
 def dump_dirs(key: str, rank: int, root: str | None) -> list[str]:
     """Where rank `rank`'s dump goes: shared memory, and the checkpoint directory if given."""
-    out = [os.path.join(SHM_ROOT, f"mpickpt-survivors-{key}", f"rank-{rank:05d}")]
+    out = [os.path.join(shm_folder(key), f"rank-{rank:05d}")]
     if root is not None:
         out.append(os.path.join(root, SURVIVORS, f"rank-{rank:05d}"))
     return out
