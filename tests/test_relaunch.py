@@ -89,11 +89,12 @@ def test_a_startup_error_that_repeats_ends_the_loop(tmp_path):
         watch.read(line + "\n")
     assert watch.error.startswith("ValueError: shard")
     same = failure_of(77, watch)
-    assert repeated(77, watch, same) and not repeated(77, watch, None)
-    assert not repeated(77, watch, (77, frozenset({"RuntimeError: Connection closed"})))
+    assert repeated(failure_of(77, watch), same) and not repeated(failure_of(77, watch), None)
+    assert not repeated(failure_of(77, watch),
+                        (77, frozenset({"RuntimeError: Connection closed"})))
     assert failure_of(77, RunWatch()) is None  # no error line: a deadline
     watch.read("EXIT CODE: 9\n")  # a rank killed: a death, whatever the errors say
-    assert failure_of(77, watch) is None and not repeated(77, watch, same)
+    assert failure_of(77, watch) is None and not repeated(failure_of(77, watch), same)
 
 
 def test_a_launcher_that_refuses_its_command_twice_alike_ends_the_loop_as_bad_input(tmp_path):
@@ -114,13 +115,13 @@ def test_a_launcher_that_refuses_its_command_twice_alike_ends_the_loop_as_bad_in
     refusal = RunWatch(started=False)
     refusal.read("srun: error: Invalid MPI type 'x', --mpi=list for acceptable types\n")
     same = failure_of(1, refusal)
-    assert repeated(1, refusal, same) and "the launcher started no rank (srun: error: " \
-        "Invalid MPI type" in cause(1, refusal)
+    assert repeated(failure_of(1, refusal), same)
+    assert "the launcher started no rank (srun: error: Invalid MPI type" in cause(1, refusal)
     other = RunWatch(started=False)
     other.read("srun: error: Unable to create step for job 9: Socket timed out\n")
     ran = RunWatch(started=True)
     ran.read("srun: error: Invalid MPI type 'x', --mpi=list for acceptable types\n")
-    assert not repeated(1, other, same) and not repeated(1, ran, same)
+    assert not repeated(failure_of(1, other), same) and not repeated(failure_of(1, ran), same)
     assert "started no rank" not in cause(1, ran) and failure_of(0, refusal) is None
 
 

@@ -146,12 +146,12 @@ def refused(status: int, watch: RunWatch) -> bool:
     return status != 0 and watch.started is False
 
 
-def repeated(status: int, watch: RunWatch, last: tuple | None) -> bool:
-    """Whether a run failed as the run before did, in a way every relaunch repeats: the
+def repeated(failure: tuple | None, last: tuple | None) -> bool:
+    """Whether a run's `failure_of` is the run before's, a failure every relaunch repeats: the
     launcher refused to start it with the same output, or its startup failed with the same
     error lines and no sign of a death (no rank reported dead, no launcher note of a rank
     killed or gone, no agent's note of a trainer killed in its startup). Local and pure."""
-    return last is not None and last == failure_of(status, watch) and bool(last[1])
+    return failure is not None and failure == last and bool(failure[1])
 
 
 def failure_of(status: int, watch: RunWatch) -> tuple | None:
@@ -213,14 +213,14 @@ class Relauncher:
                     return status
                 why = cause(status, watch)
                 failure = failure_of(status, watch)
-                if repeated(status, watch, last) and refused(status, watch):
+                if repeated(failure, last) and refused(status, watch):
                     self._record(f"run {self.restarts + 1} failed after {seconds:.1f} s: {why}; "
                                  f"the launcher refused the run as it did the run before: a "
                                  f"fault of its command or of the allocation, which a relaunch "
                                  f"or a requeue repeats; not relaunching (exit status "
                                  f"{EXIT_BAD_INPUT})")
                     return EXIT_BAD_INPUT
-                if repeated(status, watch, last):
+                if repeated(failure, last):
                     self._record(f"run {self.restarts + 1} failed after {seconds:.1f} s: {why}; "
                                  f"the same startup error as the run before: a fault a "
                                  f"relaunch repeats, not a peer's death; not relaunching")
