@@ -196,8 +196,9 @@ class ChunkReader:
         """A chunk's keys, read to count and split its duplicates (stage 3). Local."""
         return self._gids(ref)
 
-    def _gids(self, ref: ChunkRef) -> np.ndarray:
-        held = self.held.get(ref.file)
+    def _gids(self, ref: ChunkRef, held: HeldBundle | None = None) -> np.ndarray:
+        """`held`: the chunk's held bundle, when the caller looked it up already."""
+        held = held or self.held.get(ref.file)
         if held is not None:
             return held.keys(ref.start, ref.stop)
         return read_rows(self._array(ref, "gids"), ref.start, ref.stop, ref.file,
@@ -206,8 +207,8 @@ class ChunkReader:
     def rows(self, ref: ChunkRef, names: list[str], gids: np.ndarray | None = None
              ) -> dict[str, np.ndarray]:
         """A chunk's keys (`gids`, when the caller read them already) and row arrays. Local."""
-        rows = {"gids": self._gids(ref) if gids is None else gids}
         held = self.held.get(ref.file)
+        rows = {"gids": self._gids(ref, held) if gids is None else gids}
         if held is not None and held.has(names):
             rows.update({n: held.raw(n, ref.start, ref.stop) for n in names})
             return rows

@@ -23,7 +23,7 @@ def set_rows(words: np.ndarray) -> np.ndarray:
     for other item sizes). Local."""
     words = _words(words)
     if KERNEL is None:
-        return unpacked(words)
+        return _unpacked(words)
     out = np.empty(KERNEL.count(words), dtype=np.int64)
     if KERNEL.rows(words, out) != len(out):  # more bits: the kernel raised already
         raise ValueError(f"the bit-vector's words changed while their {len(out)} set bits "
@@ -45,7 +45,12 @@ def _words(words: np.ndarray) -> np.ndarray:
 def unpacked(words: np.ndarray) -> np.ndarray:
     """`set_rows` by numpy: the non-zero bytes of the words (in little-endian order, on any host)
     unpacked into bits. Local."""
-    data = np.ascontiguousarray(_words(words), dtype="<u8").view(np.uint8)
+    return _unpacked(_words(words))
+
+
+def _unpacked(words: np.ndarray) -> np.ndarray:
+    """`unpacked` of words `_words` gave already."""
+    data = np.ascontiguousarray(words, dtype="<u8").view(np.uint8)
     nonzero = np.flatnonzero(data)
     byte, bit = np.nonzero(np.unpackbits(data[nonzero][:, None], axis=1, bitorder="little"))
     return nonzero[byte].astype(np.int64) * 8 + bit
