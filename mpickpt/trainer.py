@@ -243,6 +243,7 @@ class Trainer:
         # survivor dumps a relaunch resumed from: every member watches for the newer commit
         self.dumps_step = joined.dumps_from
         if self.ckpt is not None:
+            self.ckpt.generation_formed()
             if joined.checkpoints_closed:  # the run's end or a stop's checkpoint committed
                 self.ckpt.abort(summary=True)  # every commit it would make: stop the writers
             self.ckpt.resumed_at(joined.step)

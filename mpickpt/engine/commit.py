@@ -50,6 +50,8 @@ class CommitCoordinator:
         self._sends: list = []
         self.committed: list[int] = []
         self.abandoned: list[int] = []
+        self._forgotten: list[tuple[PendingCheckpoint, str]] = []
+        """Checkpoints abandoned with their generation, whose directories are still to go."""
         self._io = ThreadPoolExecutor(1, thread_name_prefix="mpickpt-commit",
                                       initializer=self._lower) if topo.rank == 0 else None
         self._io_futures: list = []
@@ -111,15 +113,25 @@ class CommitCoordinator:
 
     def forget_pending(self, why: str) -> list[int]:
         """The generation these reports travel in is gone: abandon every checkpoint still
-        waiting for reports (rank 0 removes its directory in the background) and drop the
-        messages. Returns the abandoned steps. Local."""
+        waiting for reports and drop the messages. Their directories stay until
+        `remove_forgotten`: other survivors' writers may still be writing into them. Returns
+        the abandoned steps. Local."""
         self._sends, self._early = [], defaultdict(list)
         steps = sorted(self.pending)
-        for step in steps:
-            pending = self.pending.pop(step)
-            self._io_futures.append(self._io.submit(
-                self._abandon, pending, [{"ok": False, "error": why}]))
+        self._forgotten += [(self.pending.pop(step), why) for step in steps]
         return steps
+
+    def remove_forgotten(self) -> None:
+        """The next generation formed: every survivor waited for its writers before it joined,
+        so nothing writes into the checkpoints `forget_pending` abandoned any more. Rank 0
+        removes their directories now, in the background. Local."""
+        for pending, why in self._forgotten:
+            failures = [{"ok": False, "error": why}]
+            if self._io is None:  # closed: at once, on this thread
+                self._abandon(pending, failures)
+            else:
+                self._io_futures.append(self._io.submit(self._abandon, pending, failures))
+        self._forgotten = []
 
     def close(self) -> None:
         """Stop the commit thread after its queued work. Local."""

@@ -238,9 +238,10 @@ class CheckpointManager:
     def leave_generation(self) -> list[int]:
         """A peer died: the checkpoints in flight cannot commit (the dead rank's part is
         missing). Wait for this rank's writers (their results are dropped), have rank 0
-        abandon what it was waiting for (directories removed, the newest committed checkpoint
-        stays the newest), and make the next save a new baseline. Returns the abandoned steps
-        (rank 0; empty elsewhere). Local."""
+        abandon what it was waiting for (the newest committed checkpoint stays the newest;
+        their directories go once the next generation formed, `generation_formed`), and make
+        the next save a new baseline. Returns the abandoned steps (rank 0; empty elsewhere).
+        Local."""
         if self.writers is None:
             return []
         if self.copier is not None:
@@ -251,6 +252,13 @@ class CheckpointManager:
         self._last_submitted = None
         self.incremental.reset()
         return self.commits.forget_pending("a rank died before every rank had written it")
+
+    def generation_formed(self) -> None:
+        """The next generation formed: the directories of the checkpoints its survivors left
+        unfinished go now (rank 0, in the background). Removed when the generation broke, they
+        lost files another survivor's writer was still writing: it reported a failed write,
+        and a later file of its could make the directory anew. Local."""
+        self.commits.remove_forgotten()
 
     def newest_committed(self) -> int | None:
         """The newest step this manager committed, or None. Collective (rank 0 knows)."""
