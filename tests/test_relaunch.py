@@ -11,21 +11,23 @@ import pytest
 
 from mpickpt.launch.command import (agents_respawn, launch_command, mpi_flavour,
                                      open_mpi_flavour)
+from mpickpt.launch import relaunch
 from mpickpt.launch.relaunch import (Relauncher, RunWatch, cause, ckpt_dir_of, failure_of,
                                      main, repeated)
+from mpickpt.launch.run_store import AgentWatch
 from mpickpt.job_variables import AGENTS_VARIABLE
 from mpickpt.mpiexec import mpiexec
 
 
-def runs(tmp_path, statuses, lines=""):
-    """A command that, on its k-th run, starts as a launcher with one rank does (its agent
-    connects to the run's agent watch), prints `lines` and exits with statuses[k]."""
+def runs(tmp_path, statuses, lines="", agent=True):
+    """A command that, on its k-th run, starts as a launcher with one rank does (`agent`: its
+    agent connects to the run's agent watch), prints `lines` and exits with statuses[k]."""
     counter = tmp_path / "count"
     script = tmp_path / "run.py"
     script.write_text(
         "import os, sys\n"
         "from mpickpt.launch.run_store import announce, goodbye\n"
-        f"goodbye(announce(os.environ.get({AGENTS_VARIABLE!r}), 0))\n"
+        f"if {agent}: goodbye(announce(os.environ.get({AGENTS_VARIABLE!r}), 0))\n"
         f"p = {str(counter)!r}\n"
         "k = int(open(p).read()) if os.path.exists(p) else 0\n"
         "open(p, 'w').write(str(k + 1))\n"
@@ -97,32 +99,67 @@ def test_a_startup_error_that_repeats_ends_the_loop(tmp_path):
     assert failure_of(77, watch) is None and not repeated(failure_of(77, watch), same)
 
 
-def test_a_launcher_that_refuses_its_command_twice_alike_ends_the_loop_as_bad_input(tmp_path):
+@pytest.mark.parametrize("in_place", ["auto", "off"])
+def test_a_launcher_that_refuses_its_command_twice_alike_ends_the_loop_as_bad_input(
+        tmp_path, monkeypatch, in_place):
     """A real mpiexec given an argument it does not know starts no rank's agent: once is
     relaunched (a launcher may fail for a passing reason), the same refusal again ends the loop
-    with exit 2, which the Slurm script does not requeue; runs whose agents started, or whose
-    output differs, are not taken for a refusal."""
+    with exit 2, which the Slurm script does not requeue, in place or not; runs whose agents
+    started, or whose output differs, are not taken for a refusal."""
+    monkeypatch.setattr(relaunch, "REFUSAL_RETRY_S", 0.1)
     log = tmp_path / "restarts.log"
     status = main(["-n", "1", "--max-restarts", "3", "--launcher-arg=--bogus",
-                   "--restart-log", str(log), "--", "--num-batches", "2"])
+                   "--restart-log", str(log), "--", "--num-batches", "2", "--in-place",
+                   in_place])
     first, second = log.read_text().splitlines()
     assert status == 2
-    assert "the launcher started no rank ([mpiexec@" in first and "unrecognized argument bogus" \
+    assert "no node agent started ([mpiexec@" in first and "unrecognized argument bogus" \
         in first and "relaunching (restart 1 of 3)" in first
-    assert second.endswith("the launcher refused the run as it did the run before: a fault of "
-                           "its command or of the allocation, which a relaunch or a requeue "
+    assert second.endswith("no node agent started, with the same output as the run before: a "
+                           "fault of the launcher's command, which a relaunch or a requeue "
                            "repeats; not relaunching (exit status 2)"), second
     refusal = RunWatch(started=False)
     refusal.read("srun: error: Invalid MPI type 'x', --mpi=list for acceptable types\n")
     same = failure_of(1, refusal)
     assert repeated(failure_of(1, refusal), same)
-    assert "the launcher started no rank (srun: error: Invalid MPI type" in cause(1, refusal)
+    assert "no node agent started (srun: error: Invalid MPI type" in cause(1, refusal)
     other = RunWatch(started=False)
     other.read("srun: error: Unable to create step for job 9: Socket timed out\n")
     ran = RunWatch(started=True)
     ran.read("srun: error: Invalid MPI type 'x', --mpi=list for acceptable types\n")
     assert not repeated(failure_of(1, other), same) and not repeated(failure_of(1, ran), same)
-    assert "started no rank" not in cause(1, ran) and failure_of(0, refusal) is None
+    assert "no node agent started" not in cause(1, ran) and failure_of(0, refusal) is None
+
+
+def test_a_refusal_that_names_no_command_fault_ends_the_allocations_loop_with_its_status(
+        tmp_path, monkeypatch):
+    """srun failing twice alike to create a step (a timeout, no agent started): a relaunch in
+    this allocation repeats it, but a requeue onto another may not; the loop ends with the
+    launcher's status, which the Slurm script requeues, after waiting before the relaunch."""
+    monkeypatch.setattr(relaunch, "REFUSAL_RETRY_S", 0.5)
+    cmd, counter = runs(tmp_path, [1, 1, 1, 0], "srun: error: Unable to create step for job 9: "
+                        "Socket timed out on send/recv operation\n", agent=False)
+    log = tmp_path / "restarts.log"
+    start = time.monotonic()
+    assert Relauncher(cmd, max_restarts=3, log_path=str(log)).run() == 1
+    assert counter.read_text() == "2" and time.monotonic() - start >= 0.5
+    first, second = log.read_text().splitlines()
+    assert "no node agent started (srun: error: Unable to create step" in first
+    assert second.endswith("a relaunch in this allocation repeats it; not relaunching (exit "
+                           "status 1)"), second
+
+
+def test_an_agent_says_it_started_to_the_agent_watch_in_place_or_not_at_any_size():
+    """The run's agent watch counts a 1-rank run's agent too, and works without a store (not in
+    place): a failed run whose agent started is never taken for the launcher's refusal."""
+    watch = AgentWatch(None, 10.0)
+    try:
+        env = dict(os.environ, **{AGENTS_VARIABLE: watch.address}, PMI_RANK="0", PMI_SIZE="1")
+        proc = subprocess.run([sys.executable, "-m", "mpickpt.launch.rank_wrapper",
+                               sys.executable, "-c", "import sys; sys.exit(3)"], env=env)
+        assert proc.returncode == 3 and watch.started() and watch.lost == set()
+    finally:
+        watch.close()
 
 
 def test_cause_names_the_dead_rank_the_signal_and_the_launcher_note():

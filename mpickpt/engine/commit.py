@@ -124,13 +124,15 @@ class CommitCoordinator:
     def remove_forgotten(self) -> None:
         """The next generation formed: every survivor waited for its writers before it joined,
         so nothing writes into the checkpoints `forget_pending` abandoned any more. Rank 0
-        removes their directories now, in the background. Local."""
+        removes their directories now, on the commit thread after its queued work, and waits:
+        a rollback may save the same step again soon, into a directory of the same name.
+        Local."""
         for pending, why in self._forgotten:
             failures = [{"ok": False, "error": why}]
-            if self._io is None:  # closed: at once, on this thread
+            if self._io is None:  # closed: on this thread
                 self._abandon(pending, failures)
             else:
-                self._io_futures.append(self._io.submit(self._abandon, pending, failures))
+                self._io.submit(self._abandon, pending, failures).result()
         self._forgotten = []
 
     def close(self) -> None:

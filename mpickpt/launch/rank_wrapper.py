@@ -112,7 +112,7 @@ class Agent:
             self.say(f"removed {len(gone)} folder(s) of agents that are gone: {' '.join(gone)}")
         self.folder = tempfile.mkdtemp(prefix=owned_name(FOLDER_PREFIX, ""))
         env[AGENT_VARIABLE] = self.folder
-        watch = announce(self.env.get(AGENTS_VARIABLE), self.rank) if self.in_place else None
+        watch = announce(self.env.get(AGENTS_VARIABLE), self.rank)  # in place or not
         if self.in_place and self.env.get(WARM_VARIABLE) == "1":
             self.standby = Standby(self.cmd, _without_mpi(env), _replacement_start)
         since, bye = time.time(), True

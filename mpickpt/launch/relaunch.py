@@ -7,12 +7,13 @@ What SCR's `scr_srun` does for a job script, for any launcher: each run's exit s
 0 is done; 2 (bad input), 75 (stopped by a signal, checkpoint committed: "requeue me") and 74
 (stopped by a signal, but the emergency checkpoint failed) end the loop and are passed on;
 anything else (a rank killed, the survivors' 76, an error) relaunches the job, up to
-`--max-restarts` times (a failure that repeats the run before's, a startup error or the launcher's
-refusal to start any rank, ends it), after deleting a killed Slurm step's MPICH segments. The
-relaunch resumes by itself: survivors from their dumps, the dead ranks by `--recovery`, or
-everything from the newest checkpoint. Every restart is logged with its cause to stderr and, one
-line each, to `<ckpt-dir>/mpickpt-restarts.log` (or `--restart-log`). Signals sent to
-`mpickpt-run` (TERM, INT, USR1, USR2) go to the run and end the loop. Local.
+`--max-restarts` times, after deleting a killed Slurm step's MPICH segments; a failure that repeats
+the run before's (a startup error, or the launcher's refusal to start any rank's agent) ends the
+loop (`repeated`, `Relauncher._refused_twice`). The relaunch resumes by itself: survivors from
+their dumps, the dead ranks by `--recovery`, or everything from the newest checkpoint. Every
+restart is logged with its cause to stderr and, one line each, to
+`<ckpt-dir>/mpickpt-restarts.log` (or `--restart-log`). Signals sent to `mpickpt-run` (TERM, INT,
+USR1, USR2) go to the run and end the loop. Local.
 """
 from __future__ import annotations
 
@@ -58,6 +59,10 @@ RELAYED_S = 0.5
 """A signal that comes again within this many seconds is the first one relayed (`_forward`)."""
 HEAD_LINES = 40
 """Lines of a run's output kept to compare a launcher's refusal with the one before."""
+REFUSAL_RETRY_S = 5.0
+"""How long a run that no agent started waits before its relaunch (a passing fault may clear)."""
+_COMMAND_FAULT = re.compile(r"\b(?:unrecognized|unrecogni[sz]ed|invalid|unknown|illegal)\b",
+                            re.IGNORECASE)
 
 
 @dataclass
@@ -76,7 +81,7 @@ class RunWatch:
     killed_in_startup: dict = field(default_factory=dict)
     """rank -> the signal that killed its trainer before its first step (its agent said)."""
     started: bool | None = None
-    """Whether any of the run's node agents started (None: the run had no agent watch)."""
+    """Whether any of the run's node agents started (None: the run had no agents)."""
     head: list = field(default_factory=list)
     """The run's first `HEAD_LINES` lines of output, stripped."""
 
@@ -121,7 +126,7 @@ def cause(status: int, watch: RunWatch) -> str:
              for r, sig in sorted(watch.killed_in_startup.items())]
     if refused(status, watch):
         said = next((line for line in watch.head if line), "")
-        parts.append("the launcher started no rank" + (f" ({said})" if said else ""))
+        parts.append("no node agent started" + (f" ({said})" if said else ""))
     if watch.dead:
         parts.append(f"rank(s) {sorted(watch.dead)} died after step {watch.step} "
                      f"({watch.how}); the survivors exited {EXIT_PEER_LOST}")
@@ -141,9 +146,17 @@ def cause(status: int, watch: RunWatch) -> str:
 
 
 def refused(status: int, watch: RunWatch) -> bool:
-    """Whether the launcher failed without starting any rank's agent: it refused its command
-    (`--launcher-arg`, `--srun-mpi`) or the allocation. Local and pure."""
+    """Whether the run failed without any rank's node agent starting: the launcher refused its
+    command (`--launcher-arg`, `--srun-mpi`) or the allocation, or its tasks died before their
+    agents could start. Local and pure."""
     return status != 0 and watch.started is False
+
+
+def command_fault(watch: RunWatch) -> bool:
+    """Whether a refused run's output names a fault of the command (an argument or plugin the
+    launcher does not know, an invalid value), which any allocation would refuse alike, and
+    not of the allocation or the cluster's state (a timeout, a busy node). Local and pure."""
+    return any(_COMMAND_FAULT.search(line) for line in watch.head)
 
 
 def repeated(failure: tuple | None, last: tuple | None) -> bool:
@@ -178,15 +191,19 @@ class Relauncher:
 
     def __init__(self, command: list[str], max_restarts: int, log_path: str | None,
                  cleanup: list[str] | None = None, say=None, in_place: bool = True,
-                 warm: bool = False, notices: bool = True, stop_as: int | None = None):
+                 warm: bool = False, notices: bool = True, stop_as: int | None = None,
+                 agents: bool | None = None):
         """`in_place`: the rank agents replace a trainer killed by a signal inside the run
         (survivors keep their processes); a relaunch is then the fallback. `warm`: the agents
         keep a warm standby for that (`--warm-respawn`). `notices`: the launcher sends SIGUSR1
         as a death notice (hydra), so the ranks may mute it around a death. `stop_as`: the
         signal a first SIGTERM or SIGINT is forwarded as, where the launcher passes that one
-        to its tasks and not those (srun: `launch.command.stop_signal_for`); None: as it is."""
+        to its tasks and not those (srun: `launch.command.stop_signal_for`); None: as it is.
+        `agents`: the command runs every rank under a node agent (`launch.rank_wrapper`),
+        which says it started to the run's agent watch (default: `in_place`)."""
         self.notices, self.stop_as = notices, stop_as
         self.in_place = in_place
+        self.agents = in_place if agents is None else agents
         self.warm = warm and in_place
         self.command, self.max_restarts = command, max_restarts
         self.log_path, self.cleanup = log_path, cleanup
@@ -214,12 +231,7 @@ class Relauncher:
                 why = cause(status, watch)
                 failure = failure_of(status, watch)
                 if repeated(failure, last) and refused(status, watch):
-                    self._record(f"run {self.restarts + 1} failed after {seconds:.1f} s: {why}; "
-                                 f"the launcher refused the run as it did the run before: a "
-                                 f"fault of its command or of the allocation, which a relaunch "
-                                 f"or a requeue repeats; not relaunching (exit status "
-                                 f"{EXIT_BAD_INPUT})")
-                    return EXIT_BAD_INPUT
+                    return self._refused_twice(status, watch, seconds, why)
                 if repeated(failure, last):
                     self._record(f"run {self.restarts + 1} failed after {seconds:.1f} s: {why}; "
                                  f"the same startup error as the run before: a fault a "
@@ -233,9 +245,26 @@ class Relauncher:
                 self.restarts += 1
                 self._record(f"run {self.restarts} failed after {seconds:.1f} s: {why}; "
                              f"relaunching (restart {self.restarts} of {self.max_restarts})")
+                if refused(status, watch):
+                    time.sleep(REFUSAL_RETRY_S)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _refused_twice(self, status: int, watch: RunWatch, seconds: float, why: str) -> int:
+        """The run's launcher refused it as it did the run before: relaunching here repeats
+        it. A fault of the command ends the job with exit status 2 (a requeue would repeat it
+        too); any other (the allocation's, the cluster's) with the launcher's status, which
+        the Slurm script requeues onto a new allocation. Local."""
+        head = (f"run {self.restarts + 1} failed after {seconds:.1f} s: {why}; no node agent "
+                f"started, with the same output as the run before")
+        if command_fault(watch):
+            self._record(f"{head}: a fault of the launcher's command, which a relaunch or a "
+                         f"requeue repeats; not relaunching (exit status {EXIT_BAD_INPUT})")
+            return EXIT_BAD_INPUT
+        self._record(f"{head}: a relaunch in this allocation repeats it; not relaunching "
+                     f"(exit status {status})")
+        return status
 
     def _one_run(self) -> tuple[int, RunWatch, float]:
         if self.cleanup:  # a requeued job's first step needs it too
@@ -246,16 +275,22 @@ class Relauncher:
                                                         WARM_VARIABLE: "1" if self.warm else "",
                                                         NOTICES_VARIABLE:
                                                             "1" if self.notices else "0"})
-        host = None
+        host = agents = None
         if self.in_place:  # a store and agent watch of this run's own, outliving its ranks
             from mpickpt.launch.run_store import RunStore
 
             host = RunStore()
+            agents = host.watch
             env.update(host.environment(), **{IN_PLACE_VARIABLE: "1"})
+        elif self.agents:  # only to know whether any agent started
+            from mpickpt.launch.run_store import AgentWatch
+
+            agents = AgentWatch(None, 10.0)
+            env[AGENTS_VARIABLE] = agents.address
         try:
             status, watch, seconds = self._launch(env)
-            if host is not None and status != 0:
-                watch.started = host.started()
+            if agents is not None and status != 0:
+                watch.started = agents.started()
             done = host.completed() if status != 0 and host is not None else None
             if done is not None:
                 self.say(f"the training completed (step {done}); the launcher's "
@@ -266,6 +301,8 @@ class Relauncher:
         finally:
             if host is not None:
                 host.close()
+            elif agents is not None:
+                agents.close()
 
     def _launch(self, env: dict) -> tuple[int, RunWatch, float]:
         watch, start, since = RunWatch(), time.monotonic(), time.time()
@@ -418,6 +455,7 @@ def main(argv=None) -> int:
     relauncher = Relauncher(command, args.max_restarts, log, cleanup_command(args.launcher, nodes),
                             in_place=(flag_value(flags, "--in-place") or "auto") != "off"
                             and agents_respawn(args.launcher, args.launcher_path),
+                            agents=agents_respawn(args.launcher, args.launcher_path),
                             warm="--warm-respawn" in flags,
                             notices=sends_death_notices(args.launcher, args.launcher_path),
                             stop_as=stop_signal_for(args.launcher))
@@ -436,8 +474,9 @@ def say_dumps_left(ckpt: str, say) -> None:
     folder, dumps, nbytes = held_here(ckpt)
     if dumps:
         say(f"{dumps} survivor dump(s), {nbytes / 1e6:.1f} MB, stay in {folder} on this node "
-            f"(and any on the run's other nodes): a job with --ckpt-dir {ckpt} resumes from "
-            f"them and removes them; remove that folder if none will run")
+            f"(and any on the run's other nodes): a later job with --ckpt-dir {ckpt} resumes "
+            f"from them or, older than its newest checkpoint, removes them; remove that folder "
+            f"if none will run")
 
 
 if __name__ == "__main__":

@@ -54,14 +54,6 @@ class RunStore:
             return None
         return self.store.get(COMPLETED_KEY).decode()
 
-    def started(self) -> bool:
-        """Whether any node agent of the run connected: False when the launcher started no
-        task (it refused its command, or the allocation). Call once the launcher ended: a
-        connection not yet accepted is waited for one turn of the watch. Local."""
-        if not self.watch.connected:
-            time.sleep(2 * SELECT_S)
-        return self.watch.connected > 0
-
     def lost_agents(self) -> list[int]:
         """Launcher ranks whose agent died during the run. Local."""
         return sorted(self.watch.lost)
@@ -72,9 +64,10 @@ class RunStore:
 
 
 class AgentWatch:
-    """A TCP listener that knows which node agents are alive (see the module). Local."""
+    """A TCP listener that knows which node agents are alive (see the module). Without a store
+    (`store_address` None: not in place) it only counts the agents that started. Local."""
 
-    def __init__(self, store_address: str, timeout_s: float):
+    def __init__(self, store_address: str | None, timeout_s: float):
         from mpickpt.generation import rendezvous_host
 
         self._server = socket.create_server(("", 0))
@@ -115,7 +108,7 @@ class AgentWatch:
                 sock.close()
                 text = said.pop(sock)
                 rank = text.split(b"\n", 1)[0].strip()
-                if text.endswith(_GOODBYE) or not rank.isdigit():
+                if text.endswith(_GOODBYE) or not rank.isdigit() or not self._store_address:
                     continue
                 self.lost.add(int(rank))
                 try:
@@ -126,6 +119,15 @@ class AgentWatch:
         for key in list(selector.get_map().values()):
             key.fileobj.close()
         selector.close()
+
+    def started(self) -> bool:
+        """Whether any node agent of the run connected: False when none started (the
+        launcher refused its command, or the allocation, or its tasks died before their
+        agents could start). Call once the launcher ended: a connection not yet accepted is
+        waited for one turn of the watch. Local."""
+        if not self.connected:
+            time.sleep(2 * SELECT_S)
+        return self.connected > 0
 
     def close(self) -> None:
         self._stop.set()
