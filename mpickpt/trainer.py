@@ -112,7 +112,7 @@ class Trainer:
                                      self.parity, self.log.say, self.step, pls, first.to_dict())
         self._pin_training()  # after the counts of free cores above, which read the whole mask
         self.reader = self._make_reader(start)
-        self.log.restart_at(self.step)
+        self.log.restart_at(self.step, said=False)
         self.report = RunReport(config.run.run_report, topo.is_root, self.step)
         if topo.replacement and self._joined.history is not None:
             self._adopt(self._joined.history)
