@@ -179,6 +179,9 @@ class DataConfig:
             _refuse_without(stray, "--data-generation criteo-tsv",
                             f"--data-generation {self.data_generation} would ignore it")
             return
+        stray = changed_flags(DataConfig, self, ("num_indices_per_lookup", "zipf_alpha"))
+        _refuse_without(stray, "--data-generation synthetic",
+                        "--data-generation criteo-tsv would ignore it")
         if not self.raw_data_file:
             raise FlagError("--data-generation criteo-tsv needs --raw-data-file PATH[,PATH...]")
         if len(table_sizes) != 26:

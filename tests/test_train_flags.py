@@ -132,6 +132,10 @@ BAD_INPUTS = [
                                                       r"--parity-k K"),
     (2, ["--raw-data-file", "x"], r"^--raw-data-file needs --data-generation criteo-tsv: "
                                   r"--data-generation synthetic would ignore it$"),
+    (2, ["--data-generation", "criteo-tsv", "--raw-data-file", "x", "--arch-embedding-size",
+         "criteo-kaggle", "--zipf-alpha", "1.5", "--num-indices-per-lookup", "3"],
+     r"^--num-indices-per-lookup, --zipf-alpha need --data-generation synthetic: "
+     r"--data-generation criteo-tsv would ignore them$"),
     (2, ["--ckpt-dir", "{tmp}", "--ckpt-save-fraction", "0.5"],
      r"^--ckpt-save-fraction only applies to --ckpt-kind priority \(set by --ckpt-priority "
      r"RULE\); --ckpt-kind full would ignore it$"),
