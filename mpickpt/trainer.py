@@ -529,8 +529,11 @@ class Trainer:
 
     def _stop_on_signal(self) -> None:
         """Every rank agreed to stop after this step: write and commit a checkpoint of it
-        (unless the interval's just did), then leave the loop. Collective."""
-        name, since = self.signals.received or "a peer's stop signal", self.signals.since()
+        (unless the interval's just did), then leave the loop. Collective. The times said are
+        from the signal's arrival at the rank that got it first (a rank without one measured
+        none)."""
+        name = self.signals.received or "a peer's stop signal"
+        since = self.topo.control.allreduce(self.signals.since(), op="max")
         self.stopped = name
         if self.ckpt is None:
             self.log.say(f"stopping on {name} after step {self.step}: no --ckpt-dir, nothing "
@@ -550,7 +553,7 @@ class Trainer:
         saved = self.ckpt.save_now(self.step, self.reader)
         self.ckpt.settle()  # committed on rank 0 when this returns there
         write = time.perf_counter() - start
-        committed = self.signals.since()
+        committed = since + write
         self.stop_committed = self.ckpt.newest_committed() == self.step  # collective
         self.ckpt.close()
         if not self.stop_committed:  # its commit was abandoned (logged, never raised)
