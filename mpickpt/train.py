@@ -165,6 +165,8 @@ def _train(topo, trainer) -> int:
     except (CriteoFormatError, Unrecoverable, CheckpointError) as e:
         # found mid-stream, on every rank at the same step (the same lines, the same injected
         # failure, an agreed restore), so this exit is collective
+        if isinstance(e, CriteoFormatError):  # the model's state is sound: keep what is saved
+            trainer.commit_in_flight()
         status = _fail(topo.control, str(e))
         topo.control.Barrier()
     except Exception:

@@ -647,6 +647,14 @@ class Trainer:
                 self.log.say(f"digest {self.model.digest()}")
         self.report.finish(self)
 
+    def commit_in_flight(self) -> None:
+        """The run stops on a data error, at the same step on every rank: finish and commit
+        the checkpoint in flight (of an earlier step, whose state the error did not touch), so
+        that a run on mended data resumes from it rather than from the one before. Collective;
+        nothing where checkpointing is off or closed already."""
+        if self.ckpt is not None and not self.ckpt.closed:
+            self.ckpt.close()
+
     def skipped_lines(self) -> int:
         """Malformed TSV lines the training reader skipped, counted in its position from the
         job's first step on (a resume carries the count); 0 for other sources. Local."""

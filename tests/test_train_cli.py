@@ -74,6 +74,11 @@ def test_malformed_line_mid_file_names_file_and_line(tmp_path):
     proc = run_ranks(2, "mpickpt.train", *args)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert re.search(rf"{path}.*line 8", proc.stderr), proc.stderr
+    # the checkpoint in flight at the error (step 3, while step 4 read line 8) is committed
+    ckpt = tmp_path / "ckpt"
+    saved = run_ranks(2, "mpickpt.train", *args, "--ckpt-dir", str(ckpt), "--ckpt-interval", "3")
+    assert saved.returncode == 2 and re.search(rf"{path}.*line 8", saved.stderr), saved.stderr
+    assert [m.step for m in list_manifests(str(ckpt))] == [3], saved.stdout
     report = tmp_path / "report.json"
     skipped = run_ranks(2, "mpickpt.train", *args, "--skip-bad-lines", "--print-freq", "1",
                         "--run-report", str(report))
