@@ -152,7 +152,7 @@ def _record_chosen_start(config) -> None:
 
 def _train(topo, trainer) -> int:
     """Train to the end; the exit status. Collective."""
-    from mpickpt.data.criteo_tsv import CriteoFormatError
+    from mpickpt.data.criteo_tsv import CriteoFormatError, NoTrainingData
     from mpickpt.recovery.base import Unrecoverable
     from mpickpt.store.errors import CheckpointError
 
@@ -162,7 +162,7 @@ def _train(topo, trainer) -> int:
         status = stop_status(trainer)
         if status == 0 and topo.is_root and topo.rendezvous is not None:
             topo.rendezvous.complete(trainer.step)  # mpickpt-run: the run is done
-    except (CriteoFormatError, Unrecoverable, CheckpointError) as e:
+    except (CriteoFormatError, NoTrainingData, Unrecoverable, CheckpointError) as e:
         # found mid-stream, on every rank at the same step (the same lines, the same injected
         # failure, an agreed restore), so this exit is collective
         if isinstance(e, CriteoFormatError):  # the model's state is sound: keep what is saved

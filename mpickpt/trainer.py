@@ -7,7 +7,7 @@ import time
 import torch
 
 from mpickpt.background import error_line
-from mpickpt.data.criteo_tsv import CriteoTSVConfig, CriteoTSVSource
+from mpickpt.data.criteo_tsv import CriteoTSVConfig, CriteoTSVSource, NoTrainingData
 from mpickpt.data.position import SyntheticPosition, TSVPosition, position_from_dict
 from mpickpt.data.prefetch import PrefetchReader
 from mpickpt.data.synthetic import SyntheticConfig, SyntheticStream
@@ -481,6 +481,11 @@ class Trainer:
             at = self.reader.state().to_dict()
             batch = self.reader.next()
             if batch is None:
+                if self.step == 0:  # on every rank: the same files
+                    raise NoTrainingData(
+                        f"--raw-data-file {cfg.data.raw_data_file}: fewer "
+                        f"{'valid ' if cfg.data.skip_bad_lines else ''}lines than one global "
+                        f"batch (--mini-batch-size {cfg.global_batch}): nothing to train")
                 self.log.say(f"end of training data after {self.step} batches")
                 return
             self._train(batch, at)

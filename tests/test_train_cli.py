@@ -89,6 +89,20 @@ def test_malformed_line_mid_file_names_file_and_line(tmp_path):
     assert json.loads(report.read_text())["skipped_lines"] == 1
 
 
+def test_training_data_shorter_than_one_batch_is_bad_input(tmp_path):
+    """Nothing to train is an error (exit 2), not a run that ends at once with status 0."""
+    good = "\t".join(["1"] + ["3"] * 13 + ["0a0b0c0d"] * 26)
+    path = tmp_path / "day_0"
+    path.write_text("\n".join([good] * 3 + ["1\t2\t3"]) + "\n")
+    proc = run_ranks(1, "mpickpt.train", "--data-generation", "criteo-tsv", "--raw-data-file",
+                     str(path), "--arch-embedding-size", "criteo-kaggle", "--embedding-scale-down",
+                     "100000", "--mini-batch-size", "4", "--num-batches", "5",
+                     "--test-num-batches", "0", "--skip-bad-lines")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"mpickpt-train: error: --raw-data-file {path}: fewer valid lines than one global " \
+           f"batch (--mini-batch-size 4): nothing to train" in proc.stderr, proc.stderr
+
+
 def test_a_run_that_ends_before_its_first_checkpoint_says_so(tmp_path):
     """--ckpt-dir with the default interval (100) on a 3-step run: nothing would be saved, and
     the start says it; with --ckpt-final the last step is saved and nothing is said."""

@@ -37,6 +37,10 @@ _INT_FIELD = re.compile(rb"(?:-?[0-9]{1,18})?")
 _HEX_FIELD = re.compile(rb"[0-9a-fA-F]{0,16}")
 
 
+class NoTrainingData(ValueError):
+    """The training files hold less than one global batch of (valid) lines: nothing to train."""
+
+
 class CriteoFormatError(ValueError):
     """A malformed line: the message names the file, the 1-based line number and the problem."""
 
