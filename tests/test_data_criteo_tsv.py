@@ -1,5 +1,6 @@
 """Raw Criteo TSV reader: parsing, errors with file and line, skip mode, positions, real rows."""
 import csv
+import gzip
 import math
 import os
 from pathlib import Path
@@ -167,6 +168,12 @@ def test_config_checks(tmp_path):
         source([missing])
     with pytest.raises(ValueError, match="not a regular file"):
         source([str(tmp_path)])
+    packed = tmp_path / "day_0.gz"
+    with gzip.open(packed, "wt") as f:
+        f.write(plain_line(0) + "\n")
+    with pytest.raises(ValueError, match=r"day_0.gz is compressed; expected plain tab-separated "
+                                         r"text \(decompress it first"):
+        source([str(packed)])
 
 
 def test_unreadable_file_named(tmp_path, monkeypatch):

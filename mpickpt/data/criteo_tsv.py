@@ -37,6 +37,10 @@ _INT_FIELD = re.compile(rb"(?:-?[0-9]{1,18})?")
 _HEX_FIELD = re.compile(rb"[0-9a-fA-F]{0,16}")
 
 
+COMPRESSED = (b"\x1f\x8b", b"BZ", b"\x28\xb5")
+"""The first bytes of gzip, bzip2 and zstd files (xz's are checked whole)."""
+
+
 class NoTrainingData(ValueError):
     """The training files hold less than one global batch of (valid) lines: nothing to train."""
 
@@ -87,6 +91,11 @@ class CriteoTSVConfig:
                 raise ValueError(f"Criteo day file {path} is not a regular file")
             if not os.access(path, os.R_OK):
                 raise PermissionError(f"Criteo day file {path} is not readable")
+            with open(path, "rb") as f:
+                magic = f.read(4)
+            if magic[:2] in COMPRESSED or magic == b"\xfd7zX":
+                raise ValueError(f"Criteo day file {path} is compressed; expected plain "
+                                 f"tab-separated text (decompress it first, e.g. gunzip)")
 
 
 def _diagnose(fields: list[bytes]) -> str:
