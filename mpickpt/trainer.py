@@ -90,7 +90,8 @@ class Trainer:
                                  in_place=rec.in_place_wanted(os.environ),
                                  on_notice=self._on_death_notice)
         self.in_place = InPlace(topo, self.model, self.survival.undo, self.parity,
-                                rec.join_timeout, history=self._history)
+                                rec.join_timeout, history=self._history,
+                                faults=lambda: self.faults.state())
         note = None if topo.replacement else rec.dumps_note(os.environ)
         if note:
             self.log.say(note)
@@ -113,6 +114,8 @@ class Trainer:
         self._pin_training()  # after the counts of free cores above, which read the whole mask
         self.reader = self._make_reader(start)
         self.log.restart_at(self.step, said=False)
+        if topo.replacement:
+            self.faults.adopt(self._joined.faults)
         self.report = RunReport(config.run.run_report, topo.is_root, self.step)
         if topo.replacement and self._joined.history is not None:
             self._adopt(self._joined.history)
@@ -396,6 +399,7 @@ class Trainer:
             self.survival.give_up_in_place(dead | self.survival.more_dead(), str(e))
         left = time.perf_counter() - started
         self.step = joined.step
+        self.faults.adopt(joined.faults)
         for phase in (p for p in joined.finish_done if p not in self.finish_done):
             print(f"mpickpt: rank {self.topo.rank}: another survivor completed the {phase} "
                   f"phase of the run's end, which this rank was ending: it ends it alone",

@@ -786,3 +786,47 @@ def test_a_lost_node_without_spares_falls_back_at_once(tmp_path, clean_digest):
     assert "restored from their survivor dumps" in out, out
     assert digest_in(out) == clean_digest, out
     assert time.monotonic() - start < 100, "the survivors waited for a respawn"
+
+
+def test_emulated_losses_fire_alike_on_a_replacement_and_the_survivors(tmp_path):
+    """`--inject-failure` and a real death: the replacement goes on from the first survivor's
+    record of the losses fired (`Rejoined.faults`), so the in-place rollback's replay does not
+    fire step 25's loss again on it alone (the job hung in mismatched collectives); it ends
+    with the digest of the same run without the death. The `--failure-model` emulator's clock
+    is handed over the same way (`FailureEmulator.go_on_from`)."""
+    small = ("--arch-embedding-size", "300-200-100-50", "--arch-sparse-feature-size", "8",
+             "--arch-mlp-bot", "13-16-8", "--arch-mlp-top", "16-1", "--mini-batch-size", "32",
+             "--num-batches", "60", "--ckpt-interval", "10", "--print-freq", "0",
+             "--test-num-batches", "0", "--digest", "--recovery", "full",
+             "--inject-failure", "25:1")
+    want = run_ranks(2, "mpickpt.train", *small, "--ckpt-dir", str(tmp_path / "clean"))
+    assert want.returncode == 0, want.stdout + want.stderr
+    job = Job(mpickpt_run("-n", "2", "--max-restarts", "0", "--", *small, "--ckpt-dir",
+                          str(tmp_path / "ckpt"), "--inject-kill", "28:1"))
+    try:
+        code = job.wait(90)
+    finally:
+        job.stop()
+    out = job.output
+    assert "in-place recovery: generation 1 at step 28: rank(s) [1] replaced" in out, out
+    assert out.count("ranks [1] lost their shards after step 25") == 1, out
+    assert code == 0 and digest_in(out) == digest_in(want.stdout), out
+
+
+def test_a_replacement_goes_on_from_the_emulators_progress():
+    """`FailureEmulator.go_on_from`: a fresh emulator given another's progress fires the same
+    failures at the same executed steps from there on."""
+    from mpickpt.faults.emulator import FailureEmulator
+    from mpickpt.faults.process import FailureModel
+
+    def emulator():
+        return FailureEmulator(FailureModel.parse("exponential:5"), 1.0, 0.5, [100, 100], 3)
+
+    first, second = emulator(), emulator()
+    for step in range(1, 41):
+        first.step_done(step)
+    second.go_on_from(*first.progress())
+    assert second.progress() == first.progress() and len(first.fired) > 2
+    later = [(first.step_done(s), second.step_done(s)) for s in range(41, 121)]
+    fired = [(a.after_step, a.shards) for a, b in later if a is not None]
+    assert fired and fired == [(b.after_step, b.shards) for a, b in later if b is not None]

@@ -47,11 +47,12 @@ class FailureEmulator:
         self.parts = servers_per_rank(fraction, len(local_rows), whole_ranks)
         self.servers = len(local_rows) * self.parts
         self.lost_per_failure = min(self.servers, max(1, round(fraction * self.servers)))
+        self.seed = seed
         self.rng = np.random.default_rng(seed)
         self.clock = 0.0
         self.executed = 0
         self.next = self._draw()
-        self.fired: list[tuple[int, Loss]] = []
+        self.fired: list[tuple[int, Loss | None]] = []
 
     @property
     def lost_share(self) -> float:
@@ -77,6 +78,18 @@ class FailureEmulator:
             out.append(self.next)
             self.next = self._draw()
         return out
+
+    def progress(self) -> tuple[int, int]:
+        """(steps executed, failures fired) so far: what `go_on_from` takes. Local."""
+        return self.executed, len(self.fired)
+
+    def go_on_from(self, executed: int, fired: int) -> None:
+        """Continue from another process's `progress()` (the same model, seed and layout): a
+        replacement of a dead rank, or a survivor that adopts the generation's agreed clock. The
+        first `fired` failures count as fired (their losses are not known here: None). Local."""
+        self.rng, self.clock = np.random.default_rng(self.seed), 0.0
+        self.fired = [(f.executed, None) for f in (self._draw() for _ in range(fired))]
+        self.next, self.executed = self._draw(), executed
 
     def step_done(self, step: int) -> Loss | None:
         """One more step executed (the trainer is after step `step`): the loss due now, if any.

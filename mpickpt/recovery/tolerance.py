@@ -64,6 +64,22 @@ class FaultTolerance:
                  f"the rows), seed {faults.failure_seed}; recovery: {self.mode}")
         return emulator
 
+    def state(self) -> dict:
+        """Which losses fired so far: the scripted steps and the emulator's progress (a new
+        generation's members all take the first survivor's, `adopt`). Local."""
+        return {"injected": sorted(self.injected),
+                "emulator": self.emulator.progress() if self.emulator is not None else None}
+
+    def adopt(self, state: dict | None) -> None:
+        """Go on from `state()` of the generation's first survivor, so that every member, a
+        replacement included, fires the same losses at the same steps (each scripted one once,
+        a replay too). Local."""
+        if state is None:
+            return
+        self.injected = set(state["injected"])
+        if self.emulator is not None and state["emulator"] is not None:
+            self.emulator.go_on_from(*state["emulator"])
+
     def note_step(self, seconds: float) -> None:
         """The wall time of the step just trained. Local."""
         self.clock.note_step(seconds)

@@ -53,6 +53,9 @@ class Rejoined:
     """The run's record so far (`InPlace.history`), from the first survivor, where rank 0 is
     replaced: rank 0 writes the run's report and its summaries, and its replacement goes on
     from the survivor's record instead of starting one at the join."""
+    faults: dict | None = None
+    """The emulated losses fired so far, the first survivor's (`FaultTolerance.state`): every
+    member goes on from them, so that all fire the same losses at the same steps."""
 
 
 def agreed_end(ends: list[list[str]]) -> list[str]:
@@ -76,12 +79,14 @@ def agreed_end(ends: list[list[str]]) -> list[str]:
 class InPlace:
     """One rank's part in forming a new generation. Construction is local."""
 
-    def __init__(self, topo, model, undo, parity, join_timeout_s: float, history=None):
+    def __init__(self, topo, model, undo, parity, join_timeout_s: float, history=None,
+                 faults=None):
         """`history()`: this rank's record of the run so far (a picklable dict), handed to a
-        replacement of rank 0 (`Rejoined.history`)."""
+        replacement of rank 0 (`Rejoined.history`); `faults()`: which emulated losses fired
+        so far (`FaultTolerance.state`), handed to every member (`Rejoined.faults`)."""
         self.topo, self.model, self.undo, self.parity = topo, model, undo, parity
         self.join_timeout_s = join_timeout_s
-        self.history = history
+        self.history, self.faults = history, faults
 
     def survivor(self, dead, step: int, reader: dict, pls: dict | None, attempt: str | None,
                  interval: int | None, more_dead=None, finish_done=(),
@@ -147,7 +152,8 @@ class InPlace:
                                           self.model.dense_state().items()},
                                 "reader": reader, "pls": pls, "attempt": attempt,
                                 "interval": interval,
-                                "history": self.history() if handed else None}
+                                "history": self.history() if handed else None,
+                                "faults": self.faults() if self.faults else None}
                                if me == first else None, root=first)
         replaced = [r for r, e in enumerate(everyone) if e["step"] is None]
         rebuilding = sorted({r for e in everyone for r in e["rebuilding"]})
@@ -166,4 +172,4 @@ class InPlace:
                         checkpoints_closed=any(e["closed"] for e in everyone),
                         dumps_from=max((e["dumps_from"] for e in everyone
                                         if e["dumps_from"] is not None), default=None),
-                        history=shared["history"])
+                        history=shared["history"], faults=shared["faults"])
