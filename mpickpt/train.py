@@ -100,6 +100,7 @@ def _start(config, error, signals, watch):
     from mpi4py import MPI
 
     from mpickpt.launch.checks import launch_error
+    from mpickpt.data.criteo_tsv import CriteoFormatError
     from mpickpt.store.errors import CheckpointError
     from mpickpt.topology import Topology
     from mpickpt.trainer import Trainer
@@ -130,8 +131,8 @@ def _start(config, error, signals, watch):
     watch.phase("building the model and restoring")
     try:
         return topo, Trainer(topo, config, signals=signals)
-    except CheckpointError as e:  # every rank agreed on it inside restore()
-        return _fail(comm, str(e))
+    except (CheckpointError, CriteoFormatError) as e:  # every rank agreed on it inside
+        return _fail(comm, str(e))                      # restore(), or read the same lines
 
 
 def _record_chosen_start(config) -> None:

@@ -47,7 +47,10 @@ def make_sources(config):
         return CriteoTSVSource(CriteoTSVConfig(paths=files, table_sizes=config.table_sizes,
                                                skip_bad_lines=data.skip_bad_lines))
     train = source(data.files(train=True))
-    test = source(data.files(train=False)) if data.files(train=False) else train
+    test = train
+    if data.files(train=False):  # its lines, read at the first test, checked before training
+        test = source(data.files(train=False))
+        test.check(TSVPosition(), config.run.test_num_batches * config.global_batch)
     return train, TSVPosition(), test, TSVPosition()
 
 

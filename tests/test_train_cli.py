@@ -196,3 +196,20 @@ def test_a_relaunch_carries_out_a_chosen_start_its_first_launch_did_not(tmp_path
     said = look.stdout + look.stderr
     assert "trains nothing past step 4" in said and "resumed from checkpoint step 4 " in said, \
         said
+
+
+def test_a_malformed_test_file_line_stops_the_job_before_training(tmp_path):
+    """--raw-test-file's lines that the tests will read are checked at the start: a malformed
+    one is bad input before the first step, not an error after the whole training."""
+    good = "\t".join(["1"] + ["3"] * 13 + ["0a0b0c0d"] * 26)
+    train, test = tmp_path / "day_0", tmp_path / "day_1"
+    train.write_text("\n".join([good] * 40) + "\n")
+    test.write_text("\n".join([good] * 5 + ["1\t2\t3"] + [good] * 10) + "\n")
+    proc = run_ranks(2, "mpickpt.train", "--data-generation", "criteo-tsv", "--raw-data-file",
+                     str(train), "--raw-test-file", str(test), "--arch-embedding-size",
+                     "criteo-kaggle", "--embedding-scale-down", "100000", "--mini-batch-size",
+                     "4", "--num-batches", "5", "--test-num-batches", "2")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert re.search(rf"mpickpt-train: error: {test}, line 6: found 3 tab-separated fields",
+                     proc.stderr), proc.stderr
+    assert "step " not in proc.stdout, proc.stdout

@@ -204,6 +204,11 @@ class CriteoTSVSource:
         rows, _, end = self._scan(position, count, range(count))
         return rows_to_batch(rows, self.config.table_sizes), end
 
+    def check(self, position: TSVPosition, count: int) -> TSVPosition:
+        """Parse the next ``count`` lines as `read` would, keeping none: CriteoFormatError
+        naming the first malformed one (unless skipped); the position after them. Local."""
+        return self._scan(position, count, range(0))[2]
+
     def read_slice(self, state: TSVPosition, global_batch: int, rank: int,
                    world: int) -> tuple[Batch | None, TSVPosition]:
         """This rank's slice of the next global batch, or (None, state) if fewer lines remain. Local."""
