@@ -78,7 +78,7 @@ def find(root: str, manifests, chains: bool = True) -> list[Leftover]:
         if chain not in used:
             if not chains:
                 continue
-            out.append(Leftover(path, _tree_bytes(path), "an IncrCP chain no committed checkpoint "
+            out.append(Leftover(path, tree_bytes(path), "an IncrCP chain no committed checkpoint "
                                                          "uses"))
             continue
         for rank_dir in sorted(os.listdir(path)):
@@ -117,13 +117,15 @@ def _temporaries(folder: str, why: str) -> list[Leftover]:
 def _file(folder: str, name: str, why: str) -> Leftover:
     path = os.path.join(folder, name)
     try:
-        size = os.path.getsize(path) if os.path.isfile(path) else _tree_bytes(path)
+        size = os.path.getsize(path) if os.path.isfile(path) else tree_bytes(path)
     except OSError:
         size = 0
     return Leftover(path, size, why)
 
 
-def _tree_bytes(path: str) -> int:
+def tree_bytes(path: str) -> int:
+    """The bytes of every file under the folder `path` (files removed meanwhile count 0; a
+    missing folder holds 0). Local."""
     total = 0
     for folder, _, files in os.walk(path):
         for name in files:

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from mpickpt.store.durable import file_crc32, fsync_path
-from mpickpt.store.leftovers import LINEAGE_FILE, SURVIVORS
+from mpickpt.store.leftovers import LINEAGE_FILE, SURVIVORS, tree_bytes
 
 DUMP_VERSION = 1
 SHM_ROOT = "/dev/shm"
@@ -97,19 +97,9 @@ def held_here(root: str) -> tuple[str, int, int]:
     """(folder, dumps, bytes) of the survivor dumps of checkpoint directory `root` that this
     node's shared memory holds, cut-short ones included. Local."""
     folder = shm_folder(job_key(root))
-    dumps = nbytes = 0
-    for entry in os.scandir(folder) if os.path.isdir(folder) else ():
-        dumps += entry.name.startswith("rank-") and ".tmp-" not in entry.name
-        for sub, _, names in os.walk(entry.path):
-            nbytes += sum(_size(os.path.join(sub, n)) for n in names)
-    return folder, dumps, nbytes
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:  # removed meanwhile
-        return 0
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    dumps = sum(n.startswith("rank-") and ".tmp-" not in n for n in names)
+    return folder, dumps, tree_bytes(folder)
 
 
 def dump_dirs(key: str, rank: int, root: str | None) -> list[str]:
