@@ -33,8 +33,10 @@ from mpickpt.timing import PhaseTimer
 SYNTHETIC_TEST_OFFSET = 1 << 48
 
 
-def make_sources(config):
-    """(train source, its start state, test source, its start state). Local."""
+def make_sources(config, check_test: bool = True):
+    """(train source, its start state, test source, its start state). `check_test`: parse the
+    `--raw-test-file` lines the tests will read now (a replacement's launch checked them
+    already: its start is a recovery's critical path). Local."""
     data = config.data
     if data.data_generation == "synthetic":
         stream = SyntheticStream(SyntheticConfig(
@@ -48,9 +50,10 @@ def make_sources(config):
                                                skip_bad_lines=data.skip_bad_lines))
     train = source(data.files(train=True))
     test = train
-    if data.files(train=False):  # its lines, read at the first test, checked before training
+    if data.files(train=False):
         test = source(data.files(train=False))
-        test.check(TSVPosition(), config.run.test_num_batches * config.global_batch)
+        if check_test:  # its lines, read at the first test, checked before training
+            test.check(TSVPosition(), config.run.test_num_batches * config.global_batch)
     return train, TSVPosition(), test, TSVPosition()
 
 
@@ -67,7 +70,8 @@ class Trainer:
         self.model = build_model(config.model.model, topo, config, self.timer)
         self.shared_rows = shared_rows.for_parity(self.model, config.parity)
         self.log = log or ProgressLog(topo.is_root, config.num_batches, config.run.print_freq)
-        self.source, first, self.test_source, self.test_start = make_sources(config)
+        self.source, first, self.test_source, self.test_start = make_sources(
+            config, check_test=not topo.replacement)
         self.ckpt = self.restorer = None
         self.split = self._core_split()
         if config.checkpoint is not None:
