@@ -183,7 +183,8 @@ class CommitCoordinator:
         retired = apply_retention(self.root, self.keep)
         self.log(f"checkpoint step {p.step} committed ({manifest.kind}): {total / 1e6:.1f} MB in "
                  f"{seconds:.2f} s ({total / 1e6 / max(seconds, 1e-9):.0f} MB/s over "
-                 f"{self.topo.world_size} ranks, timed by the slowest), max stall {stats['stall_seconds'] * 1e3:.1f} ms"
+                 f"{self.topo.world_size} ranks, timed by the slowest), max stall "
+                 f"{stats['stall_seconds'] * 1e3:.1f} ms"
                  + (f"; retired steps {retired}" if retired else ""))
 
     def _abandon(self, p: PendingCheckpoint, failures: list) -> None:

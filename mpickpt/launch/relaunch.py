@@ -61,8 +61,7 @@ HEAD_LINES = 40
 """Lines of a run's output kept to compare a launcher's refusal with the one before."""
 REFUSAL_RETRY_S = 5.0
 """How long a run that no agent started waits before its relaunch (a passing fault may clear)."""
-_COMMAND_FAULT = re.compile(r"\b(?:unrecognized|unrecogni[sz]ed|invalid|unknown|illegal)\b",
-                            re.IGNORECASE)
+_COMMAND_FAULT = re.compile(r"\b(?:unrecogni[sz]ed|invalid|unknown|illegal)\b", re.IGNORECASE)
 
 
 @dataclass
@@ -86,9 +85,10 @@ class RunWatch:
     """The run's first `HEAD_LINES` lines of output, stripped."""
 
     def read(self, line: str) -> None:
+        text = line.strip()
         if len(self.head) < HEAD_LINES:
-            self.head.append(line.strip())
-        m = _ERROR.match(line.strip())
+            self.head.append(text)
+        m = _ERROR.match(text)
         if m:
             self.errors.add(m.group(1))
             self.error = self.error if self.startup_failed else m.group(1)
@@ -230,9 +230,9 @@ class Relauncher:
                     return status
                 why = cause(status, watch)
                 failure = failure_of(status, watch)
-                if repeated(failure, last) and refused(status, watch):
-                    return self._refused_twice(status, watch, seconds, why)
                 if repeated(failure, last):
+                    if refused(status, watch):
+                        return self._refused_twice(status, watch, seconds, why)
                     self._record(f"run {self.restarts + 1} failed after {seconds:.1f} s: {why}; "
                                  f"the same startup error as the run before: a fault a "
                                  f"relaunch repeats, not a peer's death; not relaunching")
@@ -452,10 +452,10 @@ def main(argv=None) -> int:
     if log:
         os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
     nodes = os.environ.get("SLURM_JOB_NUM_NODES")
+    agents = agents_respawn(args.launcher, args.launcher_path)
     relauncher = Relauncher(command, args.max_restarts, log, cleanup_command(args.launcher, nodes),
                             in_place=(flag_value(flags, "--in-place") or "auto") != "off"
-                            and agents_respawn(args.launcher, args.launcher_path),
-                            agents=agents_respawn(args.launcher, args.launcher_path),
+                            and agents, agents=agents,
                             warm="--warm-respawn" in flags,
                             notices=sends_death_notices(args.launcher, args.launcher_path),
                             stop_as=stop_signal_for(args.launcher))
@@ -468,7 +468,7 @@ def main(argv=None) -> int:
 def say_dumps_left(ckpt: str, say) -> None:
     """Say what survivor dumps of `ckpt` a job that ends unfinished leaves in this node's shared
     memory (memory the node lacks until they go): a later job with the same --ckpt-dir resumes
-    from them and removes them. Local."""
+    from them, or removes them where a newer checkpoint committed. Local."""
     from mpickpt.survivors.dump import held_here
 
     folder, dumps, nbytes = held_here(ckpt)
