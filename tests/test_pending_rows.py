@@ -121,16 +121,19 @@ def test_a_row_the_hook_took_before_the_chunk_is_not_read_again():
 def _race(rows: int, dim: int, chunk: int, per_step: int, selected, seed: int) -> None:
     """A copier thread reads chunks (the caller's lock around begin and end only, as
     `CopyOnUpdate` does) while this thread's steps copy their pending rows and update them; the
-    staged rows must be those of the snapshot, and the copier must not fail."""
+    staged rows must be those of the snapshot, and the copier must not fail. The copier starts
+    after the first step's hook, so that a hook copied pending rows however the threads are
+    scheduled (on a busy machine the copier could otherwise finish before any step ran)."""
     sources = {"weight": torch.randn(rows, dim), "state/sum": torch.rand(rows)}
     snapshot = {k: v.clone() for k, v in sources.items()}
     targets = {k: torch.zeros_like(v) for k, v in sources.items()}
     pending, lock = HostPendingRows(), threading.Lock()
     pending.arm(rows, None if selected is None else selected.tolist())
-    done, failed = threading.Event(), []
+    done, failed, stepped_once = threading.Event(), [], threading.Event()
 
     def copier():
         try:
+            stepped_once.wait(30)
             for a in range(0, rows, chunk):
                 with lock:
                     pending.begin_chunk(a, min(rows, a + chunk))
@@ -152,6 +155,7 @@ def _race(rows: int, dim: int, chunk: int, per_step: int, selected, seed: int) -
             pending.copy_listed(sources, targets, stepped)
         _update(sources, stepped)
         steps += 1
+        stepped_once.set()
     thread.join()
     assert failed == []
     wanted = torch.arange(rows) if selected is None else selected
