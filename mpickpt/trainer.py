@@ -7,7 +7,8 @@ import time
 import torch
 
 from mpickpt.background import error_line
-from mpickpt.data.criteo_tsv import CriteoTSVConfig, CriteoTSVSource, NoTrainingData
+from mpickpt.data.criteo_tsv import (CriteoFormatError, CriteoTSVConfig, CriteoTSVSource,
+                                     NoTrainingData)
 from mpickpt.data.position import SyntheticPosition, TSVPosition, position_from_dict
 from mpickpt.data.prefetch import PrefetchReader
 from mpickpt.data.synthetic import SyntheticConfig, SyntheticStream
@@ -119,6 +120,8 @@ class Trainer:
         self.faults = FaultTolerance(config, topo, self.model, self.ckpt, self.restorer,
                                      self.parity, self.log.say, self.step, pls, first.to_dict())
         self._pin_training()  # after the counts of free cores above, which read the whole mask
+        if not topo.replacement:  # a replacement's position comes from the living job
+            self._check_data_position(start)
         self.reader = self._make_reader(start)
         self.log.restart_at(self.step, said=False)
         if topo.replacement:
@@ -301,6 +304,19 @@ class Trainer:
         core split, not just training's cores. Local."""
         if self.split is not None:
             self.split.widen()
+
+    def _check_data_position(self, start) -> None:
+        """CriteoFormatError on every rank when the data files changed under the resumed
+        reader position on any rank's node (`CriteoTSVSource.changed_since`): nothing is read
+        from a position that means nothing in the files. Collective."""
+        if not isinstance(self.source, CriteoTSVSource) or start == TSVPosition():
+            return
+        error = self.source.changed_since(start)
+        said = self.topo.control.allgather(None if error is None else
+                                           (error.path, error.line_number, error.problem))
+        first = next((s for s in said if s is not None), None)
+        if first is not None:
+            raise CriteoFormatError(*first)
 
     def _make_reader(self, start) -> PrefetchReader:
         cfg = self.config

@@ -3,6 +3,7 @@ import csv
 import gzip
 import math
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +55,9 @@ def test_known_values_empty_and_negative_fields(tmp_path):
     want = [int(h, 16) % n if h else 0 for h, n in zip(cats, SIZES)]
     assert batch.sparse.shape == (2, 26, 1) and batch.sparse[0, :, 0].tolist() == want
     assert batch.sparse[1].eq(0).all()
-    assert pos == TSVPosition(byte_offset=os.path.getsize(path), line_number=3, sample_index=2)
+    last = make_line(0, [""] * 13, [""] * 26).encode()
+    assert pos == TSVPosition(byte_offset=os.path.getsize(path), line_number=3, sample_index=2,
+                              tail_length=len(last), tail_crc=zlib.crc32(last))
 
 
 @pytest.mark.parametrize("line, problem", [
@@ -96,6 +99,46 @@ def test_position_round_trip_equals_reading_all(tmp_path):
     rest, end2 = source([path]).read(TSVPosition.from_dict(saved), 100)
     assert_same(Batch.cat([first, rest]), whole)
     assert end2 == end
+
+
+def test_a_saved_position_names_files_changed_since(tmp_path):
+    """A position records its last line: a resume over the same files, or over a file that only
+    grew, goes on; over a file changed before the position, shorter than it, or with fewer
+    files, it names the file and line."""
+    lines = [plain_line(k) for k in range(10)]
+    day, other = tmp_path / "day_0", tmp_path / "day_1"
+    write(day, lines)
+    write(other, lines[:2])
+    _, pos = source([day, other]).read(TSVPosition(), 6)
+    assert pos.tail_length == len(lines[5]) and pos.line_number == 7
+    saved = TSVPosition.from_dict(pos.to_dict())
+    assert source([day, other]).changed_since(saved) is None
+    write(day, lines + [plain_line(10)])  # appended after the position: the data it read stands
+    assert source([day]).changed_since(saved) is None
+    write(day, lines[:5] + [plain_line(99)] + lines[6:])  # the position's own last line
+    with pytest.raises(CriteoFormatError, match=rf"{day}, line 6: this line differs"):
+        raise source([day]).changed_since(saved)
+    write(day, lines[:4] + [plain_line(5), plain_line(4)] + lines[6:])  # same bytes, reordered
+    assert source([day]).changed_since(saved) is not None
+    write(day, lines[:5])
+    with pytest.raises(CriteoFormatError, match=rf"{day}, line 7: the file has \d+ bytes"):
+        raise source([day]).changed_since(saved)
+    second = TSVPosition(file_index=1, byte_offset=3, line_number=2, sample_index=11)
+    with pytest.raises(CriteoFormatError, match=r"in data file 2, at line 2, but 1 file"):
+        raise source([day]).changed_since(second)
+
+
+def test_a_position_saved_without_its_last_line_still_loads(tmp_path):
+    """Checkpoints written before positions recorded their last line resume unchecked."""
+    path = write(tmp_path / "day", [plain_line(k) for k in range(10)])
+    _, pos = source([path]).read(TSVPosition(), 4)
+    old = {k: v for k, v in pos.to_dict().items() if not k.startswith("tail_")}
+    loaded = position_from_dict(old)
+    assert loaded.tail_length == 0 and loaded.byte_offset == pos.byte_offset
+    write(Path(path), [plain_line(k + 1) for k in range(10)])
+    assert source([path]).changed_since(loaded) is None
+    with pytest.raises(ValueError, match="missing byte_offset"):
+        position_from_dict({k: v for k, v in old.items() if k != "byte_offset"})
 
 
 def test_multi_file_continuation(tmp_path):

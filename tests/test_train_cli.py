@@ -89,6 +89,29 @@ def test_malformed_line_mid_file_names_file_and_line(tmp_path):
     assert json.loads(report.read_text())["skipped_lines"] == 1
 
 
+def test_a_resume_over_a_changed_data_file_names_it(tmp_path):
+    """A resume reads on from the saved byte offset: over a file that only grew it goes on;
+    over a file whose lines before that offset changed it stops before training (exit 2),
+    naming the file and the line, and keeps the checkpoints."""
+    lines = ["\t".join([str(k % 2)] + [str(k)] * 13 + [f"{k:08x}"] * 26) for k in range(20)]
+    path, ckpt = tmp_path / "day_0", str(tmp_path / "ckpt")
+    path.write_text("\n".join(lines[:12]) + "\n")
+    args = ("--data-generation", "criteo-tsv", "--raw-data-file", str(path), "--arch-embedding-size",
+            "criteo-kaggle", "--embedding-scale-down", "100000", "--mini-batch-size", "2",
+            "--test-num-batches", "0", "--ckpt-dir", ckpt, "--ckpt-final")
+    first = run_ranks(1, "mpickpt.train", *args, "--num-batches", "3")
+    assert first.returncode == 0, first.stderr
+    path.write_text("\n".join(lines) + "\n")  # 8 more lines after the 12 the run knew
+    grown = run_ranks(1, "mpickpt.train", *args, "--num-batches", "5")
+    assert grown.returncode == 0 and "step 5/5" in grown.stdout, grown.stdout + grown.stderr
+    path.write_text("\n".join(lines[:9] + [lines[15]] + lines[10:]) + "\n")  # line 10 of 10 read
+    changed = run_ranks(1, "mpickpt.train", *args, "--num-batches", "7")
+    assert changed.returncode == 2 and "Traceback" not in changed.stderr, changed.stderr
+    assert f"mpickpt-train: error: {path}, line 10: this line differs from the one read when " \
+           f"the checkpoint was saved" in changed.stderr, changed.stderr
+    assert [m.step for m in list_manifests(ckpt)] == [3, 5]
+
+
 def test_training_data_shorter_than_one_batch_is_bad_input(tmp_path):
     """Nothing to train is an error (exit 2), not a run that ends at once with status 0."""
     good = "\t".join(["1"] + ["3"] * 13 + ["0a0b0c0d"] * 26)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import zlib
 from contextlib import closing
 from dataclasses import dataclass
 from typing import Iterator
@@ -46,7 +47,9 @@ class NoTrainingData(ValueError):
 
 
 class CriteoFormatError(ValueError):
-    """A malformed line: the message names the file, the 1-based line number and the problem."""
+    """A malformed line, or data files that no longer fit a saved reader position
+    (`CriteoTSVSource.changed_since`): the message names the file, the 1-based line number and
+    the problem."""
 
     def __init__(self, path: str, line_number: int, problem: str):
         super().__init__(f"{path}, line {line_number}: {problem}")
@@ -179,11 +182,11 @@ class CriteoTSVSource:
         """
         if count == 0:
             return [], 0, start
-        rows, valid, bad = [], 0, start.bad_lines
+        rows, valid, bad, last = [], 0, start.bad_lines, None
         where = (start.file_index, start.byte_offset, start.line_number)
         with closing(self._lines(start)) as lines:
             for line, index, offset, number in lines:
-                where = (index, offset + len(line), number + 1)
+                where, last = (index, offset + len(line), number + 1), line
                 parsed = self._parse_or_skip(line, index, number, valid in keep)
                 if parsed is None:
                     bad += 1
@@ -193,9 +196,43 @@ class CriteoTSVSource:
                 valid += 1
                 if valid == count:
                     break
+        tail = (start.tail_length, start.tail_crc) if last is None else \
+            (len(last), zlib.crc32(last))
         end = TSVPosition(file_index=where[0], byte_offset=where[1], line_number=where[2],
-                          sample_index=start.sample_index + valid, bad_lines=bad)
+                          sample_index=start.sample_index + valid, bad_lines=bad,
+                          tail_length=tail[0], tail_crc=tail[1])
         return rows, valid, end
+
+    def changed_since(self, position: TSVPosition) -> CriteoFormatError | None:
+        """Whether the files moved under a saved `position`: the error naming the file when
+        it no longer exists among the paths, is shorter than the position, or holds another
+        line before it than the one read when it was saved (`TSVPosition.tail_crc`); None
+        when the position fits (or is from a checkpoint without a tail to check). Local."""
+        paths, at = self.config.paths, position
+        if at.file_index >= len(paths):
+            return CriteoFormatError(paths[-1], at.line_number, (
+                f"the checkpoint's reader is in data file {at.file_index + 1}, at line "
+                f"{at.line_number}, but {len(paths)} file(s) are given: pass the files the "
+                f"run read, in the same order"))
+        path, size = paths[at.file_index], os.path.getsize(paths[at.file_index])
+        if size < at.byte_offset:
+            return CriteoFormatError(path, at.line_number, (
+                f"the file has {size} bytes, and the checkpoint's reader is at byte "
+                f"{at.byte_offset}: the file changed since the checkpoint"))
+        if at.tail_length == 0:
+            return None
+        if at.tail_length > at.byte_offset:
+            raise ValueError(f"reader position {at!r}: its last line cannot be longer than its "
+                             f"offset")
+        with open(path, "rb") as f:
+            f.seek(at.byte_offset - at.tail_length)
+            line = f.read(at.tail_length)
+        if zlib.crc32(line) != at.tail_crc:
+            return CriteoFormatError(path, at.line_number - 1, (
+                "this line differs from the one read when the checkpoint was saved: the file "
+                "changed since, so its reader position would resume elsewhere in the data; "
+                "pass the files the run read, in the same order"))
+        return None
 
     def read(self, position: TSVPosition, count: int) -> tuple[Batch, TSVPosition]:
         """The next ``count`` valid lines as a Batch (fewer at the end of the last file). Local."""

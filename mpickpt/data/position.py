@@ -20,14 +20,15 @@ def _check_counts(position, minimum: dict[str, int]) -> None:
                              f"got {value!r}")
 
 
-def _fields_from_dict(cls, kind: str, data: dict) -> dict:
-    """Pick ``cls``'s fields from ``data`` after checking its 'kind' tag. Local."""
+def _fields_from_dict(cls, kind: str, data: dict, optional: tuple[str, ...] = ()) -> dict:
+    """Pick ``cls``'s fields from ``data`` after checking its 'kind' tag; the fields named in
+    `optional` (added after checkpoints were written without them) take their defaults. Local."""
     if data.get("kind") != kind:
         raise ValueError(f"expected a reader position of kind {kind!r}, got kind {data.get('kind')!r}")
-    missing = [f.name for f in fields(cls) if f.name not in data]
+    missing = [f.name for f in fields(cls) if f.name not in data and f.name not in optional]
     if missing:
         raise ValueError(f"{kind} reader position is missing {', '.join(missing)}: {data!r}")
-    return {f.name: int(data[f.name]) for f in fields(cls)}
+    return {f.name: int(data[f.name]) for f in fields(cls) if f.name in data}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,6 +65,12 @@ class TSVPosition:
     """Valid lines (samples) consumed so far over all files."""
     bad_lines: int = 0
     """Malformed lines skipped so far (skip mode only)."""
+    tail_length: int = 0
+    """Bytes of the last line consumed, which ends at `byte_offset` in the same file (0: none
+    consumed, or a checkpoint written before this field)."""
+    tail_crc: int = 0
+    """CRC-32 of that line: a resume checks it, so that a file changed since the checkpoint
+    is named instead of read from a position that means nothing in it."""
 
     def __post_init__(self):
         _check_counts(self, {"line_number": 1})
@@ -75,7 +82,7 @@ class TSVPosition:
     @classmethod
     def from_dict(cls, data: dict) -> TSVPosition:
         """Inverse of ``to_dict``. Local."""
-        return cls(**_fields_from_dict(cls, "tsv", data))
+        return cls(**_fields_from_dict(cls, "tsv", data, ("tail_length", "tail_crc")))
 
 
 ReaderState = Union[SyntheticPosition, TSVPosition]
