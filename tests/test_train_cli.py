@@ -96,9 +96,10 @@ def test_a_resume_over_a_changed_data_file_names_it(tmp_path):
     lines = ["\t".join([str(k % 2)] + [str(k)] * 13 + [f"{k:08x}"] * 26) for k in range(20)]
     path, ckpt = tmp_path / "day_0", str(tmp_path / "ckpt")
     path.write_text("\n".join(lines[:12]) + "\n")
-    args = ("--data-generation", "criteo-tsv", "--raw-data-file", str(path), "--arch-embedding-size",
-            "criteo-kaggle", "--embedding-scale-down", "100000", "--mini-batch-size", "2",
-            "--test-num-batches", "0", "--ckpt-dir", ckpt, "--ckpt-final")
+    args = ("--data-generation", "criteo-tsv", "--raw-data-file", str(path),
+            "--arch-embedding-size", "criteo-kaggle", "--embedding-scale-down", "100000",
+            "--mini-batch-size", "2", "--test-num-batches", "0", "--ckpt-dir", ckpt,
+            "--ckpt-final")
     first = run_ranks(1, "mpickpt.train", *args, "--num-batches", "3")
     assert first.returncode == 0, first.stderr
     path.write_text("\n".join(lines) + "\n")  # 8 more lines after the 12 the run knew
