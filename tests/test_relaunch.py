@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -147,6 +148,32 @@ def test_a_refusal_that_names_no_command_fault_ends_the_allocations_loop_with_it
     assert "no node agent started (srun: error: Unable to create step" in first
     assert second.endswith("a relaunch in this allocation repeats it; not relaunching (exit "
                            "status 1)"), second
+
+
+def test_a_stop_signal_during_the_wait_before_a_relaunch_ends_the_loop(tmp_path, monkeypatch):
+    """SIGTERM (a time limit, scancel) while the loop waits to relaunch a refused run has no
+    launcher to reach: the loop ends at once with the failed run's status instead of starting
+    a run that would never hear of the stop."""
+    monkeypatch.setattr(relaunch, "REFUSAL_RETRY_S", 60.0)
+    cmd, counter = runs(tmp_path, [1, 0], "srun: error: Unable to create step for job 9\n",
+                        agent=False)
+    log = tmp_path / "restarts.log"
+
+    def stop_in_the_wait():
+        deadline = time.monotonic() + 60
+        while not counter.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # the run has ended: the loop waits to relaunch it
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    killer = threading.Thread(target=stop_in_the_wait, daemon=True)
+    killer.start()
+    start = time.monotonic()
+    assert Relauncher(cmd, max_restarts=3, log_path=str(log)).run() == 1
+    killer.join()
+    assert counter.read_text() == "1" and time.monotonic() - start < 30
+    assert log.read_text().splitlines()[-1].endswith(
+        " SIGTERM received before run 2 started: not relaunching")
 
 
 def test_an_agent_says_it_started_to_the_agent_watch_in_place_or_not_at_any_size():

@@ -213,6 +213,8 @@ class Relauncher:
         self._forwarded: tuple[int, float] | None = None
         """(signal, monotonic time) of the last signal forwarded to the launcher."""
         self._proc: subprocess.Popen | None = None
+        self._unsent: int | None = None
+        """A signal that came while no launcher ran, sent to the next one as it starts."""
 
     def run(self) -> int:
         self.say(f"launching {' '.join(self.command[:6])} ... (up to {self.max_restarts} "
@@ -246,10 +248,20 @@ class Relauncher:
                 self._record(f"run {self.restarts} failed after {seconds:.1f} s: {why}; "
                              f"relaunching (restart {self.restarts} of {self.max_restarts})")
                 if refused(status, watch):
-                    time.sleep(REFUSAL_RETRY_S)
+                    self._wait_unless_stopped(REFUSAL_RETRY_S)
+                if self.stop_signal is not None:  # no run to forward it to: none is started
+                    self._record(f"{self.stop_signal} received before run {self.restarts + 1} "
+                                 f"started: not relaunching")
+                    return status
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _wait_unless_stopped(self, seconds: float) -> None:
+        """Sleep `seconds`, or less when a stop signal comes (`_forward`). Local."""
+        deadline = time.monotonic() + seconds
+        while self.stop_signal is None and time.monotonic() < deadline:
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
     def _refused_twice(self, status: int, watch: RunWatch, seconds: float, why: str) -> int:
         """The run's launcher refused it as it did the run before: relaunching here repeats
@@ -310,6 +322,9 @@ class Relauncher:
         self._proc = subprocess.Popen(own_group.command(self.command), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                                       env=env, bufsize=0, **own_group.POPEN)
+        if self._unsent is not None:  # came while no launcher ran (the clean-up, the Popen)
+            self._proc.send_signal(self._unsent)
+            self._unsent = None
         pumps = [threading.Thread(target=_pump, args=(src, dst, watch), daemon=True)
                  for src, dst in ((self._proc.stdout, sys.stdout), (self._proc.stderr,
                                                                      sys.stderr))]
@@ -359,6 +374,8 @@ class Relauncher:
             signum = self.stop_as  # later ones go as they are: the launcher's forced end
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signum)
+        else:
+            self._unsent = signum
 
     def _record(self, line: str) -> None:
         self.say(line)
