@@ -59,6 +59,28 @@ def test_remove_takes_half_written_dumps_too(tmp_path, monkeypatch):
     assert not os.path.exists(ckpt)
 
 
+def test_the_line_on_dumps_left_counts_those_cut_short(tmp_path, monkeypatch):
+    """mpickpt-run's line on dumps a job leaves in shared memory: whole ones, those a kill cut
+    short while written (their memory is held all the same), both, or none."""
+    from mpickpt.launch.relaunch import say_dumps_left
+    from mpickpt.survivors.dump import job_key
+
+    monkeypatch.setattr("mpickpt.survivors.dump.SHM_ROOT", str(tmp_path / "shm"))
+    root, said = str(tmp_path / "ckpt"), []
+    say_dumps_left(root, said.append)
+    assert said == []
+    shm = dump_dirs(job_key(root), 1, None)[0]
+    os.makedirs(shm + ".tmp-12345")  # a survivor killed while writing
+    with open(os.path.join(shm + ".tmp-12345", "row__w.npy"), "wb") as f:
+        f.write(bytes(300000))
+    say_dumps_left(root, said.append)
+    write_dump(dump_dirs(job_key(root), 2, None)[0], _header(), {"a": np.zeros(3)}, False)
+    say_dumps_left(root, said.append)
+    assert said[0].startswith("0 survivor dump(s) and 1 cut short while written, 0.3 MB, stay "
+                              f"in {os.path.dirname(shm)} on this node"), said
+    assert said[1].startswith("1 survivor dump(s) and 1 cut short while written, 0.3 MB"), said
+
+
 def _s(step, undo=True, incomplete=False, parity=False):
     return {"step": step, "undo": undo, "incomplete": incomplete, "parity": parity}
 

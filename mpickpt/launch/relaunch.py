@@ -488,12 +488,13 @@ def say_dumps_left(ckpt: str, say) -> None:
     from them, or removes them where a newer checkpoint committed. Local."""
     from mpickpt.survivors.dump import held_here
 
-    folder, dumps, nbytes = held_here(ckpt)
-    if dumps:
-        say(f"{dumps} survivor dump(s), {nbytes / 1e6:.1f} MB, stay in {folder} on this node "
-            f"(and any on the run's other nodes): a later job with --ckpt-dir {ckpt} resumes "
-            f"from them or, older than its newest checkpoint, removes them; remove that folder "
-            f"if none will run")
+    folder, dumps, partial, nbytes = held_here(ckpt)
+    if dumps or partial:
+        cut = f" and {partial} cut short while written" if partial else ""
+        say(f"{dumps} survivor dump(s){cut}, {nbytes / 1e6:.1f} MB, stay in {folder} on this "
+            f"node (and any on the run's other nodes): a later job with --ckpt-dir {ckpt} "
+            f"resumes from them or, older than its newest checkpoint, removes them; remove "
+            f"that folder if none will run")
 
 
 if __name__ == "__main__":

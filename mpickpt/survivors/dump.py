@@ -93,13 +93,14 @@ def shm_folder(key: str) -> str:
     return os.path.join(SHM_ROOT, f"mpickpt-survivors-{key}")
 
 
-def held_here(root: str) -> tuple[str, int, int]:
-    """(folder, dumps, bytes) of the survivor dumps of checkpoint directory `root` that this
-    node's shared memory holds, cut-short ones included. Local."""
+def held_here(root: str) -> tuple[str, int, int, int]:
+    """(folder, whole dumps, dumps cut short while written, bytes of both) of the survivor
+    dumps of checkpoint directory `root` that this node's shared memory holds. Local."""
     folder = shm_folder(job_key(root))
-    names = os.listdir(folder) if os.path.isdir(folder) else []
-    dumps = sum(n.startswith("rank-") and ".tmp-" not in n for n in names)
-    return folder, dumps, tree_bytes(folder)
+    names = [n for n in (os.listdir(folder) if os.path.isdir(folder) else [])
+             if n.startswith("rank-")]
+    partial = sum(".tmp-" in n for n in names)
+    return folder, len(names) - partial, partial, tree_bytes(folder)
 
 
 def dump_dirs(key: str, rank: int, root: str | None) -> list[str]:
