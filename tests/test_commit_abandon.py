@@ -5,7 +5,8 @@ import os
 from types import SimpleNamespace
 
 from mpickpt.engine.commit import CommitCoordinator, PendingCheckpoint
-from mpickpt.store.manifest import Manifest, list_manifests, write_manifest
+from mpickpt.store import leftovers
+from mpickpt.store.manifest import Manifest, list_manifests, torn_dirs, write_manifest
 
 
 def _pending(step: int) -> PendingCheckpoint:
@@ -32,9 +33,7 @@ def test_a_forgotten_checkpoint_keeps_its_directory_until_the_next_generation_fo
         for future in coordinator._io_futures:
             future.result()
         assert os.path.isdir(folder) and coordinator.abandoned == []  # a writer may be in it
-        coordinator.remove_forgotten()
-        for future in coordinator._io_futures:
-            future.result()
+        coordinator.remove_forgotten()  # the folder is set aside at once, deleted after
         assert not os.path.exists(folder) and coordinator.abandoned == [20]
         assert lines == ["checkpoint step 20 abandoned: a rank died before every rank had "
                          "written it (1 of 2 ranks failed); checkpoint step 10 stays valid"]
@@ -43,3 +42,22 @@ def test_a_forgotten_checkpoint_keeps_its_directory_until_the_next_generation_fo
         assert len(lines) == 1
     finally:
         coordinator.close()
+    assert not [n for n in os.listdir(root) if ".abandoned-" in n]  # deleted on its thread
+
+
+def test_a_checkpoint_set_aside_is_a_leftover_once_its_process_is_gone(tmp_path):
+    """A rank 0 killed while deleting an abandoned checkpoint set aside leaves it: the next
+    run's leftovers name it (not while its process lives); the name is no checkpoint's."""
+    root = str(tmp_path)
+    for pid in (os.getpid(), 2 ** 22 + 12345):  # alive; beyond Linux's pid_max: gone
+        folder = os.path.join(root, f"step-000000000030-0000abcd.abandoned-{pid}")
+        os.makedirs(folder)
+        with open(os.path.join(folder, "rank-00000-part-0.h5"), "wb") as f:
+            f.write(bytes(100))
+    found = leftovers.find(root, [])
+    assert [(os.path.basename(x.path), x.bytes, x.why) for x in found] == [
+        (f"step-000000000030-0000abcd.abandoned-{2 ** 22 + 12345}", 100,
+         f"an abandoned checkpoint whose removal was cut short (process {2 ** 22 + 12345} is "
+         f"gone)")]
+    assert torn_dirs(root, []) == []
+    assert leftovers.set_aside(os.path.join(root, "step-000000000031-0000abcd")) is None

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from mpickpt.background_priority import Background
+from mpickpt.store.leftovers import set_aside
 from mpickpt.store.manifest import Manifest, apply_retention, list_manifests, write_manifest
 
 REPORT_TAG = 0x4D43  # "MC"
@@ -124,15 +125,15 @@ class CommitCoordinator:
     def remove_forgotten(self) -> None:
         """The next generation formed: every survivor waited for its writers before it joined,
         so nothing writes into the checkpoints `forget_pending` abandoned any more. Rank 0
-        removes their directories now, on the commit thread after its queued work, and waits:
-        a rollback may save the same step again soon, into a directory of the same name.
-        Local."""
+        sets their directories aside now, on the commit thread after its queued work, and
+        waits for that (a rollback may save the same step again soon, into a directory of the
+        same name), not for their removal, which follows on that thread. Local."""
         for pending, why in self._forgotten:
             failures = [{"ok": False, "error": why}]
             if self._io is None:  # closed: on this thread
                 self._abandon(pending, failures)
             else:
-                self._io.submit(self._abandon, pending, failures).result()
+                self._io.submit(self._abandon, pending, failures, True).result()
         self._forgotten = []
 
     def close(self) -> None:
@@ -187,8 +188,15 @@ class CommitCoordinator:
                  f"{stats['stall_seconds'] * 1e3:.1f} ms"
                  + (f"; retired steps {retired}" if retired else ""))
 
-    def _abandon(self, p: PendingCheckpoint, failures: list) -> None:
-        shutil.rmtree(os.path.join(self.root, p.ckpt_id), ignore_errors=True)
+    def _abandon(self, p: PendingCheckpoint, failures: list, later: bool = False) -> None:
+        """Say `p` is abandoned and delete its directory, set aside first under a name of its
+        own (`leftovers.set_aside`); `later`: the deletion is queued on the commit thread
+        (this runs there), not waited for. Commit thread."""
+        aside = set_aside(os.path.join(self.root, p.ckpt_id))
+        if aside is not None and later and self._io is not None:
+            self._io.submit(shutil.rmtree, aside, ignore_errors=True)
+        elif aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
         self.abandoned.append(p.step)
         manifests = list_manifests(self.root)
         last = manifests[-1].step if manifests else None

@@ -255,10 +255,11 @@ class CheckpointManager:
 
     def generation_formed(self) -> None:
         """The next generation formed: the directories of the checkpoints its survivors left
-        unfinished go now (rank 0, on its commit thread, waited for). Removed when the
-        generation broke, they lost files another survivor's writer was still writing: it
-        reported a failed write, and a later file of its could make the directory anew.
-        Local."""
+        unfinished go now (rank 0, on its commit thread: set aside under names of their own,
+        waited for, then deleted behind training, `CommitCoordinator.remove_forgotten`).
+        Removed when the generation broke, they lost files another survivor's writer was still
+        writing: it reported a failed write, and a later file of its could make the directory
+        anew. Local."""
         self.commits.remove_forgotten()
 
     def newest_committed(self) -> int | None:

@@ -30,6 +30,7 @@ from mpickpt.owned_names import running
 _MANIFEST_TMP = re.compile(r"^\.manifest-\d{12}\.json\.tmp-(\d+)$")
 _REPLACING_TMP = re.compile(r"^\.mpickpt-replacing\.tmp-(\d+)$")  # `store.replacing`'s
 _PID_TMP = re.compile(r"\.tmp-(\d+)$")
+_ASIDE = re.compile(r"^step-\d{12}-[0-9a-f]{8}\.abandoned-(\d+)$")  # `set_aside`'s
 TEMP_SUFFIXES = (".tmp", ".reserve")
 NEXT_RUN = "the next run removes it"
 SURVIVORS = "survivors"
@@ -68,6 +69,10 @@ def find(root: str, manifests, chains: bool = True) -> list[Leftover]:
         if match and not _alive(match.group(1)):
             out.append(_file(root, name, f"a record of a chosen start interrupted (process "
                                          f"{match.group(1)} is gone)"))
+        match = _ASIDE.match(name)
+        if match and not _alive(match.group(1)):
+            out.append(_file(root, name, f"an abandoned checkpoint whose removal was cut short "
+                                         f"(process {match.group(1)} is gone)"))
     committed = {m.ckpt_id for m in manifests}
     for d in sorted(committed):
         out += _temporaries(os.path.join(root, d), "an interrupted write in a committed checkpoint")
@@ -84,6 +89,22 @@ def find(root: str, manifests, chains: bool = True) -> list[Leftover]:
         for rank_dir in sorted(os.listdir(path)):
             out += _temporaries(os.path.join(path, rank_dir), "an interrupted write in a chain")
     return out
+
+
+def set_aside(path: str) -> str | None:
+    """Rename the directory of an abandoned checkpoint to a name no checkpoint takes
+    (``<name>.abandoned-<pid>``), which `find` lists once this process is gone, so that it can
+    be deleted at leisure while a checkpoint of the same name is written anew. Its new path
+    (`path` itself where the rename fails otherwise: deleted where it is); None when there is
+    none to move. Local."""
+    aside = f"{path}.abandoned-{os.getpid()}"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return None
+    except OSError:  # e.g. the same step set aside before and not deleted yet
+        return path
+    return aside
 
 
 def remove(leftovers: list[Leftover]) -> int:
