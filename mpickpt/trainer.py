@@ -571,8 +571,10 @@ class Trainer:
             self.log.say(f"stopping on {name} after step {self.step}: no --ckpt-dir, nothing "
                          f"saved")
             return
+        settled = time.perf_counter()
         if self.parity is not None:
-            self.parity.settle()
+            self.parity.settle()  # a rebuild under way finishes first: its time is the stop's
+        settled = time.perf_counter() - settled
         if self.ckpt.closed:  # a stop's close came before a peer's death: nothing to save
             newest = self.restorer.newest_step()  # collective; storage, not a manager
             self.stop_committed = newest is not None
@@ -585,7 +587,7 @@ class Trainer:
         saved = self.ckpt.save_now(self.step, self.reader)
         self.ckpt.settle()  # committed on rank 0 when this returns there
         write = time.perf_counter() - start
-        committed = since + write
+        committed = since + settled + write
         self.stop_committed = self.ckpt.newest_committed() == self.step  # collective
         self.ckpt.close()
         if not self.stop_committed:  # its commit was abandoned (logged, never raised)
@@ -595,7 +597,9 @@ class Trainer:
         self.log.say(f"stopping on {name} after step {self.step}: checkpoint step {self.step} "
                      + ("committed" if saved else "(the interval's) committed")
                      + f" {committed:.2f} s after the signal ({write:.2f} s to write "
-                       f"and commit; {since:.2f} s to reach the step boundary)")
+                       f"and commit; {since:.2f} s to reach the step boundary"
+                     + (f"; {settled:.2f} s to finish the parity rebuild under way"
+                        if settled >= 0.005 else "") + ")")
 
     @property
     def dumps_pending(self) -> bool:

@@ -202,7 +202,8 @@ def test_an_idle_spare_told_the_job_ended_by_a_stop_does_not_say_the_training_fi
     """A stop sent to a trainer only (a user's kill of one trainer): the trainers save, commit
     and leave; the spare (the last launcher rank) leaves then too, saying the job ended before
     its training did. Rank 0, which got no signal, times its line from the signal's arrival at
-    rank 1 (it measured none itself)."""
+    rank 1 (it measured none itself): held stopped for a second after the signal, it makes rank
+    1 wait that long for the step boundary, which the line's reach must hold."""
     import signal
 
     job = Job(mpickpt_run("-n", "2", "--", "--num-batches", "100000", "--mini-batch-size", "64",
@@ -212,9 +213,11 @@ def test_an_idle_spare_told_the_job_ended_by_a_stop_does_not_say_the_training_fi
         assert job.wait_for_line("spare: waiting", 60) and job.wait_for_step(3, 60), job.output
         trainers = job.ranks()
         assert sorted(map(rank_of, trainers)) == [0, 1, 2], (trainers, job.output)
-        for pid in trainers:
-            if rank_of(pid) == 1:
-                os.kill(pid, signal.SIGTERM)
+        ranked = {rank_of(pid): pid for pid in trainers}
+        os.kill(ranked[0], signal.SIGSTOP)
+        os.kill(ranked[1], signal.SIGTERM)
+        time.sleep(1.0)
+        os.kill(ranked[0], signal.SIGCONT)
         code = job.wait(60)
     finally:
         job.stop()
@@ -225,6 +228,7 @@ def test_an_idle_spare_told_the_job_ended_by_a_stop_does_not_say_the_training_fi
     assert m, out
     after, write, reach = map(float, m.groups())
     assert write > 0 and abs(after - (write + reach)) <= 0.011, m.group(0)
+    assert reach >= 0.9, m.group(0)  # rank 1's wait for the stopped rank 0, not rank 0's none
     assert "spare: leaving: the job ended before its training did (a stop signal or an error)" \
         in out and "the training finished" not in out, out
     assert code == EXIT_SAVED, out  # requeue me

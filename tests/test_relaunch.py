@@ -13,8 +13,8 @@ import pytest
 from mpickpt.launch.command import (agents_respawn, launch_command, mpi_flavour,
                                      open_mpi_flavour)
 from mpickpt.launch import relaunch
-from mpickpt.launch.relaunch import (Relauncher, RunWatch, cause, ckpt_dir_of, failure_of,
-                                     main, repeated)
+from mpickpt.launch.relaunch import (Relauncher, RunWatch, cause, ckpt_dir_of, command_fault,
+                                     failure_of, main, repeated)
 from mpickpt.launch.run_store import AgentWatch
 from mpickpt.job_variables import AGENTS_VARIABLE
 from mpickpt.mpiexec import mpiexec
@@ -130,6 +130,12 @@ def test_a_launcher_that_refuses_its_command_twice_alike_ends_the_loop_as_bad_in
     ran.read("srun: error: Invalid MPI type 'x', --mpi=list for acceptable types\n")
     assert not repeated(failure_of(1, other), same) and not repeated(failure_of(1, ran), same)
     assert "no node agent started" not in cause(1, ran) and failure_of(0, refusal) is None
+    faults = ["srun: unrecognized option '--bogus'", 'mpirun: Error: unknown option "--x"',
+              "srun: error: Invalid numeric value \"x\" for --nodes."]
+    cluster = ["srun: error: Invalid node name specified", "srun: error: Unable to create step",
+               "ssh: Could not resolve hostname n1: Name or service not known (unknown host)"]
+    assert command_fault(refusal) and all(command_fault(RunWatch(head=[h])) for h in faults)
+    assert not any(command_fault(RunWatch(head=[h])) for h in cluster)
 
 
 def test_a_refusal_that_names_no_command_fault_ends_the_allocations_loop_with_its_status(

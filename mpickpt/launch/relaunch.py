@@ -61,7 +61,12 @@ HEAD_LINES = 40
 """Lines of a run's output kept to compare a launcher's refusal with the one before."""
 REFUSAL_RETRY_S = 5.0
 """How long a run that no agent started waits before its relaunch (a passing fault may clear)."""
-_COMMAND_FAULT = re.compile(r"\b(?:unrecogni[sz]ed|invalid|unknown|illegal)\b", re.IGNORECASE)
+_COMMAND_FAULT = re.compile(
+    r"\b(?:unrecogni[sz]ed|unknown|invalid|illegal) (?:command[- ]line )?"
+    r"(?:argument|option|parameter|(?:numeric )?value|mpi type)", re.IGNORECASE)
+"""How launchers name a fault of their command line (hydra's "unrecognized argument", srun's
+"unrecognized option" and "Invalid MPI type", Open MPI's "unknown option"), and not a fault of
+the cluster that merely says "invalid" or "unknown" (a node name, a host)."""
 
 
 @dataclass
