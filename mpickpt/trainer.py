@@ -134,6 +134,8 @@ class Trainer:
         self.stopped: str | None = None
         self.stop_committed = False
         """The emergency checkpoint of the step a stop signal ended at was committed."""
+        self.tail_bad_lines = 0
+        """Malformed lines among those the end of the data left untrained (`_leftover_lines`)."""
         self._say_if_nothing_is_due()
         if topo.replacement:
             self._injected_settling_kill()
@@ -513,7 +515,8 @@ class Trainer:
                         f"--raw-data-file {cfg.data.raw_data_file}: fewer "
                         f"{'valid ' if cfg.data.skip_bad_lines else ''}lines than one global "
                         f"batch (--mini-batch-size {cfg.global_batch}): nothing to train")
-                self.log.say(f"end of training data after {self.step} batches")
+                self.log.say(f"end of training data after {self.step} batches"
+                             + self._leftover_lines())
                 return
             self._train(batch, at)
             if self.ckpt is not None:
@@ -693,8 +696,26 @@ class Trainer:
 
     def skipped_lines(self) -> int:
         """Malformed TSV lines the training reader skipped, counted in its position from the
-        job's first step on (a resume carries the count); 0 for other sources. Local."""
-        return getattr(self.reader.state(), "bad_lines", 0) if self.reader is not None else 0
+        job's first step on (a resume carries the count), and those among the last lines,
+        fewer than a global batch, that the end of the data left untrained; 0 for other
+        sources. Local."""
+        held = getattr(self.reader.state(), "bad_lines", 0) if self.reader is not None else 0
+        return held + self.tail_bad_lines
+
+    def _leftover_lines(self) -> str:
+        """At the end of the data: what the lines after the last global batch held (counted
+        once, and their malformed ones kept for `skipped_lines`), for the end line; '' where
+        none remain or the source cannot say. Local."""
+        leftover = getattr(self.source, "leftover", None)
+        if leftover is None:
+            return ""
+        valid, self.tail_bad_lines = leftover(self.reader.state(), self.config.global_batch)
+        if valid == 0 and self.tail_bad_lines == 0:
+            return ""
+        bad = (f"; {self.tail_bad_lines} malformed line(s) among them skipped"
+               if self.tail_bad_lines else "")
+        return (f" (the last {valid} valid line(s), fewer than a global batch of "
+                f"{self.config.global_batch}, not trained on{bad})")
 
     def _export_dcp(self, path: str) -> None:
         """--export-dcp: the final model as a DCP checkpoint. Collective."""

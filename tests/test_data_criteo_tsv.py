@@ -191,6 +191,13 @@ def test_skip_mode_slices_agree_across_ranks(tmp_path):
     assert s0 == s1 and s0.bad_lines == 2 and s0.line_number == 7
     clean, _ = source([write(tmp_path / "clean", good[:4])]).read(TSVPosition(), 4)
     assert_same(Batch.cat([r0, r1]), clean)
+    # the one valid line left (and the malformed one after it) make no global batch of 4
+    assert src.read_slice(s0, 4, 0, 2) == (None, s0)
+    assert src.leftover(s0, 4) == (1, 0) and src.leftover(TSVPosition(), 4) == (4, 2)
+    tail = write(tmp_path / "tail", lines + ["bad\n"])
+    assert source([tail], skip=True).leftover(s0, 4) == (1, 1)
+    with pytest.raises(CriteoFormatError, match="line 8"):
+        source([tail]).leftover(s0, 4)
 
 
 def test_strict_mode_every_rank_raises_on_the_same_line(tmp_path):

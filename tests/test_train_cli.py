@@ -67,7 +67,7 @@ def test_bad_input_stops_before_training(ranks, flags, message):
 def test_malformed_line_mid_file_names_file_and_line(tmp_path):
     good = "\t".join(["1"] + ["3"] * 13 + ["0a0b0c0d"] * 26)
     path = tmp_path / "day_0"
-    path.write_text("\n".join([good] * 7 + ["1\t2\t3"] + [good] * 4) + "\n")
+    path.write_text("\n".join([good] * 7 + ["1\t2\t3"] + [good] * 4 + ["x"]) + "\n")
     args = ("--data-generation", "criteo-tsv", "--raw-data-file", str(path), "--arch-embedding-size",
             "criteo-kaggle", "--embedding-scale-down", "100000", "--mini-batch-size", "2",
             "--num-batches", "5", "--test-num-batches", "0")
@@ -81,12 +81,16 @@ def test_malformed_line_mid_file_names_file_and_line(tmp_path):
     assert [m.step for m in list_manifests(str(ckpt))] == [3], saved.stdout
     report = tmp_path / "report.json"
     skipped = run_ranks(2, "mpickpt.train", *args, "--skip-bad-lines", "--print-freq", "1",
-                        "--run-report", str(report))
+                        "--run-report", str(report), "--num-batches", "6")
     assert skipped.returncode == 0, skipped.stderr
-    assert "step 5/5" in skipped.stdout
-    assert skipped.stdout.count("--skip-bad-lines: 1 malformed line(s) of the training data "
+    assert "step 5/6" in skipped.stdout and "step 6/6" not in skipped.stdout
+    # the last line, malformed, lies among those the end of the data leaves untrained
+    assert "end of training data after 5 batches (the last 1 valid line(s), fewer than a " \
+           "global batch of 2, not trained on; 1 malformed line(s) among them skipped)" \
+           in skipped.stdout, skipped.stdout
+    assert skipped.stdout.count("--skip-bad-lines: 2 malformed line(s) of the training data "
                                 "skipped so far") == 1, skipped.stdout
-    assert json.loads(report.read_text())["skipped_lines"] == 1
+    assert json.loads(report.read_text())["skipped_lines"] == 2
 
 
 def test_a_resume_over_a_changed_data_file_names_it(tmp_path):

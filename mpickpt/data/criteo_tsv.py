@@ -246,6 +246,14 @@ class CriteoTSVSource:
         naming the first malformed one (unless skipped); the position after them. Local."""
         return self._scan(position, count, range(0))[2]
 
+    def leftover(self, state: TSVPosition, global_batch: int) -> tuple[int, int]:
+        """(valid, malformed) lines from `state` to the end of the data, where fewer than
+        `global_batch` valid ones remain (the end of training: `read_slice` drops them, and its
+        position does not count their malformed lines); the valid count stops at a global
+        batch. Local; malformed lines raise CriteoFormatError unless ``skip_bad_lines``."""
+        _, valid, end = self._scan(state, global_batch, range(0))
+        return valid, end.bad_lines - state.bad_lines
+
     def read_slice(self, state: TSVPosition, global_batch: int, rank: int,
                    world: int) -> tuple[Batch | None, TSVPosition]:
         """This rank's slice of the next global batch, or (None, state) if fewer lines remain. Local."""
