@@ -185,7 +185,7 @@ def test_a_stop_signal_during_the_wait_before_a_relaunch_ends_the_loop(tmp_path,
 def test_an_agent_says_it_started_to_the_agent_watch_in_place_or_not_at_any_size():
     """The run's agent watch counts a 1-rank run's agent too, and works without a store (not in
     place): a failed run whose agent started is never taken for the launcher's refusal."""
-    watch = AgentWatch(None, 10.0)
+    watch = AgentWatch()
     try:
         env = dict(os.environ, **{AGENTS_VARIABLE: watch.address}, PMI_RANK="0", PMI_SIZE="1")
         proc = subprocess.run([sys.executable, "-m", "mpickpt.launch.rank_wrapper",

@@ -302,7 +302,7 @@ class Relauncher:
         elif self.agents:  # only to know whether any agent started
             from mpickpt.launch.run_store import AgentWatch
 
-            agents = AgentWatch(None, 10.0)
+            agents = AgentWatch()
             env[AGENTS_VARIABLE] = agents.address
         try:
             status, watch, seconds = self._launch(env)

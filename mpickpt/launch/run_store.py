@@ -65,11 +65,14 @@ class RunStore:
 
 class AgentWatch:
     """A TCP listener that knows which node agents are alive (see the module). Without a store
-    (`store_address` None: not in place) it only counts the agents that started. Local."""
+    (`store_address` None: not in place) it only counts the agents that started; `timeout_s`
+    bounds its store client's calls (needed with a store). Local."""
 
-    def __init__(self, store_address: str | None, timeout_s: float):
+    def __init__(self, store_address: str | None = None, timeout_s: float | None = None):
         from mpickpt.generation import rendezvous_host
 
+        if store_address is not None and timeout_s is None:
+            raise ValueError(f"AgentWatch({store_address!r}): a store needs a timeout_s")
         self._server = socket.create_server(("", 0))
         self.address = f"{rendezvous_host()}:{self._server.getsockname()[1]}"
         self._store_address, self._timeout_s = store_address, timeout_s
