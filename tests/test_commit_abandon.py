@@ -61,3 +61,48 @@ def test_a_checkpoint_set_aside_is_a_leftover_once_its_process_is_gone(tmp_path)
          f"gone)")]
     assert torn_dirs(root, []) == []
     assert leftovers.set_aside(os.path.join(root, "step-000000000031-0000abcd")) is None
+
+
+def test_the_same_step_set_aside_twice_takes_a_name_of_its_own(tmp_path):
+    """A rollback saves the step again and that save is abandoned too, before the first copy
+    set aside is deleted: the second takes the next free name, and neither is lost in the
+    other (the rename onto a non-empty directory fails)."""
+    path = os.path.join(str(tmp_path), "step-000000000040-0000abcd")
+    names = []
+    for attempt in range(2):
+        os.makedirs(path)
+        with open(os.path.join(path, "rank-00000-part-0.h5"), "w") as f:
+            f.write(str(attempt))
+        names.append(leftovers.set_aside(path))
+    assert [os.path.basename(n) for n in names] == [
+        f"step-000000000040-0000abcd.abandoned-{os.getpid()}-{n}" for n in (0, 1)]
+    assert [open(os.path.join(n, "rank-00000-part-0.h5")).read() for n in names] == ["0", "1"]
+    assert not os.path.exists(path) and leftovers.find(str(tmp_path), []) == []  # mine: alive
+
+
+def test_a_checkpoint_that_cannot_be_set_aside_is_deleted_before_training_goes_on(
+        tmp_path, monkeypatch):
+    """Where no rename succeeds, the directory keeps the checkpoint's own name, which a
+    rollback's save of the same step writes again: it is deleted before `remove_forgotten`
+    returns, not queued behind it."""
+    from mpickpt.engine import commit
+
+    import shutil
+    import time
+
+    monkeypatch.setattr(commit, "set_aside", lambda path: path)  # e.g. a rename refused
+    rmtree = shutil.rmtree
+    monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: (time.sleep(0.3), rmtree(*a, **k)))
+    root = str(tmp_path)
+    coordinator = CommitCoordinator(SimpleNamespace(rank=0, world_size=2), root, 5, [].append)
+    try:
+        pending = _pending(20)
+        coordinator.expect(pending)
+        coordinator.report({"step": 20, "rank": 0, "ok": True, "files": {}})
+        os.makedirs(os.path.join(root, pending.ckpt_id))
+        coordinator.forget_pending("a rank died")
+        coordinator.remove_forgotten()
+        assert not os.path.exists(os.path.join(root, pending.ckpt_id))
+        assert coordinator.abandoned == [20]
+    finally:
+        coordinator.close()

@@ -191,9 +191,11 @@ class CommitCoordinator:
     def _abandon(self, p: PendingCheckpoint, failures: list, later: bool = False) -> None:
         """Say `p` is abandoned and delete its directory, set aside first under a name of its
         own (`leftovers.set_aside`); `later`: the deletion is queued on the commit thread
-        (this runs there), not waited for. Commit thread."""
-        aside = set_aside(os.path.join(self.root, p.ckpt_id))
-        if aside is not None and later and self._io is not None:
+        (this runs there), not waited for, unless the directory could not be set aside (a
+        checkpoint of the same name may be written again soon). Commit thread."""
+        path = os.path.join(self.root, p.ckpt_id)
+        aside = set_aside(path)
+        if aside is not None and aside != path and later and self._io is not None:
             self._io.submit(shutil.rmtree, aside, ignore_errors=True)
         elif aside is not None:
             shutil.rmtree(aside, ignore_errors=True)

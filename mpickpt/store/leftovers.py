@@ -30,7 +30,7 @@ from mpickpt.owned_names import running
 _MANIFEST_TMP = re.compile(r"^\.manifest-\d{12}\.json\.tmp-(\d+)$")
 _REPLACING_TMP = re.compile(r"^\.mpickpt-replacing\.tmp-(\d+)$")  # `store.replacing`'s
 _PID_TMP = re.compile(r"\.tmp-(\d+)$")
-_ASIDE = re.compile(r"^step-\d{12}-[0-9a-f]{8}\.abandoned-(\d+)$")  # `set_aside`'s
+_ASIDE = re.compile(r"^step-\d{12}-[0-9a-f]{8}\.abandoned-(\d+)(?:-\d+)?$")  # `set_aside`'s
 TEMP_SUFFIXES = (".tmp", ".reserve")
 NEXT_RUN = "the next run removes it"
 SURVIVORS = "survivors"
@@ -91,20 +91,24 @@ def find(root: str, manifests, chains: bool = True) -> list[Leftover]:
     return out
 
 
-def set_aside(path: str) -> str | None:
+def set_aside(path: str, tries: int = 100) -> str | None:
     """Rename the directory of an abandoned checkpoint to a name no checkpoint takes
-    (``<name>.abandoned-<pid>``), which `find` lists once this process is gone, so that it can
-    be deleted at leisure while a checkpoint of the same name is written anew. Its new path
-    (`path` itself where the rename fails otherwise: deleted where it is); None when there is
-    none to move. Local."""
-    aside = f"{path}.abandoned-{os.getpid()}"
-    try:
-        os.rename(path, aside)
-    except FileNotFoundError:
-        return None
-    except OSError:  # e.g. the same step set aside before and not deleted yet
-        return path
-    return aside
+    (``<name>.abandoned-<pid>-<n>``, the first free n: the same step may be set aside again
+    before an earlier copy is gone), which `find` lists once this process is gone, so that it
+    can be deleted at leisure while a checkpoint of the same name is written anew. Its new
+    path; `path` itself where no rename succeeds (the caller must delete it before anything
+    writes there again); None when there is none to move. Local."""
+    for n in range(tries):
+        aside = f"{path}.abandoned-{os.getpid()}-{n}"
+        try:
+            os.rename(path, aside)
+            return aside
+        except FileNotFoundError:
+            return None
+        except OSError:  # most often: that name holds an earlier copy not deleted yet
+            if not os.path.exists(aside):
+                return path  # another cause: no other name will do better
+    return path
 
 
 def remove(leftovers: list[Leftover]) -> int:
