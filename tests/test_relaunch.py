@@ -131,7 +131,10 @@ def test_a_launcher_that_refuses_its_command_twice_alike_ends_the_loop_as_bad_in
     assert not repeated(failure_of(1, other), same) and not repeated(failure_of(1, ran), same)
     assert "no node agent started" not in cause(1, ran) and failure_of(0, refusal) is None
     faults = ["srun: unrecognized option '--bogus'", 'mpirun: Error: unknown option "--x"',
-              "srun: error: Invalid numeric value \"x\" for --nodes."]
+              "srun: error: Invalid numeric value \"x\" for --nodes.",
+              'srun: error: unrecognized --cpu-bind argument "numa"',
+              "srun: error: Invalid --distribution specification",
+              "srun: error: Failed to parse --gres=gpu:x"]
     cluster = ["srun: error: Invalid node name specified", "srun: error: Unable to create step",
                "ssh: Could not resolve hostname n1: Name or service not known (unknown host)"]
     assert command_fault(refusal) and all(command_fault(RunWatch(head=[h])) for h in faults)

@@ -62,11 +62,13 @@ HEAD_LINES = 40
 REFUSAL_RETRY_S = 5.0
 """How long a run that no agent started waits before its relaunch (a passing fault may clear)."""
 _COMMAND_FAULT = re.compile(
-    r"\b(?:unrecogni[sz]ed|unknown|invalid|illegal) (?:command[- ]line )?"
-    r"(?:argument|option|parameter|(?:numeric )?value|mpi type)", re.IGNORECASE)
+    r"\b(?:(?:unrecogni[sz]ed|unknown|invalid|illegal) (?:command[- ]line )?(?:--?[\w-]+ )?"
+    r"(?:argument|option|parameter|(?:numeric )?value|mpi type|specification)"
+    r"|failed to parse --?\w)", re.IGNORECASE)
 """How launchers name a fault of their command line (hydra's "unrecognized argument", srun's
-"unrecognized option" and "Invalid MPI type", Open MPI's "unknown option"), and not a fault of
-the cluster that merely says "invalid" or "unknown" (a node name, a host)."""
+"unrecognized option", "Invalid MPI type", "unrecognized --cpu-bind argument", "Invalid
+--distribution specification" and "Failed to parse --gres", Open MPI's "unknown option"), and
+not a fault of the cluster that merely says "invalid" or "unknown" (a node name, a host)."""
 
 
 @dataclass
