@@ -16,6 +16,7 @@ from mpickpt.launch import relaunch
 from mpickpt.launch.relaunch import (Relauncher, RunWatch, cause, ckpt_dir_of, command_fault,
                                      failure_of, main, repeated)
 from mpickpt.launch.run_store import AgentWatch
+from mpickpt.exit_codes import EXIT_SAVED
 from mpickpt.job_variables import AGENTS_VARIABLE
 from mpickpt.mpiexec import mpiexec
 
@@ -183,6 +184,19 @@ def test_a_stop_signal_during_the_wait_before_a_relaunch_ends_the_loop(tmp_path,
     assert counter.read_text() == "1" and time.monotonic() - start < 30
     assert log.read_text().splitlines()[-1].endswith(
         " SIGTERM received before run 2 started: not relaunching")
+
+
+def test_a_stop_signal_during_the_clean_up_before_the_first_run_starts_none(tmp_path):
+    """SIGTERM while the clean-up step runs, before any launcher: none is started (it would
+    get the signal before it could handle it), and the loop ends as a stop with the state on
+    disk (exit 75, which train.sbatch requeues)."""
+    cmd, counter = runs(tmp_path, [0], "", agent=False)
+    log = tmp_path / "restarts.log"
+    stop = [sys.executable, "-c", "import os, signal; os.kill(os.getppid(), signal.SIGTERM)"]
+    assert Relauncher(cmd, max_restarts=3, log_path=str(log), cleanup=stop).run() == EXIT_SAVED
+    assert not counter.exists()
+    assert log.read_text().splitlines()[-1].endswith(
+        " SIGTERM received before run 1 started: not launching")
 
 
 def test_an_agent_says_it_started_to_the_agent_watch_in_place_or_not_at_any_size():

@@ -42,6 +42,8 @@ from mpickpt.exit_codes import (EXIT_BAD_INPUT, EXIT_PEER_LOST, EXIT_SAVE_FAILED
 FINAL = {0: "finished", EXIT_BAD_INPUT: "refused its input", EXIT_SAVED:
          "stopped on a signal with its checkpoint committed", EXIT_SAVE_FAILED:
          "stopped on a signal but its emergency checkpoint failed"}
+NOT_STARTED = -(1 << 16)
+"""`_one_run`'s status when a stop signal came before its launcher started (none was)."""
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 _DIED = re.compile(r"peer rank\(s\) \[([0-9, ]+)\] died after step (\d+) \(")
 """A survivor's line on a death; the cause in parentheses follows (`_parenthesized`)."""
@@ -221,7 +223,10 @@ class Relauncher:
         """(signal, monotonic time) of the last signal forwarded to the launcher."""
         self._proc: subprocess.Popen | None = None
         self._unsent: int | None = None
-        """A signal that came while no launcher ran, sent to the next one as it starts."""
+        """A signal that came while no launcher ran (after `_one_run`'s last look), sent to
+        the next one as it starts."""
+        self.last_status: int | None = None
+        """The last run's status (a stop before the next one started ends the loop with it)."""
 
     def run(self) -> int:
         self.say(f"launching {' '.join(self.command[:6])} ... (up to {self.max_restarts} "
@@ -232,6 +237,12 @@ class Relauncher:
         try:
             while True:
                 status, watch, seconds = self._one_run()
+                if status == NOT_STARTED:  # a stop came while no launcher ran
+                    self._record(f"{self.stop_signal} received before run {self.restarts + 1} "
+                                 f"started: not " + ("launching" if self.last_status is None
+                                                     else "relaunching"))
+                    return EXIT_SAVED if self.last_status is None else self.last_status
+                self.last_status = status
                 if status in FINAL or self.stop_signal is not None:
                     self.say(f"run {self.restarts + 1} {FINAL.get(status, f'ended ({status})')}"
                              f" after {seconds:.1f} s" + (f" ({self.stop_signal} received)"
@@ -256,10 +267,6 @@ class Relauncher:
                              f"relaunching (restart {self.restarts} of {self.max_restarts})")
                 if refused(status, watch):
                     self._wait_unless_stopped(REFUSAL_RETRY_S)
-                if self.stop_signal is not None:  # no run to forward it to: none is started
-                    self._record(f"{self.stop_signal} received before run {self.restarts + 1} "
-                                 f"started: not relaunching")
-                    return status
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -286,8 +293,12 @@ class Relauncher:
         return status
 
     def _one_run(self) -> tuple[int, RunWatch, float]:
+        """Clean up, then launch a run unless a stop signal came before (`NOT_STARTED`): there
+        would be no launcher yet to forward it to. Its (status, output, seconds)."""
         if self.cleanup:  # a requeued job's first step needs it too
             subprocess.run(self.cleanup, check=False, stdin=subprocess.DEVNULL)
+        if self.stop_signal is not None:
+            return NOT_STARTED, RunWatch(), 0.0
         env = dict(os.environ, PYTHONUNBUFFERED="1", **{RESTART_VARIABLE: str(self.restarts),
                                                         IN_PLACE_VARIABLE: "0",
                                                         STORE_VARIABLE: "", AGENTS_VARIABLE: "",
