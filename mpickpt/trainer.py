@@ -121,7 +121,7 @@ class Trainer:
                                      self.parity, self.log.say, self.step, pls, first.to_dict())
         self._pin_training()  # after the counts of free cores above, which read the whole mask
         if not topo.replacement:  # a replacement's position comes from the living job
-            self._check_data_position(start)
+            start = self._check_data_position(start, first)
         self.reader = self._make_reader(start)
         self.log.restart_at(self.step, said=False)
         if topo.replacement:
@@ -307,18 +307,29 @@ class Trainer:
         if self.split is not None:
             self.split.widen()
 
-    def _check_data_position(self, start) -> None:
-        """CriteoFormatError on every rank when the data files changed under the resumed
-        reader position on any rank's node (`CriteoTSVSource.changed_since`): nothing is read
-        from a position that means nothing in the files. Collective."""
+    def _check_data_position(self, start, first):
+        """The resumed reader position, checked against the data: CheckpointError where it is
+        another source's (`first`: this run's start), CriteoFormatError on every rank when the
+        data files changed under it on any rank's node (`CriteoTSVSource.changed_since`):
+        nothing is read from a position that means nothing in the files. Past a line end
+        appended to a last line that had none (`CriteoTSVSource.completed_line`). Collective
+        (local where it raises: every rank resumed the same checkpoint)."""
+        if type(start) is not type(first):
+            kinds = start.to_dict()["kind"], first.to_dict()["kind"]
+            raise CheckpointError(
+                f"the resumed checkpoint's reader read {kinds[0]} data, and this run reads "
+                f"{kinds[1]} data (--data-generation {self.config.data.data_generation}): "
+                f"resume it with the data flags of the run that wrote it, or start in another "
+                f"--ckpt-dir")
         if not isinstance(self.source, CriteoTSVSource) or start == TSVPosition():
-            return
+            return start
         error = self.source.changed_since(start)
         said = self.topo.control.allgather(None if error is None else
                                            (error.path, error.line_number, error.problem))
-        first = next((s for s in said if s is not None), None)
-        if first is not None:
-            raise CriteoFormatError(*first)
+        first_said = next((s for s in said if s is not None), None)
+        if first_said is not None:
+            raise CriteoFormatError(*first_said)
+        return self.source.completed_line(start)
 
     def _make_reader(self, start) -> PrefetchReader:
         cfg = self.config

@@ -128,6 +128,28 @@ def test_a_saved_position_names_files_changed_since(tmp_path):
         raise source([day]).changed_since(second)
 
 
+@pytest.mark.parametrize("ending", ["\n", "\r\n"])
+def test_lines_appended_to_a_file_without_a_last_line_end_are_read_on(tmp_path, ending):
+    """A file that ended without a line end, then appended to (its last line completed first,
+    as an editor or ``echo >>`` does): the resume skips that line end rather than reading it
+    as an empty line, and its position still checks as unchanged."""
+    lines = [plain_line(k) for k in range(6)]
+    day = tmp_path / "day"
+    write(day, lines[:4] + [lines[4].rstrip("\n")])
+    src = source([day])
+    _, pos = src.read(TSVPosition(), 10)
+    assert pos.sample_index == 5 and src.completed_line(pos) == pos  # nothing appended yet
+    write(day, lines[:4] + [lines[4].rstrip("\n"), ending, lines[5]])
+    assert src.changed_since(pos) is None
+    resumed = src.completed_line(pos)
+    assert resumed.byte_offset == pos.byte_offset + len(ending)
+    assert src.changed_since(resumed) is None and src.completed_line(resumed) == resumed
+    batch, end = src.read(resumed, 10)
+    clean, _ = source([write(tmp_path / "clean", lines[5:])]).read(TSVPosition(), 10)
+    assert_same(batch, clean)
+    assert end.sample_index == 6 and end.bad_lines == 0
+
+
 def test_a_position_saved_without_its_last_line_still_loads(tmp_path):
     """Checkpoints written before positions recorded their last line resume unchecked."""
     path = write(tmp_path / "day", [plain_line(k) for k in range(10)])

@@ -96,7 +96,8 @@ def test_malformed_line_mid_file_names_file_and_line(tmp_path):
 def test_a_resume_over_a_changed_data_file_names_it(tmp_path):
     """A resume reads on from the saved byte offset: over a file that only grew it goes on;
     over a file whose lines before that offset changed it stops before training (exit 2),
-    naming the file and the line, and keeps the checkpoints."""
+    naming the file and the line, and keeps the checkpoints; a resume of them on synthetic
+    data is refused alike."""
     lines = ["\t".join([str(k % 2)] + [str(k)] * 13 + [f"{k:08x}"] * 26) for k in range(20)]
     path, ckpt = tmp_path / "day_0", str(tmp_path / "ckpt")
     path.write_text("\n".join(lines[:12]) + "\n")
@@ -115,6 +116,10 @@ def test_a_resume_over_a_changed_data_file_names_it(tmp_path):
     assert f"mpickpt-train: error: {path}, line 10: this line differs from the one read when " \
            f"the checkpoint was saved" in changed.stderr, changed.stderr
     assert [m.step for m in list_manifests(ckpt)] == [3, 5]
+    synthetic = run_ranks(1, "mpickpt.train", *args[4:], "--num-batches", "7")
+    assert synthetic.returncode == 2 and "Traceback" not in synthetic.stderr, synthetic.stderr
+    assert "the resumed checkpoint's reader read tsv data, and this run reads synthetic data " \
+           "(--data-generation synthetic)" in synthetic.stderr, synthetic.stderr
 
 
 def test_training_data_shorter_than_one_batch_is_bad_input(tmp_path):

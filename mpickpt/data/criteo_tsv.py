@@ -15,6 +15,7 @@ global batch with fewer than ``global_batch`` lines is dropped: `read_slice` ret
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import zlib
@@ -233,6 +234,22 @@ class CriteoTSVSource:
                 "changed since, so its reader position would resume elsewhere in the data; "
                 "pass the files the run read, in the same order"))
         return None
+
+    def completed_line(self, position: TSVPosition) -> TSVPosition:
+        """`position`, past the line end (``\n`` or ``\r\n``) that now follows its last line
+        where that line had none when it was read (the end of a file appended to since): a
+        resume would read that line end as an empty line. Local; call after `changed_since`."""
+        if position.tail_length == 0:
+            return position
+        with open(self.config.paths[position.file_index], "rb") as f:
+            f.seek(position.byte_offset - 1)
+            around = f.read(3)
+        ending = next((e for e in (b"\r\n", b"\n") if around[1:].startswith(e)), b"")
+        if around[:1] == b"\n" or not ending:
+            return position
+        return dataclasses.replace(position, byte_offset=position.byte_offset + len(ending),
+                                   tail_length=position.tail_length + len(ending),
+                                   tail_crc=zlib.crc32(ending, position.tail_crc))
 
     def read(self, position: TSVPosition, count: int) -> tuple[Batch, TSVPosition]:
         """The next ``count`` valid lines as a Batch (fewer at the end of the last file). Local."""
