@@ -24,6 +24,7 @@ from mpickpt.checkpoint.export import export_checkpoint
 from mpickpt.checkpoint.load import usable_problems
 from mpickpt.checkpoint.verify import verify_checkpoint
 from mpickpt.checkpoint.verify_session import VerifySession
+from mpickpt.store import unusable
 from mpickpt.store.catalog import NoSuchCheckpoint, listing, scan, select
 from mpickpt.store.errors import CheckpointError
 
@@ -72,6 +73,11 @@ def cmd_ls(args) -> int:
     under_way = replacing_note(args.dir)
     if under_way:
         print(f"note: {under_way}")
+    aside = unusable.held(args.dir)
+    if aside:
+        print(f"note: {len(aside)} checkpoint(s) a restore could not use are set aside in "
+              f"{unusable.folder_of(args.dir)} ({', '.join(aside)}): no longer committed; "
+              f"inspect them, or delete the folder")
     return 0
 
 

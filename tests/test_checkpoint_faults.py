@@ -8,6 +8,7 @@ import h5py
 import numpy as np
 import pytest
 
+from mpickpt.store.manifest import list_manifests
 from tests.launch import SMALL_MODEL, digest_of, resumed_step, run_ranks
 
 
@@ -60,6 +61,29 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path, reference, d
     assert f"checkpoint step 20 unusable: {damaged}" in resumed.stdout, resumed.stdout
     assert resumed_step(resumed.stdout) == 10
     assert digest_of(resumed) == digest  # retrained 10 -> 20 to the same state
+    # the unusable step 20 was set aside whole (nothing deleted) before the new one committed
+    aside = ckpt / "unusable" / damaged.parent.name
+    assert "set unusable checkpoint step 20 aside" in resumed.stdout, resumed.stdout
+    assert (aside / damaged.name).exists() == (damage is not os.remove)
+    assert [m.step for m in list_manifests(str(ckpt))] == [10, 20]
+
+
+def test_checkpoints_written_after_a_fallback_are_kept_not_the_unusable_newer_one(
+        tmp_path, reference):
+    """A run that falls back past the unusable step 20 to 10 and stops at 18, keeping one
+    checkpoint: the one it keeps is its own step 15 (step 20, still the newest before, had
+    been kept and 10 and 15 deleted), and `ls` names step 20 as set aside."""
+    src, _ = reference
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(src, ckpt)
+    truncate(shard_of(ckpt, 20))
+    run = train(2, ckpt, 18, "--ckpt-interval", "5", "--ckpt-keep", "1")
+    assert run.returncode == 0 and resumed_step(run.stdout) == 10, run.stdout + run.stderr
+    assert [m.step for m in list_manifests(str(ckpt))] == [15], run.stdout
+    ls = subprocess.run([sys.executable, "-m", "mpickpt.cli", "ls", str(ckpt)],
+                        capture_output=True, text=True)
+    assert "1 checkpoint(s) a restore could not use are set aside in " \
+           f"{ckpt / 'unusable'} (step-000000000020-" in ls.stdout, ls.stdout
 
 
 def test_chosen_damaged_checkpoint_is_an_error_naming_the_dataset(tmp_path, reference):

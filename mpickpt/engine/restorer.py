@@ -21,7 +21,7 @@ from mpickpt.control import MAX
 from mpickpt.checkpoint.load import committed, load_checkpoint, load_row_range
 from mpickpt.model.dense_state import dense_mismatch
 from mpickpt.engine.snapshot import numpy_dtype
-from mpickpt.store import leftovers, replacing
+from mpickpt.store import leftovers, replacing, unusable
 from mpickpt.store.errors import CheckpointError
 from mpickpt.store.manifest import Manifest, remove_folders, retire_after
 
@@ -162,19 +162,42 @@ class Restorer:
         """The first candidate every rank could load (`load(manifest, by_step)` -> (error,
         result)), falling back past damaged ones with a message. Collective."""
         by_step = {m.step: m for m in manifests}
-        problems = []
+        problems, failed = [], []
         for manifest in candidates:
             error, loaded = load(manifest, by_step)
             errors = [e for e in self.topo.control.allgather(error) if e]
             if not errors:
+                self._set_aside_newer(failed, manifest.step)
                 return loaded
             problems.append(errors[0])
+            failed.append(manifest)
             self.say(f"checkpoint step {manifest.step} unusable: {errors[0]}"
                      + ("; falling back to the previous one" if manifest is not candidates[-1]
                         else ""))
         if problems:
             raise CheckpointError(f"no usable checkpoint in {self.root}: " + "; ".join(problems))
         return None
+
+    def _set_aside_newer(self, failed: list[Manifest], step: int) -> None:
+        """The restore fell back to `step` past `failed`: rank 0 sets those newer than it aside
+        (`store.unusable`) where the run will train past `step`, so that neither retention nor
+        a relaunch takes them for the newest checkpoints, and says so. One that cannot move
+        is reported and stays. Local (rank 0 acts)."""
+        if not self.topo.is_root or (self.train_until is not None and step >= self.train_until):
+            return
+        for m in failed:
+            if m.step <= step:
+                continue
+            try:
+                folder = unusable.set_aside(self.root, m)
+            except OSError as e:
+                self.say(f"warning: could not set unusable checkpoint step {m.step} aside "
+                         f"({e}): it stays the newest, and retention counts it among the "
+                         f"checkpoints it keeps")
+                continue
+            self.say(f"set unusable checkpoint step {m.step} aside in {folder} (nothing "
+                     f"deleted): it no longer counts as committed, and this run's checkpoints "
+                     f"past step {step} take its place")
 
     def _all_unreadable(self) -> str:
         """Why a directory whose every manifest is unreadable is no fresh start for a job's
