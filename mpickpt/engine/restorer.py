@@ -219,7 +219,8 @@ class Restorer:
         if self._cleaned or not self.topo.is_root:
             return
         self._cleaned = True
-        found = leftovers.find(self.root, manifests, chains=not self.damaged)
+        found = leftovers.find(self.root, manifests,  # a set-aside one may use a chain too
+                               chains=not self.damaged and not unusable.held(self.root))
         if found:
             freed = leftovers.remove(found)
             kinds = sorted({f.why for f in found})

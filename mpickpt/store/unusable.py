@@ -8,7 +8,8 @@ the fault passing, resume a timeline the run left). So rank 0 moves it out of th
 set once the older restore has succeeded: its manifest first (from then on it is no committed
 checkpoint), then its own directory. Nothing is deleted: a checkpoint unreadable because of a
 passing fault (an NFS hiccup) can be inspected, or moved back by hand. Chunks an IncrCP
-checkpoint shares with its chain stay with the chain.
+checkpoint shares with its chain stay with the chain, which no restore removes as a leftover
+while anything is set aside here.
 
 Layout: ``unusable/<name>.manifest.json`` (the manifest as it was) and ``unusable/<name>/`` (its
 directory), where the name is the checkpoint's id (``.<n>`` added where it is taken). Local:
