@@ -161,10 +161,7 @@ def summary(checked: int, bad: int, torn: int) -> str:
 
 def cmd_export(args) -> int:
     out = args.output
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent) or os.path.isdir(out):
-        raise NoSuchCheckpoint(f"{out}: cannot write the export there "
-                               f"({'is a directory' if os.path.isdir(out) else 'no such directory'})")
+    _check_export_path(out, args.dir)
     cat = scan(args.dir)
     manifest, note = choose(cat, args.step)
     if note:
@@ -174,6 +171,21 @@ def cmd_export(args) -> int:
     print(f"exported step {manifest.step}: {result['tables']} tables, {result['rows']} rows "
           f"-> {out} ({result['bytes'] / 1e6:.2f} MB)")
     return 0
+
+
+def _check_export_path(out: str, root: str) -> None:
+    """NoSuchCheckpoint (bad input) where the export cannot go to `out`: a directory, a folder
+    that is missing or not writable, or a place inside the checkpoint directory `root` (it could
+    replace the checkpoint's own files). Local."""
+    parent = os.path.dirname(os.path.abspath(out))
+    why = ("is a directory" if os.path.isdir(out) else "no such directory"
+           if not os.path.isdir(parent) else "its folder is not writable (read-only?)"
+           if not os.access(parent, os.W_OK) else None)
+    inside = os.path.realpath(parent) + os.sep
+    if why is None and inside.startswith(os.path.realpath(root) + os.sep):
+        why = f"it is inside the checkpoint directory {root}: export elsewhere"
+    if why is not None:
+        raise NoSuchCheckpoint(f"{out}: cannot write the export there ({why})")
 
 
 COMMANDS = {"ls": cmd_ls, "inspect": cmd_inspect, "verify": cmd_verify, "export": cmd_export}

@@ -261,6 +261,38 @@ def test_export_of_corrupted_checkpoint_fails_without_output(copy, tmp_path):
     assert os.listdir(out.parent) == []
 
 
+def test_an_export_into_the_checkpoint_directory_is_refused(copy):
+    """-o naming a file of the checkpoint (its manifest, a shard) or any place under its root
+    is bad input: nothing is written, the checkpoint stays whole."""
+    manifest = os.path.join(copy, "manifest-000000000020.json")
+    before = open(manifest, "rb").read()
+    for out in (manifest, shard_files(copy, 10)[0], os.path.join(copy, "model.h5")):
+        proc = cli("export", copy, "-o", out)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr == f"mpickpt: error: {out}: cannot write the export there (it is " \
+                              f"inside the checkpoint directory {copy}: export elsewhere)\n"
+    assert open(manifest, "rb").read() == before and cli("verify", copy).returncode == 0
+
+
+def test_an_export_that_cannot_be_written_names_its_output(ckpt, small_tmpfs):
+    """Too little room, or a read-only folder: one error line naming the output, before
+    anything is written (HDF5 would fail a full disk only as it closes the file)."""
+    out = small_tmpfs / "model.h5"
+    free = os.statvfs(small_tmpfs)
+    with open(small_tmpfs / "filler", "wb") as f:
+        f.write(bytes(free.f_bavail * free.f_frsize - (512 << 10)))
+    full = cli("export", ckpt, "-o", str(out))
+    assert full.returncode == 1 and "Traceback" not in full.stderr, full.stderr
+    assert full.stderr.startswith(f"mpickpt: error: {out}: no room for the export: it needs "
+                                  f"about 1.1 MB, and 0.5 MB are free there"), full.stderr
+    assert full.stderr.count("\n") == 1 and os.listdir(small_tmpfs) == ["filler"]
+    subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+    proc = cli("export", ckpt, "-o", str(out))
+    assert proc.returncode == 2 and proc.stderr == (
+        f"mpickpt: error: {out}: cannot write the export there (its folder is not writable "
+        f"(read-only?))\n"), proc.stderr
+
+
 # ------------------------------------------------------------------------- damaged manifests
 
 def test_a_chosen_step_with_a_damaged_manifest_is_an_error_naming_it(copy, tmp_path, capsys):

@@ -57,19 +57,48 @@ def export_checkpoint(root: str, manifest: Manifest, out: str, with_optimizer: b
     else:
         index = checkpoint_segments(root, manifest, by_step)
     tmp = os.path.join(os.path.dirname(out) or ".", f".{os.path.basename(out)}.tmp-{os.getpid()}")
+    dense = read_dense(root, manifest, with_optimizer)
+    _check_room(out, manifest, dense, with_optimizer)
     try:
-        dense = read_dense(root, manifest, with_optimizer)
         with open_hdf5(tmp, "w") as f:
             write_attrs(f, root, manifest, provenance, dense)
             write_tables(f, root, manifest, index, with_optimizer)
             for name, array in dense.items():
                 f.create_dataset(name, data=array)
         os.replace(tmp, out)
+    except (OSError, RuntimeError) as e:  # h5py's errors on a full disk are RuntimeErrors
+        remove_quietly(tmp)
+        if getattr(e, "filename", None) in (tmp, out) or os.path.basename(tmp) in str(e):
+            why = " ".join(str(getattr(e, "strerror", None) or e).split())  # HDF5's: lines
+            raise CheckpointError(f"{out}: the export could not be written: {why}") from e
+        raise
     except BaseException:
         remove_quietly(tmp)
         raise
     offsets = table_offsets(manifest)
     return {"tables": len(offsets) - 1, "rows": int(offsets[-1]), "bytes": os.path.getsize(out)}
+
+
+EXPORT_SLACK, EXPORT_EXTRA = 1.05, 1 << 20
+"""The room an export needs beyond its arrays' bytes (HDF5's metadata)."""
+
+
+def _check_room(out: str, manifest: Manifest, dense: dict, with_optimizer: bool) -> None:
+    """CheckpointError naming `out` where its filesystem has less room than the export needs
+    (its rows, and as many again for a sparse optimizer state at most as large, and the dense
+    arrays), before anything is written: HDF5 fails a full disk only as it closes the file.
+    Local."""
+    rows = int(sum(manifest.plan["table_sizes"])) * manifest.dim * 4
+    need = int((rows * (2 if with_optimizer else 1) + sum(a.nbytes for a in dense.values()))
+               * EXPORT_SLACK) + EXPORT_EXTRA
+    try:
+        st = os.statvfs(os.path.dirname(os.path.abspath(out)))
+    except OSError:
+        return  # the write will say what is wrong
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        raise CheckpointError(f"{out}: no room for the export: it needs about "
+                              f"{need / 1e6:.1f} MB, and {free / 1e6:.1f} MB are free there")
 
 
 def write_attrs(f: h5py.File, root: str, manifest: Manifest, provenance: bool,
