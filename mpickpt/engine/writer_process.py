@@ -134,21 +134,24 @@ RELEASE_SHARE = 8  # ... and at most 1/8 of the file: a small file's space stays
 
 
 def _payload_bytes(spec, arrays: dict, align: int = 0) -> tuple[int, int]:
-    """(bytes of the file's datasets, at most how much alignment padding they add: less than
-    `align` before each dataset of at least `align` bytes). Local."""
+    """(bytes of the file's datasets, as stored: a quantized one's encoded size; at most how
+    much alignment padding they add: less than `align` before each array of a dataset of at
+    least `align` bytes). Local."""
     total = sum(len(raw) for raw in spec.blobs.values())
     total += sum(size for _, size, _ in spec.packs.values())
     padding = sum(align for _, size, _ in spec.packs.values() if 0 < align <= size)
     for _, source, ranges in spec.datasets:
         a = arrays[source]
-        if ranges is None:
-            size = a.nbytes
-        elif isinstance(ranges, np.ndarray):
-            size = len(ranges) * (a.nbytes // max(a.shape[0], 1))
-        else:
-            size = sum(b - lo for lo, b in ranges) * (a.nbytes // max(a.shape[0], 1))
+        rows = a.shape[0] if ranges is None else len(ranges) \
+            if isinstance(ranges, np.ndarray) else sum(b - lo for lo, b in ranges)
+        per_row, parts = a.nbytes // max(a.shape[0], 1), 1
+        if source in spec.codecs:  # stored encoded: its codes and each row's range
+            from mpickpt.quant.codecs import Codec
+
+            per_row, parts = Codec(**spec.codecs[source]).bytes_per_row(a.shape[1]), 2
+        size = rows * per_row
         total += size
-        padding += align if 0 < align <= size else 0
+        padding += parts * align if 0 < align <= size else 0
     return total, padding
 
 
