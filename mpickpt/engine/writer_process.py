@@ -142,17 +142,25 @@ def _payload_bytes(spec, arrays: dict, align: int = 0) -> tuple[int, int]:
     padding = sum(align for _, size, _ in spec.packs.values() if 0 < align <= size)
     for _, source, ranges in spec.datasets:
         a = arrays[source]
-        rows = a.shape[0] if ranges is None else len(ranges) \
-            if isinstance(ranges, np.ndarray) else sum(b - lo for lo, b in ranges)
-        per_row, parts = a.nbytes // max(a.shape[0], 1), 1
-        if source in spec.codecs:  # stored encoded: its codes and each row's range
-            from mpickpt.quant.codecs import Codec
-
-            per_row, parts = Codec(**spec.codecs[source]).bytes_per_row(a.shape[1]), 2
-        size = rows * per_row
+        if ranges is None and source not in spec.codecs:
+            size, parts = a.nbytes, 1  # any shape: a dense array, a scalar
+        else:
+            size, parts = _row_bytes(spec, source, a, ranges)
         total += size
         padding += parts * align if 0 < align <= size else 0
     return total, padding
+
+
+def _row_bytes(spec, source: str, a: np.ndarray, ranges) -> tuple[int, int]:
+    """(stored bytes of the rows `ranges` of the row array `a`, how many arrays hold them: a
+    quantized one's codes and each row's range). Local."""
+    rows = a.shape[0] if ranges is None else len(ranges) \
+        if isinstance(ranges, np.ndarray) else sum(b - lo for lo, b in ranges)
+    if source not in spec.codecs:
+        return rows * (a.nbytes // max(a.shape[0], 1)), 1
+    from mpickpt.quant.codecs import Codec
+
+    return rows * Codec(**spec.codecs[source]).bytes_per_row(a.shape[1]), 2
 
 
 SMALL_FILE = RELEASE_QUANTUM
