@@ -270,9 +270,13 @@ def test_a_quantized_file_reserves_its_encoded_size_not_its_float32_one(tmp_path
     from mpickpt.store.file_spec import FileSpec
 
     w = np.random.default_rng(0).standard_normal((20000, 64)).astype(np.float32)
+    arrays = {"weight": w, "state": np.ones(20000, np.float32)}  # a row-wise state, 1-D
     spec = FileSpec(str(tmp_path), "rank-00000-part-0.h5", "shard", 0,
-                    datasets=[("tables/0/weight", "weight", None)],
-                    codecs={"weight": asdict(Codec("adaptive", bits))})
-    estimate, _ = _payload_bytes(spec, {"weight": w})
-    _, payload, _ = write_file(spec, {"weight": w})
-    assert payload <= estimate <= payload * 1.05 and estimate < w.nbytes * (bits + 2) / 32
+                    datasets=[("tables/0/weight", "weight", None),
+                              ("tables/0/state", "state", [(0, 12000), (15000, 20000)])],
+                    codecs={"weight": asdict(Codec("adaptive", bits)), "state": asdict(Codec())})
+    estimate, padding = _payload_bytes(spec, arrays, align=64 << 10)
+    _, payload, _ = write_file(spec, arrays, align=64 << 10)
+    assert payload <= estimate <= payload * 1.05
+    assert estimate - 17000 * 4 < w.nbytes * (bits + 2) / 32
+    assert padding == 2 * (64 << 10)  # the codes and the states' 68 KB; not 40 KB of scales

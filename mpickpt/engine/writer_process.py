@@ -143,24 +143,33 @@ def _payload_bytes(spec, arrays: dict, align: int = 0) -> tuple[int, int]:
     for _, source, ranges in spec.datasets:
         a = arrays[source]
         if ranges is None and source not in spec.codecs:
-            size, parts = a.nbytes, 1  # any shape: a dense array, a scalar
+            parts = [a.nbytes]  # any shape: a dense array, a scalar
         else:
-            size, parts = _row_bytes(spec, source, a, ranges)
-        total += size
-        padding += parts * align if 0 < align <= size else 0
+            parts = _row_parts(spec, source, a, ranges)
+        total += sum(parts)
+        padding += sum(align for size in parts if 0 < align <= size)
     return total, padding
 
 
-def _row_bytes(spec, source: str, a: np.ndarray, ranges) -> tuple[int, int]:
-    """(stored bytes of the rows `ranges` of the row array `a`, how many arrays hold them: a
-    quantized one's codes and each row's range). Local."""
+def _row_parts(spec, source: str, a: np.ndarray, ranges) -> list[int]:
+    """Stored bytes of the rows `ranges` of the row array `a`, per array that holds them: one
+    plain array, or a quantized one's codes and each row's range (scale and offset, or
+    centroids). Local."""
     rows = a.shape[0] if ranges is None else len(ranges) \
         if isinstance(ranges, np.ndarray) else sum(b - lo for lo, b in ranges)
     if source not in spec.codecs:
-        return rows * (a.nbytes // max(a.shape[0], 1)), 1
+        return [rows * (a.nbytes // max(a.shape[0], 1))]
     from mpickpt.quant.codecs import Codec
+    from mpickpt.quant.packing import packed_bytes
 
-    return rows * Codec(**spec.codecs[source]).bytes_per_row(a.shape[1]), 2
+    codec = Codec(**spec.codecs[source])
+    dim = a.shape[1] if a.ndim > 1 else 1  # a row-wise optimizer state: one value a row
+    if codec.name in ("fp32", "fp16"):
+        return [rows * codec.bytes_per_row(dim)]
+    codes = rows * packed_bytes(dim, codec.bits)
+    if codec.name == "kmeans":
+        return [codes, rows * 2 * (1 << codec.bits)]
+    return [codes, rows * 2, rows * 2]
 
 
 SMALL_FILE = RELEASE_QUANTUM
