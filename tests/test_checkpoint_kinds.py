@@ -215,6 +215,37 @@ def test_crash_before_index_commit_keeps_every_checkpoint_restorable(tmp_path):
         _assert_state(got, state, f"after re-ingestion, step {step}")
 
 
+def test_an_ingestion_on_a_full_disk_names_its_file_and_leaves_no_debris(small_tmpfs):
+    """The extractor's bundle write fails on a full disk: its error names the file (it said
+    only 'No space left on device'), and its temporaries and unindexed bundles go at once,
+    not at the chain's next ingestion, which may never come."""
+    from mpickpt.incrcp.extractor_process import run_ingest
+
+    root = str(small_tmpfs / "ckpt")
+    chain = LocalChain(root, PLAN, dim=64, policy="incrcp", seed=9, incrcp_reset="never")
+    rng = np.random.default_rng(3)
+    for step in (1, 2):
+        for r in range(2):
+            chain.touch(r, np.arange(PLAN.local_rows(r)), rng)  # every row: all extracted next
+        chain.save(step)
+    for r in range(2):
+        chain.touch(r, np.arange(PLAN.local_rows(r)), rng)
+    chain._ingest = lambda step, save: 0.0  # written, not ingested: the job below does it
+    chain.save(3)
+    save_chain = chain.planners[0].chain
+    folder = index_dir(root, save_chain, 0)
+    before = sorted(os.listdir(folder))
+    free = os.statvfs(small_tmpfs)
+    with open(small_tmpfs / "filler", "wb") as f:
+        f.write(bytes(max(0, free.f_bavail * free.f_frsize - 4096)))
+    answer = run_ingest({"root": root, "chain": save_chain, "rank": 0, "step": 3, "parts": 1,
+                         "row_names": ["state/sum", "weight"], "time_restore": False},
+                        {"extractor": Extractor(root), "indexes": {}, "probe": None})
+    assert not answer["ok"] and "No space left on device" in answer["error"], answer
+    assert f"{folder}/bundle-000000000003-" in answer["error"], answer["error"]
+    assert sorted(os.listdir(folder)) == before  # no .tmp, no bundle without an index
+
+
 def _boom():
     raise RuntimeError("injected crash before the index commit")
 
@@ -530,7 +561,7 @@ def test_inspect_and_export_pass_over_an_incrcp_step_whose_chain_file_is_gone(tm
     assert main(["inspect", str(tmp_path), "--step", "6"]) == 1
     shown = capsys.readouterr().out
     assert "status       damaged (" in shown and "\nerror: " in shown and gone in shown, shown
-    out = tmp_path / "model.h5"
+    out = tmp_path.parent / f"{tmp_path.name}-model.h5"  # not inside the checkpoint directory
     assert main(["export", str(tmp_path), "-o", str(out)]) == 0
     assert capsys.readouterr().out.startswith("exported step 5") and out.exists()
 

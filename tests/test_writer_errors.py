@@ -8,9 +8,10 @@ import os
 import pytest
 
 from mpickpt.background import error_line
-from mpickpt.engine import writer_process
+from mpickpt.store import reservation
 from mpickpt.engine.staging import StagingArea
-from mpickpt.engine.writer_process import Reservation, run_job
+from mpickpt.engine.writer_process import run_job
+from mpickpt.store.reservation import Reservation
 from mpickpt.model.shard_plan import ShardPlan
 from mpickpt.store.file_spec import shard_attrs, shard_specs
 from tests.test_direct_io import NAMES, shard_arrays
@@ -80,15 +81,15 @@ def test_hdf5s_io_detail_is_cut_to_what_failed_and_why():
 def test_a_small_files_space_stays_held_while_it_is_written(tmp_path, monkeypatch):
     """Released ahead of the writes 1/8 at a time, not all at the first block (where the
     filesystem has little room to spare: here, a gigabyte short of what it has)."""
-    free = writer_process._free_bytes(str(tmp_path / "f.h5"))
-    monkeypatch.setattr(writer_process, "AMPLE_BYTES", free)
+    free = reservation._free_bytes(str(tmp_path / "f.h5"))
+    monkeypatch.setattr(reservation, "AMPLE_BYTES", free)
     r = Reservation(str(tmp_path / "f.h5"), 1 << 20)
     assert r.held
     held = os.path.getsize(r.path)
     try:
         r.release(4096)
         assert os.path.getsize(r.path) == held - r.quantum
-        assert r.quantum == held // writer_process.RELEASE_SHARE
+        assert r.quantum == held // reservation.RELEASE_SHARE
         r.release(r.quantum - 4096)  # still ahead: no truncation
         assert os.path.getsize(r.path) == held - r.quantum
         r.release(held)  # more than is left: all of it
@@ -101,15 +102,15 @@ def test_a_small_files_space_stays_held_while_it_is_written(tmp_path, monkeypatc
 def test_a_small_file_with_ample_room_holds_nothing_and_a_large_one_holds_its_space(tmp_path):
     """No reservation file for a small file where the filesystem has a gigabyte more than it
     needs, and its job writes the file; a file above SMALL_FILE is reserved as before."""
-    if writer_process._free_bytes(str(tmp_path / "x")) < 2 * writer_process.AMPLE_BYTES:
+    if reservation._free_bytes(str(tmp_path / "x")) < 2 * reservation.AMPLE_BYTES:
         pytest.skip("the filesystem of tmp_path has less than 2 GB free")
     r = Reservation(str(tmp_path / "small.h5"), 1 << 20)
     r.release(1 << 19)
     assert not r.held and not os.path.exists(r.path)
     r.close()
-    big = Reservation(str(tmp_path / "big.h5"), writer_process.SMALL_FILE)
+    big = Reservation(str(tmp_path / "big.h5"), reservation.SMALL_FILE)
     try:
-        assert big.held and os.path.getsize(big.path) >= writer_process.SMALL_FILE
+        assert big.held and os.path.getsize(big.path) >= reservation.SMALL_FILE
     finally:
         big.close()
     assert not os.path.exists(big.path)

@@ -17,7 +17,8 @@ import numpy as np
 from mpickpt.background import die_with_parent, error_line, ignore_job_signals, serve
 from mpickpt.engine.staging import map_arrays
 from mpickpt.store.dense_file import pack
-from mpickpt.store.direct_io import PAGE, direct_file
+from mpickpt.store.direct_io import direct_file
+from mpickpt.store.reservation import Reservation
 from mpickpt.store.attr_digest import AttrRecord
 from mpickpt.store.row_gather import take_rows
 from mpickpt.store.shard_file import FORMAT_VERSION, alignment, open_hdf5, seal_attributes
@@ -127,12 +128,6 @@ def _write_hdf5(tmp: str, spec, arrays: dict, reservation: Reservation, align: i
     return payload
 
 
-RESERVE_SLACK = 1.05  # HDF5 metadata and checksum datasets
-RESERVE_EXTRA = 64 << 10
-RELEASE_QUANTUM = 16 << 20  # reserved space goes back ahead of the writes at most this far
-RELEASE_SHARE = 8  # ... and at most 1/8 of the file: a small file's space stays held meanwhile
-
-
 def _payload_bytes(spec, arrays: dict, align: int = 0) -> tuple[int, int]:
     """(bytes of the file's datasets, as stored: a quantized one's encoded size; at most how
     much alignment padding they add: less than `align` before each array of a dataset of at
@@ -170,86 +165,6 @@ def _row_parts(spec, source: str, a: np.ndarray, ranges) -> list[int]:
     if codec.name == "kmeans":
         return [codes, rows * 2 * (1 << codec.bits)]
     return [codes, rows * 2, rows * 2]
-
-
-SMALL_FILE = RELEASE_QUANTUM
-"""Files up to this size (payload and slack) go without a reservation where the filesystem has
-`AMPLE_BYTES` more room than they need."""
-AMPLE_BYTES = 1 << 30
-
-
-class Reservation:
-    """Disk space held in a sibling file and handed to the HDF5 file block by block.
-
-    Fails fast and cleanly (ENOSPC naming the path) when the filesystem cannot hold the file, before
-    HDF5 is half way through it, and keeps the space held against other writers meanwhile.
-
-    A small file (`SMALL_FILE`) on a filesystem with ample room (`AMPLE_BYTES` beyond what it
-    needs, by statvfs) gets none: holding and giving back its space (fallocate, a truncation per
-    eighth, an unlink) cost a fifth of an incremental checkpoint's writer CPU, and other writers
-    would have to fill a gigabyte in the milliseconds it is written to make it fail; if they do,
-    HDF5's ENOSPC names the file as well, and the checkpoint is abandoned as with any full
-    disk (statvfs does not see user or project quotas: under one, a small file past it fails in
-    HDF5 with EDQUOT, which the job's error names the same way). `held` says whether space is
-    held. Local."""
-
-    def __init__(self, path: str, payload: int):
-        self.path = path + ".reserve"
-        self.left = int(payload * RESERVE_SLACK) + RESERVE_EXTRA
-        self.ahead = 0  # released, not yet written
-        self.quantum = min(RELEASE_QUANTUM, max(PAGE, self.left // RELEASE_SHARE))
-        self.fd = None
-        if self.left <= SMALL_FILE and _free_bytes(path) >= self.left + AMPLE_BYTES:
-            self.left = 0
-            return
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.posix_fallocate(self.fd, 0, self.left)
-        except OSError as e:
-            self.close()
-            raise OSError(e.errno, f"no room for {self.left / 1e6:.1f} MB: "
-                                   f"{os.strerror(e.errno)}") from None
-
-    def release(self, nbytes: int) -> None:
-        """Make sure `nbytes` are back with the filesystem before HDF5 writes them. Local.
-
-        Space goes back ahead of need, `quantum` at a time, so that a file of many small blocks
-        does not pay one ftruncate (and the filesystem's extent work) per block, while the rest
-        stays held: a writer beside this one (another rank on the same filesystem) cannot take
-        the space this file is about to write into. The last 1/8 (and the metadata slack,
-        released just before HDF5's close) can still be lost to such a race; HDF5's error then
-        names the file, and the checkpoint is abandoned as with any full disk. Nothing to do
-        where nothing is held."""
-        if self.fd is None:
-            return
-        if self.ahead >= nbytes:
-            self.ahead -= nbytes
-            return
-        amount = min(self.left, max(nbytes - self.ahead, self.quantum))
-        self.left -= amount
-        self.ahead = max(0, self.ahead + amount - nbytes)
-        os.ftruncate(self.fd, self.left)
-
-    @property
-    def held(self) -> bool:
-        return self.fd is not None
-
-    def close(self) -> None:
-        """Release everything and remove the reservation file. Safe twice. Local."""
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-            _remove_quietly(self.path)
-
-
-def _free_bytes(path: str) -> int:
-    """Bytes an unprivileged writer may still use on the filesystem of `path`'s directory (0
-    when statvfs fails: then space is reserved). Local."""
-    try:
-        st = os.statvfs(os.path.dirname(path) or ".")
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
 
 
 class GroupCache:

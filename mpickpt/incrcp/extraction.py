@@ -15,6 +15,7 @@ committed.
 from __future__ import annotations
 
 import bisect
+import errno
 import os
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from mpickpt.store.row_arrays import EncodedRows, open_rows, write_raw
 from mpickpt.store.direct_io import direct_file
 from mpickpt.store.file_spec import bundle_relpath
 from mpickpt.store.open_files import VerifiedFiles
+from mpickpt.store.reservation import Reservation
 from mpickpt.store.row_arena import KEEP_BYTES, RowArena
 from mpickpt.store.durable import fsync_path
 from mpickpt.store.shard_file import (FORMAT_VERSION, alignment, open_hdf5,
@@ -129,6 +131,30 @@ class BundleBuilder:
             return 0
         path = os.path.join(root, self.relpath)
         tmp = path + ".tmp"
+        try:
+            reservation = Reservation(path, sum(self._payload(align)))  # a full disk: here
+            try:
+                self._write(tmp, step, align, direct, reservation.release)
+            finally:
+                reservation.close()
+        except (OSError, RuntimeError) as e:  # h5py's on a full disk may be RuntimeErrors
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            if os.path.basename(path) in str(e) or getattr(e, "filename", None):
+                raise
+            raise OSError(getattr(e, "errno", None) or errno.EIO,
+                          f"{path}: {getattr(e, 'strerror', None) or e}") from e
+        fsync_path(tmp)
+        os.replace(tmp, path)
+        return os.path.getsize(path)
+
+    def _payload(self, align: int) -> tuple[int, int]:
+        """(the bundle's bytes, at most how much padding `align` adds before its arrays), for
+        its `Reservation`. Local."""
+        sizes = [b.rows().nbytes for b in self.arena.buffers.values()]
+        return sum(sizes), sum(align for n in sizes if 0 < align <= n)
+
+    def _write(self, tmp: str, step: int, align: int, direct: bool, before_block) -> None:
         with open_hdf5(tmp, "w", **alignment(align)) as f, direct_file(tmp, direct) as sink:
             record = AttrRecord()  # sealed from what is set here, not read back
             record.set(f, {"format_version": FORMAT_VERSION, "step": step, "kind": "bundle"})
@@ -138,13 +164,10 @@ class BundleBuilder:
                 parent = group.require_group(folder) if folder else group
                 stored = self._stored(name)
                 if isinstance(stored, np.ndarray):
-                    write_dataset(parent, leaf, stored, direct=sink)
+                    write_dataset(parent, leaf, stored, before_block, direct=sink)
                 else:
-                    write_raw(parent, leaf, stored, sink)
+                    write_raw(parent, leaf, stored, sink, before_block)
             seal_attributes(f, record)
-        fsync_path(tmp)
-        os.replace(tmp, path)
-        return os.path.getsize(path)
 
 
 @dataclass

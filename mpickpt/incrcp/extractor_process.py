@@ -65,8 +65,22 @@ def _ingest(job: dict, state: dict) -> dict:
             reader.close()
         state["extractor"].forget_files()  # reopened and checked again next time
         state["indexes"].pop((chain, rank), None)  # reload the committed index next time
+        _remove_debris(root, chain, rank)
         detail = error_line(e)
         return {"ok": False, "step": step, "chain": chain, "error": f"ingesting step {step}: {detail}"}
+
+
+def _remove_debris(root: str, chain: str, rank: int) -> None:
+    """After a failed ingestion: its temporaries and the bundles no committed index names,
+    at once (they would wait for the chain's next ingestion, which may never come: a full
+    disk's next checkpoints are baselines of new chains). Nothing where that fails too. Local."""
+    from mpickpt.incrcp.extraction import remove_orphans
+    from mpickpt.store.chunk_index import load_index
+
+    try:
+        remove_orphans(root, load_index(root, chain, rank))
+    except Exception:  # the next ingestion of the chain, or the next run, removes them
+        pass
 
 
 def restore_seconds(state: dict, job: dict, index) -> tuple[float | None, bool]:

@@ -166,10 +166,14 @@ def commit_index(root: str, index: ChunkIndex, keep_generations: int = 2) -> str
     index.generation += 1
     final = os.path.join(folder, f"index-{index.generation:08d}.json")
     tmp = final + f".tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(dumps_sealed(index.to_json()))
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w") as f:
+            f.write(dumps_sealed(index.to_json()))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:  # a full disk: the file it could not write named
+        _remove(tmp)
+        raise OSError(e.errno, f"{tmp}: {e.strerror or e}") from e
     os.replace(tmp, final)
     fsync_path(folder)
     for gen in generations(folder)[:-keep_generations]:

@@ -137,16 +137,18 @@ def write_encoded(parent: h5py.Group, name: str, data: np.ndarray, codec: Codec,
     return total
 
 
-def write_raw(parent: h5py.Group, name: str, rows: EncodedRows, direct=None) -> int:
-    """Write rows copied with `StoredRows.raw` (no re-encoding); returns bytes stored. `direct`:
-    as `shard_file.write_dataset`'s. Local."""
+def write_raw(parent: h5py.Group, name: str, rows: EncodedRows, direct=None,
+              before_block=None) -> int:
+    """Write rows copied with `StoredRows.raw` (no re-encoding); returns bytes stored. `direct`
+    and `before_block`: as `shard_file.write_dataset`'s. Local."""
     from mpickpt.store.shard_file import write_dataset
 
     if rows.codec is None:
-        return write_dataset(parent, name, rows.arrays["values"], direct=direct)
+        return write_dataset(parent, name, rows.arrays["values"], before_block, direct=direct)
     n = len(rows)
     group = _encoded_group(parent, name, rows.codec, (n, *rows.tail), np.dtype(rows.dtype))
-    return sum(write_dataset(group, k, a, direct=direct) for k, a in rows.arrays.items())
+    return sum(write_dataset(group, k, a, before_block, direct=direct)
+               for k, a in rows.arrays.items())
 
 
 def _encoded_group(parent, name, codec: Codec, shape, dtype) -> h5py.Group:
