@@ -140,6 +140,20 @@ def test_inspect_json_parses_and_counts_rows(ckpt):
     assert info["errors"] == [] and info["status"] == "committed"
 
 
+def test_inspect_names_a_file_of_another_checkpoint_of_the_same_size(copy):
+    """Step 10's rank-1 shard copied over step 20's: the sizes agree, its attributes name step
+    10; inspect says so and exits 1 (it showed the file 'ok', exit 0)."""
+    ours = shard_files(copy, 20)[1]
+    shutil.copyfile(shard_files(copy, 10)[1], ours)
+    proc = cli("inspect", copy, "--step", "20", "--json")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    info = json.loads(proc.stdout)
+    said = f"{ours}: attribute step=10, the manifest of step 20 says 20"
+    assert [f["state"] for f in info["files"] if ours.endswith(f["path"])] == \
+        ["another checkpoint's file"]
+    assert info["status"].startswith(f"damaged ({said}") and info["errors"][0].startswith(said)
+
+
 # ------------------------------------------------------------------------------------ verify
 
 def test_verify_pristine_directory(ckpt):

@@ -29,7 +29,10 @@ def describe(root: str, manifest: Manifest) -> dict:
     found, file_errors = table_rows_found(root, manifest)
     dense, dense_error = dense_datasets(root, manifest)
     store, stale = _format_facts(root, manifest), staleness(root, manifest)
-    layer_errors = [e for e in ((store or {}).get("error"), stale.get("error")) if e]
+    files = file_entries(root, manifest)
+    foreign = [p for f in files for p in f.pop("problems", [])  # said once, where said
+               if p not in file_errors and p != dense_error]
+    layer_errors = [e for e in ((store or {}).get("error"), stale.get("error")) if e] + foreign
     return {
         "root": os.path.abspath(root),
         "step": manifest.step,
@@ -51,11 +54,11 @@ def describe(root: str, manifest: Manifest) -> dict:
         "layout": {str(r): v for r, v in sorted(rows_per_rank(manifest).items())},
         "reader_state": manifest.reader_state,
         "stats": manifest.stats,
-        "files": file_entries(root, manifest),
+        "files": files,
         "tables": [{"table": t, "size": n, "rows_found": found.get(t, 0)}
                    for t, n in enumerate(sizes)] + extra_tables(found, len(sizes)),
         "dense": dense,
-        "errors": file_errors + ([dense_error] if dense_error else [])
+        "errors": file_errors + ([dense_error] if dense_error else []) + foreign
         + list(dict.fromkeys(layer_errors)),
     }
 
@@ -103,16 +106,36 @@ def iso_time(timestamp: float) -> str:
 
 
 def file_entries(root: str, manifest: Manifest) -> list[dict]:
-    """Every listed file with its recorded size, role, rank, part and what is on disk. Local."""
+    """Every listed file with its recorded size, role, rank, part and what is on disk: missing,
+    of another size, or of another checkpoint (its attributes name another step, rank or part:
+    a copy of the same size; those messages under ``problems``). Local; reads the attributes
+    of each file of the right size."""
     out = []
     for rel, meta in sorted(manifest.files.items()):
         path = os.path.join(root, rel)
         actual = os.path.getsize(path) if os.path.isfile(path) else None
-        state = ("missing" if actual is None else "ok" if actual == meta["size"]
-                 else f"size mismatch ({actual} bytes on disk)")
+        problems = _identity(path, meta, manifest) if actual == meta["size"] else []
+        state = ("missing" if actual is None else f"size mismatch ({actual} bytes on disk)"
+                 if actual != meta["size"] else "ok" if not problems
+                 else "damaged" if "attribute" not in problems[0]
+                 else "another checkpoint's file")
         out.append({"path": rel, "size": meta["size"], "role": meta["role"],
-                    "rank": meta.get("rank"), "part": meta.get("part"), "state": state})
+                    "rank": meta.get("rank"), "part": meta.get("part"), "state": state,
+                    "problems": problems})
     return out
+
+
+def _identity(path: str, meta: dict, manifest: Manifest) -> list[str]:
+    """`identity.identity_problems` of one listed file, or why it cannot be opened. Local."""
+    from mpickpt.checkpoint.identity import identity_problems
+    from mpickpt.store import h5_lowlevel
+
+    try:
+        with open_shard(path) as f:
+            return identity_problems(path, lambda key: h5_lowlevel.read_attr(f.id, key), meta,
+                                     manifest)
+    except READ_ERRORS as e:
+        return [error_text(path, e)]
 
 
 def table_rows_found(root: str, manifest: Manifest) -> tuple[dict[int, int], list[str]]:
