@@ -329,7 +329,9 @@ class Trainer:
         first_said = next((s for s in said if s is not None), None)
         if first_said is not None:
             raise CriteoFormatError(*first_said)
-        return self.source.completed_line(start)
+        # rank 0's reading for every rank: a file appended to meanwhile reads alike everywhere
+        return self.topo.control.bcast(self.source.completed_line(start)
+                                       if self.topo.is_root else None, root=0)
 
     def _make_reader(self, start) -> PrefetchReader:
         cfg = self.config

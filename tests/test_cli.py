@@ -152,6 +152,7 @@ def test_inspect_names_a_file_of_another_checkpoint_of_the_same_size(copy):
     assert [f["state"] for f in info["files"] if ours.endswith(f["path"])] == \
         ["another checkpoint's file"]
     assert info["status"].startswith(f"damaged ({said}") and info["errors"][0].startswith(said)
+    assert len(info["errors"]) == len(set(info["errors"]))  # each said once
 
 
 # ------------------------------------------------------------------------------------ verify

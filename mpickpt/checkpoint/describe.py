@@ -32,7 +32,8 @@ def describe(root: str, manifest: Manifest) -> dict:
     files = file_entries(root, manifest)
     foreign = [p for f in files for p in f.pop("problems", [])  # said once, where said
                if p not in file_errors and p != dense_error]
-    layer_errors = [e for e in ((store or {}).get("error"), stale.get("error")) if e] + foreign
+    layer_errors = [e for e in ((store or {}).get("error"), stale.get("error")) if e]
+    layer_errors += foreign
     return {
         "root": os.path.abspath(root),
         "step": manifest.step,
@@ -58,8 +59,8 @@ def describe(root: str, manifest: Manifest) -> dict:
         "tables": [{"table": t, "size": n, "rows_found": found.get(t, 0)}
                    for t, n in enumerate(sizes)] + extra_tables(found, len(sizes)),
         "dense": dense,
-        "errors": file_errors + ([dense_error] if dense_error else []) + foreign
-        + list(dict.fromkeys(layer_errors)),
+        "errors": list(dict.fromkeys(file_errors + ([dense_error] if dense_error else [])
+                                     + layer_errors)),  # each said once
     }
 
 
@@ -114,28 +115,29 @@ def file_entries(root: str, manifest: Manifest) -> list[dict]:
     for rel, meta in sorted(manifest.files.items()):
         path = os.path.join(root, rel)
         actual = os.path.getsize(path) if os.path.isfile(path) else None
-        problems = _identity(path, meta, manifest) if actual == meta["size"] else []
+        unread, problems = _identity(path, meta, manifest) if actual == meta["size"] \
+            else (False, [])
         state = ("missing" if actual is None else f"size mismatch ({actual} bytes on disk)"
                  if actual != meta["size"] else "ok" if not problems
-                 else "damaged" if "attribute" not in problems[0]
-                 else "another checkpoint's file")
+                 else "damaged" if unread else "another checkpoint's file")
         out.append({"path": rel, "size": meta["size"], "role": meta["role"],
                     "rank": meta.get("rank"), "part": meta.get("part"), "state": state,
                     "problems": problems})
     return out
 
 
-def _identity(path: str, meta: dict, manifest: Manifest) -> list[str]:
-    """`identity.identity_problems` of one listed file, or why it cannot be opened. Local."""
+def _identity(path: str, meta: dict, manifest: Manifest) -> tuple[bool, list[str]]:
+    """(whether the file could not be read, `identity.identity_problems` of one listed file or
+    why it cannot be read). Local."""
     from mpickpt.checkpoint.identity import identity_problems
     from mpickpt.store import h5_lowlevel
 
     try:
         with open_shard(path) as f:
-            return identity_problems(path, lambda key: h5_lowlevel.read_attr(f.id, key), meta,
-                                     manifest)
+            return False, identity_problems(path, lambda key: h5_lowlevel.read_attr(f.id, key),
+                                            meta, manifest)
     except READ_ERRORS as e:
-        return [error_text(path, e)]
+        return True, [error_text(path, e)]
 
 
 def table_rows_found(root: str, manifest: Manifest) -> tuple[dict[int, int], list[str]]:

@@ -85,12 +85,13 @@ EXPORT_SLACK, EXPORT_EXTRA = 1.05, 1 << 20
 
 def _check_room(out: str, manifest: Manifest, dense: dict, with_optimizer: bool) -> None:
     """CheckpointError naming `out` where its filesystem has less room than the export needs
-    (its rows, and as many again for a sparse optimizer state at most as large, and the dense
-    arrays), before anything is written: HDF5 fails a full disk only as it closes the file.
-    Local."""
-    rows = int(sum(manifest.plan["table_sizes"])) * manifest.dim * 4
-    need = int((rows * (2 if with_optimizer else 1) + sum(a.nbytes for a in dense.values()))
-               * EXPORT_SLACK) + EXPORT_EXTRA
+    (its rows, a row-wise sparse optimizer state of one value a row where it has one, and the
+    dense arrays), before anything is written: HDF5 fails a full disk only as it closes the
+    file. Local."""
+    rows = int(sum(manifest.plan["table_sizes"]))
+    per_row = manifest.dim * 4 + (4 if with_optimizer and manifest.optimizer != "sgd" else 0)
+    need = int((rows * per_row + sum(a.nbytes for a in dense.values())) * EXPORT_SLACK) \
+        + EXPORT_EXTRA
     try:
         st = os.statvfs(os.path.dirname(os.path.abspath(out)))
     except OSError:

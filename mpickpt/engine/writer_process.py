@@ -158,7 +158,7 @@ def _row_parts(spec, source: str, a: np.ndarray, ranges) -> list[int]:
     from mpickpt.quant.packing import packed_bytes
 
     codec = Codec(**spec.codecs[source])
-    dim = a.shape[1] if a.ndim > 1 else 1  # a row-wise optimizer state: one value a row
+    dim = int(np.prod(a.shape[1:]))  # as encoded, (n, -1); a row-wise state: 1 a row
     if codec.name in ("fp32", "fp16"):
         return [rows * codec.bytes_per_row(dim)]
     codes = rows * packed_bytes(dim, codec.bits)

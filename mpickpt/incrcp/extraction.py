@@ -134,7 +134,7 @@ class BundleBuilder:
         try:
             reservation = Reservation(path, sum(self._payload(align)))  # a full disk: here
             try:
-                self._write(tmp, step, align, direct, reservation.release)
+                self._write(tmp, step, align, direct, reservation)
             finally:
                 reservation.close()
         except (OSError, RuntimeError) as e:  # h5py's on a full disk may be RuntimeErrors
@@ -154,7 +154,10 @@ class BundleBuilder:
         sizes = [b.rows().nbytes for b in self.arena.buffers.values()]
         return sum(sizes), sum(align for n in sizes if 0 < align <= n)
 
-    def _write(self, tmp: str, step: int, align: int, direct: bool, before_block) -> None:
+    def _write(self, tmp: str, step: int, align: int, direct: bool, reservation) -> None:
+        """The bundle's HDF5 file at `tmp`, its blocks' room handed over by `reservation`,
+        which gives the rest back before HDF5's close writes the metadata. Local."""
+        before_block = reservation.release
         with open_hdf5(tmp, "w", **alignment(align)) as f, direct_file(tmp, direct) as sink:
             record = AttrRecord()  # sealed from what is set here, not read back
             record.set(f, {"format_version": FORMAT_VERSION, "step": step, "kind": "bundle"})
@@ -168,6 +171,7 @@ class BundleBuilder:
                 else:
                     write_raw(parent, leaf, stored, sink, before_block)
             seal_attributes(f, record)
+            reservation.close()  # the rest covers HDF5's metadata, written at close
 
 
 @dataclass

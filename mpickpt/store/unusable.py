@@ -32,19 +32,24 @@ def folder_of(root: str) -> str:
 
 def set_aside(root: str, manifest: Manifest) -> str:
     """Move `manifest`'s checkpoint out of `root`'s committed set into ``unusable/`` (its
-    manifest, durably, then its own directory where there is one); the folder it went to.
-    OSError when the manifest cannot move (the checkpoint then stays committed). Local (rank
-    0)."""
+    manifest, then its own directory where there is one, then both folders synced); the
+    folder it went to. OSError when either cannot move: the checkpoint then stays committed,
+    its manifest put back where its directory could not follow. Local (rank 0)."""
     folder = folder_of(root)
     os.makedirs(folder, exist_ok=True)
     name = _free_name(folder, manifest.ckpt_id)
-    os.replace(manifest_path(root, manifest.step), os.path.join(folder, name + SUFFIX))
-    fsync_path(folder)
-    fsync_path(root)
+    committed, aside = manifest_path(root, manifest.step), os.path.join(folder, name + SUFFIX)
     own = os.path.join(root, manifest.ckpt_id)
-    if os.path.isdir(own):
-        os.replace(own, os.path.join(folder, name))
+    os.replace(committed, aside)
+    try:
+        if os.path.isdir(own):
+            os.replace(own, os.path.join(folder, name))
+        fsync_path(folder)
         fsync_path(root)
+    except OSError:  # the manifest goes back: a directory left without it would be torn,
+        if not os.path.isdir(os.path.join(folder, name)):  # and deleted as such
+            os.replace(aside, committed)
+        raise
     return folder
 
 
